@@ -1,0 +1,76 @@
+"""EngineConfig: every engine setting, built once, validated, frozen."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+SCHEDULING_POLICIES = ("continuous", "fcfs", "static")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = (None, "none")          # fp8 / int8 arrive with the quantization issue
+KV_CACHE_DTYPES = ("auto",)
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """'4GiB', '512MiB', '2G', '1000000' -> bytes."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(value), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"kv_cache_memory: cannot read {value!r} as a size (examples: 4GiB, 512MiB, 1000000)")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if (binary or unit) else 1   # '4G' means GiB, as most users mean it
+    power = " KMGT".index(unit) if unit else 0
+    return int(number * base ** power)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None                   # HF folder or GGUF file; None: the embedded default
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"                        # auto: bfloat16 where the CPU/GPU does it fast, else float32
+    device: str = "auto"                       # auto: cuda when available, else cpu
+    max_model_len: int | None = None           # None: the model's own context length
+    block_size: int = 16
+    kv_cache_memory: int | None = None         # bytes for the KV cache; wins over gpu_memory_utilization
+    gpu_memory_utilization: float | None = None  # fraction of device memory (RAM on CPU) for weights + KV
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "continuous"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        self.validate()
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not supported yet "
+                             f"(fp8 and int8 arrive with the quantization work); use none")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet; use auto")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet; use 1")

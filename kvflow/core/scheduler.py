@@ -1,0 +1,134 @@
+"""Scheduler: decides who runs each step and how many tokens each computes. It never touches tensors.
+
+One token budget per step. Running requests go first (a decode costs one token, an unfinished prefill
+takes what is left of the budget); then waiting requests are admitted in arrival order while the budget,
+`max_num_seqs` and free blocks allow. A request that needs a block when none is free preempts the newest
+running request, which loses its KV and goes back to the head of the waiting queue (recompute).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from kvflow.config import EngineConfig
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.outputs import ScheduledRequest, SchedulerOutput
+from kvflow.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.static = config.scheduling_policy == "static"
+        self.max_model_len = max_model_len
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []      # oldest first: the newest is preempted first
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(req, num_new))
+                budget -= num_new
+                i += 1
+
+        # static batching: admit a new batch only when the previous one has completely finished
+        may_admit = not out.preempted_ids and not (self.static and self.running)
+        while may_admit and self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not self.static and budget <= 0:
+                break
+            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+            remaining = req.num_tokens - num_cached
+            num_new = min(remaining, budget)
+            # static admits the whole batch now and prefills it over the next steps
+            reserve = remaining if self.static else num_new
+            req.num_computed_tokens = num_cached
+            if not self.kv.allocate_slots(req, reserve, computed_blocks):
+                req.num_computed_tokens = 0
+                self.kv.prefix_cache_queries -= req.num_tokens   # not admitted: not a query yet
+                self.kv.prefix_cache_hits -= num_cached
+                break
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if num_new > 0:
+                out.scheduled.append(self._scheduled(req, num_new))
+                budget -= num_new
+        return out
+
+    @staticmethod
+    def _scheduled(req: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(req.request_id, req.num_computed_tokens, num_new,
+                                samples=req.num_computed_tokens + num_new == req.num_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    # ---- after the model ran -------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, requests: dict[str, Request],
+               sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests. Returns the finished ones."""
+        finished = []
+        for s in out.scheduled:
+            req = requests[s.request_id]
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(req)
+            if not s.samples:
+                continue
+            token = sampled[s.request_id]
+            req.token_ids.append(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                req.status = status
+                finished.append(req)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for req in finished:
+                self.kv.free(req)
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def abort(self, req: Request) -> None:
+        """Remove an unfinished request wherever it is and free its blocks (not on the hot path)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED_ABORTED

@@ -1,0 +1,330 @@
+"""Prometheus metrics with vLLM's names, per-request timings, the periodic stats log line and the request log.
+
+Each server owns one `EngineMetrics` with a private `CollectorRegistry`, so several servers can live in one
+process (tests do that). Engine-wide numbers (running, waiting, KV usage, prefix cache, preemptions, step
+sizes) come from `EngineCore.stats()` snapshots taken by the engine thread after every step; per-request
+numbers (TTFT, inter-token latency, end-to-end, token counts) are observed on the asyncio side when a
+request finishes, from a `RequestTimings` record that starts when the server received the request.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
+
+logger = logging.getLogger("kvflow.metrics")
+
+# vLLM's buckets, so existing dashboards' heatmaps look the same
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def _token_buckets(max_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's build_1_2_5_buckets)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > max_len:
+                return out
+            out.append(v)
+        exp += 1
+
+
+def _batch_buckets(max_num_seqs: int) -> list[int]:
+    out, v = [], 1
+    while v < max_num_seqs:
+        out.append(v)
+        v *= 2
+    out.append(max_num_seqs)
+    return out
+
+
+def process_resident_memory_bytes() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError):
+        try:
+            import resource
+            return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        except Exception:  # pragma: no cover
+            return 0.0
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock times (time.time()) of one request, from the server's point of view."""
+    arrival: float                       # the server received the HTTP request
+    added: float | None = None           # handed to the engine core (engine thread)
+    first_token: float | None = None     # the first new token reached the asyncio side
+    last_token: float | None = None
+    finished: float | None = None
+    # start of the step that first computed this request (approximated by the step that produced its first
+    # token when the core does not say): queue time ends and prefill begins there
+    scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.scheduled is None else max(0.0, self.scheduled - self.arrival)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
+@dataclass
+class FinishedRequest:
+    """What the request log and the per-request metrics need about one finished (parent) request."""
+    request_id: str
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int            # all choices together
+    finish_reasons: list[str]
+    timings: list[RequestTimings]     # one per choice
+    error: str | None = None
+
+
+class EngineMetrics:
+    """All metrics of one server, on a private registry."""
+
+    def __init__(self, model_name: str, max_model_len: int = 4096, max_num_seqs: int = 128,
+                 max_num_batched_tokens: int = 1024, request_log: str | None = None,
+                 log_stats_interval: float = 5.0) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, L = self.registry, ["model_name"]
+        self.log_stats_interval = log_stats_interval
+
+        def gauge(name, doc, labels=L):
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name, doc, labels=L):
+            return Counter(name, doc, labels, registry=r)
+
+        def histogram(name, doc, buckets, labels=L):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc",
+                                     "KV-cache usage. 1 means 100 percent usage. (older name of vllm:kv_cache_usage_perc)")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.request_success = counter("vllm:request_success", "Count of successfully processed requests.",
+                                       ["model_name", "finished_reason"])
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", LATENCY_BUCKETS)
+        token_buckets = _token_buckets(max(max_model_len, 1))
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", token_buckets)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                          _token_buckets(max(max_num_batched_tokens, 1)) + [max_num_batched_tokens])
+        # what vLLM lacks and operators want
+        self.step_batch_size = histogram("kvflow:step_batch_size", "Requests in one engine step.",
+                                         _batch_buckets(max_num_seqs))
+        self.step_duration = histogram("kvflow:step_duration_seconds", "Duration of one engine step.", STEP_BUCKETS)
+        self.prompt_tokens_computed = counter("kvflow:prompt_tokens_computed",
+                                              "Prompt tokens actually computed (not served from the prefix cache).")
+        self.num_requests_aborted = counter("kvflow:num_requests_aborted",
+                                            "Requests aborted (client disconnect, stop string, shutdown).")
+        self.weights_bytes = gauge("kvflow:weights_bytes", "Bytes of model weights.")
+        self.kv_cache_bytes = gauge("kvflow:kv_cache_bytes", "Bytes of the KV cache.")
+        self.resident_memory = gauge("kvflow:process_resident_memory_bytes", "Resident memory of the server process.")
+        self.resident_memory.labels(model_name).set_function(process_resident_memory_bytes)
+        self.engine_alive = gauge("kvflow:engine_alive", "1 while the engine loop is alive.")
+        self.max_step_batch_size = gauge("kvflow:max_step_batch_size", "Largest batch run in one step so far.")
+
+        # label every series once so the page lists them from the start, as vLLM's does
+        for m in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage, self.gpu_cache_usage,
+                  self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions, self.prompt_tokens,
+                  self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time,
+                  self.decode_time, self.request_prompt_tokens, self.request_generation_tokens,
+                  self.iteration_tokens, self.step_batch_size, self.step_duration, self.prompt_tokens_computed,
+                  self.num_requests_aborted, self.weights_bytes, self.kv_cache_bytes, self.engine_alive,
+                  self.max_step_batch_size):
+            m.labels(model_name)
+        for reason in ("stop", "length", "abort", "error"):
+            self.request_success.labels(model_name, reason)
+
+        self._lock = threading.Lock()
+        self._last_stats: dict = {}
+        self._max_batch = 0
+        # periodic log line state (engine thread only)
+        self._log_last_time = time.monotonic()
+        self._log_last_prompt = 0
+        self._log_last_gen = 0
+        self._log_last_q = 0
+        self._log_last_h = 0
+        self._gen_tokens_engine = 0   # new tokens produced by steps (engine thread)
+        self._busy_since_log = False
+
+        self._request_log_path = request_log
+        self._request_log_file = None
+        if request_log:
+            self._request_log_file = sys.stdout if request_log == "-" else open(request_log, "a", buffering=1)
+
+    # ---- engine thread: after every step ----------------------------------------------------------------------
+    def record_step(self, stats: dict, num_new_tokens: int, stepped: bool = True) -> None:
+        name = self.model_name
+        last = self._last_stats
+        self.num_requests_running.labels(name).set(stats.get("num_running", 0))
+        self.num_requests_waiting.labels(name).set(stats.get("num_waiting", 0))
+        usage = float(stats.get("kv_cache_usage", 0.0))
+        self.kv_cache_usage.labels(name).set(usage)
+        self.gpu_cache_usage.labels(name).set(usage)
+        for key, ctr in (("prefix_cache_queries", self.prefix_cache_queries),
+                         ("prefix_cache_hits", self.prefix_cache_hits),
+                         ("num_preemptions", self.num_preemptions),
+                         ("num_prompt_tokens_computed", self.prompt_tokens_computed)):
+            delta = int(stats.get(key, 0)) - int(last.get(key, 0))
+            if delta > 0:
+                ctr.labels(name).inc(delta)
+        if stepped:
+            n_tokens = int(stats.get("last_step_num_tokens", 0))
+            batch = int(stats.get("last_step_batch_size", 0))
+            if n_tokens > 0:
+                self.iteration_tokens.labels(name).observe(n_tokens)
+            if batch > 0:
+                self.step_batch_size.labels(name).observe(batch)
+                if batch > self._max_batch:
+                    self._max_batch = batch
+                    self.max_step_batch_size.labels(name).set(batch)
+            if stats.get("last_step_duration_s") is not None:
+                self.step_duration.labels(name).observe(float(stats["last_step_duration_s"]))
+            self._busy_since_log = True
+        if "weights_bytes" in stats:
+            self.weights_bytes.labels(name).set(stats["weights_bytes"])
+        if "kv_cache_bytes" in stats:
+            self.kv_cache_bytes.labels(name).set(stats["kv_cache_bytes"])
+        self._gen_tokens_engine += num_new_tokens
+        self._last_stats = dict(stats)
+        self.maybe_log_stats()
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch
+
+    def maybe_log_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        dt = now - self._log_last_time
+        if not force and (dt < self.log_stats_interval or not self._busy_since_log):
+            return
+        s = self._last_stats
+        prompt = int(s.get("num_prompt_tokens_computed", 0))
+        q, h = int(s.get("prefix_cache_queries", 0)), int(s.get("prefix_cache_hits", 0))
+        dq, dh = q - self._log_last_q, h - self._log_last_h
+        hit_rate = 100.0 * dh / dq if dq > 0 else (100.0 * h / q if q > 0 else 0.0)
+        logger.info(
+            "Engine: prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, running %d reqs, "
+            "waiting %d reqs, KV cache usage %.1f%%, prefix cache hit rate %.1f%%, preemptions %d",
+            (prompt - self._log_last_prompt) / max(dt, 1e-9),
+            (self._gen_tokens_engine - self._log_last_gen) / max(dt, 1e-9),
+            s.get("num_running", 0), s.get("num_waiting", 0), 100.0 * float(s.get("kv_cache_usage", 0.0)),
+            hit_rate, s.get("num_preemptions", 0))
+        self._log_last_time = now
+        self._log_last_prompt = prompt
+        self._log_last_gen = self._gen_tokens_engine
+        self._log_last_q, self._log_last_h = q, h
+        self._busy_since_log = False
+
+    def set_engine_alive(self, alive: bool) -> None:
+        self.engine_alive.labels(self.model_name).set(1 if alive else 0)
+
+    # ---- asyncio side: when a request finishes -----------------------------------------------------------------
+    def record_finished(self, req: FinishedRequest) -> None:
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(req.prompt_tokens)
+        self.generation_tokens.labels(name).inc(req.completion_tokens)
+        self.request_prompt_tokens.labels(name).observe(req.prompt_tokens)
+        for reason in req.finish_reasons:
+            self.request_success.labels(name, reason or "error").inc()
+            if reason == "abort":
+                self.num_requests_aborted.labels(name).inc()
+        n_gen_total = 0
+        for t, reason in zip(req.timings, req.finish_reasons):
+            n_gen = len(t.token_times)
+            n_gen_total += n_gen
+            if t.first_token is not None:
+                self.ttft.labels(name).observe(t.first_token - t.arrival)
+            times = t.token_times
+            for a, b in zip(times, times[1:]):
+                self.itl.labels(name).observe(b - a)
+            if t.finished is not None:
+                self.e2e.labels(name).observe(t.finished - t.arrival)
+            if t.queue_time is not None:
+                self.queue_time.labels(name).observe(t.queue_time)
+            if t.first_token is not None and t.scheduled is not None:
+                self.prefill_time.labels(name).observe(max(0.0, t.first_token - t.scheduled))
+            if t.first_token is not None and t.last_token is not None:
+                self.decode_time.labels(name).observe(max(0.0, t.last_token - t.first_token))
+            self.request_generation_tokens.labels(name).observe(n_gen)
+        self._write_request_log(req)
+
+    def _write_request_log(self, req: FinishedRequest) -> None:
+        if self._request_log_file is None:
+            return
+        first = req.timings[0] if req.timings else None
+        ends = [t.finished for t in req.timings if t.finished is not None]
+        line = {
+            "id": req.request_id,
+            "model": req.model,
+            "prompt_tokens": req.prompt_tokens,
+            "cached_tokens": req.cached_tokens,
+            "completion_tokens": req.completion_tokens,
+            "queue_time": _round(first.queue_time if first else None),
+            "ttft": _round(first.ttft if first else None),
+            "e2e": _round(max(ends) - first.arrival if first and ends else None),
+            "finish_reason": req.finish_reasons[0] if len(req.finish_reasons) == 1 else req.finish_reasons,
+            "error": req.error,
+        }
+        with self._lock:
+            try:
+                self._request_log_file.write(json.dumps(line) + "\n")
+                self._request_log_file.flush()
+            except (OSError, ValueError):  # closed file during shutdown
+                pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def close(self) -> None:
+        if self._request_log_file is not None and self._request_log_file is not sys.stdout:
+            self._request_log_file.close()
+        self._request_log_file = None
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)

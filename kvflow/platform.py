@@ -1,0 +1,77 @@
+"""The only module that knows devices: which device, which dtype, how many threads, how much memory."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX-512-BF16: oneDNN then runs bf16 matmuls natively (else bf16 is emulated and slow)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def setup_threads(device: torch.device) -> None:
+    """The engine thread runs the model with every core (DESIGN: one process on CPU)."""
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or 1)
+
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes: device memory on CUDA, MemAvailable on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def total_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# On CPU, without a budget, the KV cache takes this much (bounded by a quarter of free RAM): a few GiB is
+# hundreds of thousands of tokens for small models, and reserving most of RAM would starve everything else.
+CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
+
+
+def kv_cache_budget(device: torch.device, kv_cache_memory: int | None, utilization: float | None,
+                    weights_bytes: int) -> int:
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free - torch.cuda.memory_allocated(device)
+        return int(total * (utilization or 0.9)) - torch.cuda.memory_allocated(device) - used_by_others
+    if utilization is not None:
+        return int(total_memory(device) * utilization) - weights_bytes
+    return min(CPU_DEFAULT_KV_CACHE_BYTES, available_memory(device) // 4)

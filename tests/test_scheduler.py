@@ -1,0 +1,104 @@
+"""Unit tests of the scheduler with hand-made requests and no model: budget, order, chunking, preemption."""
+from kvflow.config import EngineConfig
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.scheduler import Scheduler
+from kvflow.request import Request, RequestStatus
+from kvflow.sampling_params import SamplingParams
+
+
+def make(num_blocks=64, block_size=4, **cfg):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+    return Scheduler(EngineConfig(**cfg), kv, max_model_len=256), kv
+
+
+def add(sched, rid, n, max_tokens=4, requests=None):
+    r = Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens)
+    sched.add_request(r)
+    if requests is not None:
+        requests[rid] = r
+    return r
+
+
+def run_step(sched, requests, token=7):
+    out = sched.schedule()
+    sampled = {s.request_id: token for s in out.scheduled if s.samples}
+    sched.update(out, requests, sampled)
+    return out
+
+
+def test_decodes_first_then_waiting_in_arrival_order_under_the_budget():
+    sched, kv = make(max_num_batched_tokens=10)
+    reqs = {}
+    add(sched, "a", 6, requests=reqs)
+    run_step(sched, reqs)                   # a prefilled
+    add(sched, "b", 8, requests=reqs)
+    add(sched, "c", 3, requests=reqs)
+    out = sched.schedule()
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 8), ("c", 1)]
+    assert not out.scheduled[2].samples     # c is a chunk: 1 of its 3 prompt tokens
+
+
+def test_long_prompt_is_prefilled_in_chunks():
+    sched, kv = make(max_num_batched_tokens=8)
+    reqs = {}
+    r = add(sched, "a", 20, requests=reqs)
+    chunks = [run_step(sched, reqs).scheduled[0].num_new_tokens for _ in range(3)]
+    assert chunks == [8, 8, 4]
+    assert r.num_output_tokens == 1 and r.num_computed_tokens == 20
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    sched, kv = make(max_num_seqs=2)
+    reqs = {}
+    for i in range(4):
+        add(sched, str(i), 3, requests=reqs)
+    out = run_step(sched, reqs)
+    assert len(out.scheduled) == 2 and len(sched.waiting) == 2
+
+
+def test_preemption_recomputes_the_newest_request_and_loses_nothing():
+    sched, kv = make(num_blocks=4, block_size=4)
+    reqs = {}
+    a = add(sched, "a", 7, max_tokens=8, requests=reqs)
+    b = add(sched, "b", 7, max_tokens=8, requests=reqs)
+    finished = []
+    for _ in range(40):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        sampled = {s.request_id: 7 for s in out.scheduled if s.samples}
+        finished += sched.update(out, reqs, sampled)
+    assert sched.num_preemptions > 0
+    assert {r.request_id for r in finished} == {"a", "b"}
+    assert a.num_output_tokens == 8 and b.num_output_tokens == 8
+    assert a.status == b.status == RequestStatus.FINISHED_LENGTH
+    kv.check()
+
+
+def test_static_policy_admits_the_next_batch_only_when_the_running_one_is_done():
+    sched, kv = make(scheduling_policy="static", max_num_seqs=2)
+    reqs = {}
+    add(sched, "a", 3, max_tokens=2, requests=reqs)
+    add(sched, "b", 3, max_tokens=5, requests=reqs)
+    add(sched, "c", 3, max_tokens=2, requests=reqs)
+    seen_c_before_b_done = False
+    while sched.has_unfinished_requests():
+        out = run_step(sched, reqs)
+        ids = {s.request_id for s in out.scheduled}
+        if "c" in ids and reqs["b"].status == RequestStatus.RUNNING:
+            seen_c_before_b_done = True
+    assert not seen_c_before_b_done
+    kv.check()
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    sched, kv = make(max_num_seqs=1)
+    reqs = {}
+    a = add(sched, "a", 5, requests=reqs)
+    b = add(sched, "b", 5, requests=reqs)
+    run_step(sched, reqs)
+    sched.abort(a)
+    sched.abort(b)
+    assert a.status == b.status == RequestStatus.FINISHED_ABORTED
+    assert not sched.has_unfinished_requests()
+    kv.check()
