@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from kvflow.core.outputs import EngineOutput
@@ -219,6 +219,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}            # parent id -> stream (event loop side)
         self._routes: dict[str, tuple[RequestStream, int]] = {}  # core id -> (stream, choice index)
         self._live_core_ids: set[str] = set()                   # engine thread only
+        self._unscheduled: dict[str, RequestTimings] = {}        # engine thread only: added, not yet computed
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self.last_stats: dict = {}
@@ -230,20 +231,21 @@ class AsyncEngine:
     def from_config(cls, config, *, max_queue_len: int | None = None, request_log: str | None = None,
                     log_stats_interval: float = 5.0) -> "AsyncEngine":
         from kvflow.core.engine_core import EngineCore
+        from kvflow.models.loader import resolve_model_path
         from kvflow.tokenizer import Tokenizer
 
         t0 = time.perf_counter()
-        core = EngineCore(config)
+        tokenizer = Tokenizer.from_model(resolve_model_path(config.tokenizer or config.model))
+        core = EngineCore(config, eos_token_ids=tokenizer.eos_token_ids)   # logs weights, load time, KV size
         load_s = time.perf_counter() - t0
-        tokenizer = Tokenizer.from_model(getattr(config, "tokenizer", None) or core.model_path)
-        name = config.served_model_name or (config.model or "SmolLM2-135M-Instruct")
-        stats = core.stats()
+        # as vLLM: the model argument as given; the embedded default by its name, without file suffixes
+        name = config.served_model_name or config.model or core.model_path.name.split(".")[0]
         metrics = EngineMetrics(name, max_model_len=int(core.max_model_len), max_num_seqs=config.max_num_seqs,
                                 max_num_batched_tokens=config.max_num_batched_tokens, request_log=request_log,
                                 log_stats_interval=log_stats_interval)
         engine = cls(core, tokenizer, served_model_name=name, max_queue_len=max_queue_len, metrics=metrics)
         engine.load_time_s = load_s
-        _log_startup(core, config, stats, load_s)
+        logger.info("engine ready in %.2fs: serving %s, max_model_len %d", load_s, name, core.max_model_len)
         return engine
 
     def start(self) -> "AsyncEngine":
@@ -429,6 +431,8 @@ class AsyncEngine:
                     t1 = time.time()
                     stepped = True
                     self.num_steps += 1
+                    if self._unscheduled:
+                        self._mark_scheduled(t0)
                     if outputs:
                         by_loop: dict = {}
                         for out in outputs:
@@ -464,11 +468,15 @@ class AsyncEngine:
                     self._live_core_ids.add(core_id)
                     route = self._routes.get(core_id)
                     if route is not None:
-                        route[0].choices[route[1]].timings.added = time.time()
+                        timings = route[0].choices[route[1]].timings
+                        timings.added = time.time()
+                        self._unscheduled[core_id] = timings
                 except ValueError as e:
                     errors.append((core_id, str(e)))
             else:
                 ids = [i for i in item[1] if i in self._live_core_ids]
+                for i in item[1]:
+                    self._unscheduled.pop(i, None)
                 if ids:
                     self.core.abort(ids)
         if errors:
@@ -480,6 +488,22 @@ class AsyncEngine:
             for loop, batch in by_loop.items():
                 _call_soon(loop, self._dispatch_errors, batch)
         return n_added
+
+    def _mark_scheduled(self, step_start: float) -> None:
+        """Queue time ends (and prefill starts) at the first step that computed some of a request."""
+        requests = getattr(self.core, "requests", None)
+        if requests is None:
+            self._unscheduled.clear()      # unknown core: fall back to the first token's step
+            return
+        done = []
+        for core_id, timings in self._unscheduled.items():
+            req = requests.get(core_id)
+            if req is None or getattr(req, "num_computed_tokens", 1) > 0:
+                if timings.scheduled is None:
+                    timings.scheduled = step_start
+                done.append(core_id)
+        for core_id in done:
+            del self._unscheduled[core_id]
 
     def _record_stats(self, stepped: bool, n_new: int = 0, n_added: int = 0) -> None:
         stats = self.core.stats()
@@ -515,28 +539,3 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the loop is closed: nobody is listening any more
         pass
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
-def _log_startup(core, config, stats: dict, load_s: float) -> None:
-    weights = stats.get("weights_bytes", 0)
-    kv_bytes = stats.get("kv_cache_bytes", 0)
-    kv = getattr(core, "kv_cache_manager", None)
-    num_blocks = getattr(kv, "num_blocks", None)
-    block_size = getattr(config, "block_size", 16)
-    logger.info("model %s loaded in %.2fs: weights %s", getattr(core, "model_path", config.model), load_s,
-                _fmt_bytes(weights))
-    if num_blocks:
-        tokens = int(num_blocks) * block_size
-        logger.info("KV cache: %s, %d blocks of %d tokens = %d tokens; maximum concurrency at %d tokens per "
-                    "request: %.2fx", _fmt_bytes(kv_bytes), num_blocks, block_size, tokens, core.max_model_len,
-                    tokens / max(1, core.max_model_len))
-    else:
-        logger.info("KV cache: %s", _fmt_bytes(kv_bytes))

@@ -8,7 +8,7 @@ from typing import Sequence
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.detokenizer import IncrementalDetokenizer
-from kvflow.models.loader import resolve_model_path
+from kvflow.models.loader import load_model_config, resolve_model_path
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import Tokenizer
@@ -21,6 +21,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         self.config = EngineConfig(model=model, **engine_args)
+        load_model_config(resolve_model_path(self.config.model))   # fail on the architecture first
         self.tokenizer = Tokenizer.from_model(resolve_model_path(self.config.tokenizer or self.config.model))
         self.engine = EngineCore(self.config, eos_token_ids=self.tokenizer.eos_token_ids)
         self._ids = itertools.count()

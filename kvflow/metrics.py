@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
 logger = logging.getLogger("kvflow.metrics")
@@ -48,8 +48,7 @@ def _batch_buckets(max_num_seqs: int) -> list[int]:
     while v < max_num_seqs:
         out.append(v)
         v *= 2
-    out.append(max_num_seqs)
-    return out
+    return out + [max(max_num_seqs, 1)]
 
 
 def process_resident_memory_bytes() -> float:
@@ -106,6 +105,8 @@ class EngineMetrics:
                  max_num_batched_tokens: int = 1024, request_log: str | None = None,
                  log_stats_interval: float = 5.0) -> None:
         self.model_name = model_name
+        # as vLLM does: no `*_created` series beside every counter and histogram (prometheus-client's switch)
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         r, L = self.registry, ["model_name"]
         self.log_stats_interval = log_stats_interval
@@ -122,8 +123,9 @@ class EngineMetrics:
         self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc",
-                                     "KV-cache usage. 1 means 100 percent usage. (older name of vllm:kv_cache_usage_perc)")
+        self.gpu_cache_usage = gauge(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage. (older name of vllm:kv_cache_usage_perc)")
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
                                             "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
@@ -150,8 +152,9 @@ class EngineMetrics:
                                                "Number of prefill tokens processed.", token_buckets)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.", token_buckets)
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                                          _token_buckets(max(max_num_batched_tokens, 1)) + [max_num_batched_tokens])
+        step_buckets = sorted(set(_token_buckets(max(max_num_batched_tokens, 1)) + [max(max_num_batched_tokens, 1)]))
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.", step_buckets)
         # what vLLM lacks and operators want
         self.step_batch_size = histogram("kvflow:step_batch_size", "Requests in one engine step.",
                                          _batch_buckets(max_num_seqs))

@@ -61,7 +61,7 @@ def total_memory(device: torch.device) -> int:
 
 # On CPU, without a budget, the KV cache takes this much (bounded by a quarter of free RAM): a few GiB is
 # hundreds of thousands of tokens for small models, and reserving most of RAM would starve everything else.
-CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
+CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
 def kv_cache_budget(device: torch.device, kv_cache_memory: int | None, utilization: float | None,

@@ -65,9 +65,11 @@ class ModelRunner:
                 f"tokens) cannot hold one request of max_model_len={self.max_model_len} ({need} blocks); "
                 f"raise kv_cache_memory / gpu_memory_utilization or lower max_model_len")
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # zeroed, not empty: batched decode reads padded slots under a mask, and a NaN bit pattern
+        # there would still poison the output (0 * NaN)
         for attn in self.model.attention_layers:
-            attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_cache_bytes = num_blocks * per_block
         return num_blocks
 

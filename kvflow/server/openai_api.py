@@ -47,6 +47,21 @@ class _AuthAndArrival:
         await self.app(scope, receive, send)
 
 
+class _EventStream(StreamingResponse):
+    """SSE response that closes (aborts) its request streams however it ends, even if never iterated."""
+
+    def __init__(self, content, streams: list[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.close()
+
+
 def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
 
@@ -135,7 +150,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, served_model_n
                 raise APIError(400, f"token id {bad[0]} is out of range [0, {vocab_size})", param=param)
 
     def token_str(tid: int) -> str:
-        return tokenizer.decode([tid], skip_special_tokens=False) if tokenizer is not None else str(tid)
+        return tokenizer.id_to_piece(tid) if tokenizer is not None else str(tid)
 
     def chat_logprobs(delta: CompletionDelta, top_n: int) -> list[dict]:
         out = []
@@ -215,10 +230,9 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, served_model_n
         top_n = req.top_logprobs or 0
         want_logprobs = bool(req.logprobs)
         if req.stream:
-            return StreamingResponse(
+            return _EventStream(
                 chat_sse(stream, request_id, created, model, want_logprobs, top_n, req.include_usage,
-                         bool(req.stream_options and req.stream_options.continuous_usage_stats)),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                         bool(req.stream_options and req.stream_options.continuous_usage_stats)), [stream])
         try:
             results = await collect([stream], raw)
         except RequestFailedError as e:
@@ -294,9 +308,9 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, served_model_n
         top_n = req.logprobs or 0
         want_logprobs = req.logprobs is not None
         if req.stream:
-            return StreamingResponse(
+            return _EventStream(
                 completion_sse(streams, request_id, created, model, want_logprobs, top_n, req.include_usage),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                streams)
         try:
             results = await collect(streams, raw)
         except RequestFailedError as e:

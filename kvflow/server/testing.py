@@ -1,0 +1,85 @@
+"""Run the real server (uvicorn + AsyncEngine) on a free port in a background thread: for tests and benchmarks.
+
+    with ServerThread(EngineConfig(model=path, dtype="float32")) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x")
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+from kvflow.async_engine import AsyncEngine
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    def __init__(self, config, *, api_key: str | None = None, max_queue_len: int | None = None,
+                 request_log: str | None = None, served_model_names: list[str] | None = None,
+                 shutdown_grace_period: float = 5.0, log_stats_interval: float = 5.0, port: int | None = None):
+        import uvicorn
+
+        from kvflow.server.openai_api import build_app
+
+        self.engine = AsyncEngine.from_config(config, max_queue_len=max_queue_len, request_log=request_log,
+                                              log_stats_interval=log_stats_interval)
+        self.app = build_app(self.engine, api_key=api_key, served_model_names=served_model_names,
+                             shutdown_grace_period=shutdown_grace_period)
+        self.port = port or free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=int(shutdown_grace_period) or 1))
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        def run():   # uvicorn installs no signal handlers outside the main thread
+            asyncio.run(self.server.serve())
+
+        self._thread = threading.Thread(target=run, name=f"kvflow-server-{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the server thread exited during startup")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.engine._thread is not None and self.engine._thread.is_alive():
+            self.engine.stop()
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Wait until no request is in flight on either side of the engine."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.engine._streams and not self.engine._inbox and self.engine.is_alive \
+                    and not self.engine.core.has_unfinished_requests():
+                time.sleep(0.05)   # let the engine thread finish its last stats snapshot and go to sleep
+                if not self.engine.core.has_unfinished_requests() and not self.engine._inbox:
+                    return
+            time.sleep(0.02)
+        raise TimeoutError("the engine did not become idle")
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

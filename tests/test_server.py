@@ -1,0 +1,363 @@
+"""The real server (uvicorn + AsyncEngine, tiny random-weight model) through the official openai client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvflow.config import EngineConfig
+from kvflow.server.testing import ServerThread
+from tiny_models import make_tiny_hf_model
+
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny-server"), family="llama", seed=0)
+
+
+def engine_config(model_path, **kw) -> EngineConfig:
+    args = dict(model=str(model_path), dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory="32MiB",
+                max_num_seqs=64, max_num_batched_tokens=512, served_model_name="tiny")
+    args.update(kw)
+    return EngineConfig(**args)
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    with ServerThread(engine_config(model_path)) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def chat(client, content="Hello, who are you?", **kw):
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], **kw)
+
+
+def assert_idle_and_empty(server):
+    server.wait_idle()
+    assert server.engine.last_stats["kv_cache_usage"] == 0
+    server.engine.core.kv_cache_manager.check()
+
+
+# ---- happy paths ------------------------------------------------------------------------------------------------
+def test_models_health_version(client, http):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert http.get("/health").status_code == 200
+    assert http.get("/version").json()["version"]
+
+
+def test_chat_non_streamed_schema_and_usage(client, http):
+    r = chat(client, max_tokens=7, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == "tiny"
+    assert isinstance(r.created, int)
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert choice.finish_reason == "length"
+    n_prompt = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hello, who are you?"}]}
+                         ).json()["count"]
+    assert r.usage.prompt_tokens == n_prompt
+    assert r.usage.completion_tokens == 7
+    assert r.usage.total_tokens == n_prompt + 7
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_content_parts_and_system(client):
+    a = client.chat.completions.create(
+        model="tiny", max_tokens=5, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                  {"role": "assistant", "content": "Hello"},
+                  {"role": "user", "content": "Again"}])
+    assert a.choices[0].message.content is not None
+
+
+def test_chat_streamed_equals_non_streamed(client):
+    full = chat(client, max_tokens=16, extra_body={"ignore_eos": True})
+    chunks = list(chat(client, max_tokens=16, stream=True, stream_options={"include_usage": True},
+                       extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content_chunks = [c for c in chunks if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in content_chunks)
+    assert text == full.choices[0].message.content
+    assert content_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in content_chunks[:-1])
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 16
+    assert usage_chunk.usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sse_wire_format(http):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    first = json.loads(lines[0][6:])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_completions_streamed_and_not(client):
+    r = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=10, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10
+    chunks = list(client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=10,
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+
+def test_completions_prompt_forms(client, http):
+    ids = http.post("/tokenize", json={"prompt": "one two three"}).json()["tokens"]
+    a = client.completions.create(model="tiny", prompt="one two three", max_tokens=6, temperature=0)
+    b = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
+    assert a.choices[0].text == b.choices[0].text
+    assert b.usage.prompt_tokens == len(ids)
+    many = client.completions.create(model="tiny", prompt=["one two three", "four five"], max_tokens=6,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == a.choices[0].text
+    assert many.usage.completion_tokens == 12
+    both_ids = client.completions.create(model="tiny", prompt=[ids, ids], max_tokens=6, temperature=0)
+    assert both_ids.choices[0].text == both_ids.choices[1].text == a.choices[0].text
+
+
+def test_tokenize_detokenize_roundtrip(http):
+    ids = http.post("/tokenize", json={"prompt": "hello world", "add_special_tokens": False}).json()
+    assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == MAX_MODEL_LEN
+    assert http.post("/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"] == "hello world"
+
+
+def test_n2_and_seed_reproducibility(client):
+    kw = dict(max_tokens=10, temperature=1.0, seed=1234, extra_body={"ignore_eos": True})
+    r1 = chat(client, n=2, **kw)
+    r2 = chat(client, n=2, **kw)
+    assert [c.index for c in r1.choices] == [0, 1]
+    assert [c.message.content for c in r1.choices] == [c.message.content for c in r2.choices]
+    assert r1.choices[0].message.content != r1.choices[1].message.content  # child seeds differ (seed + i)
+    assert r1.usage.completion_tokens == 20
+    r3 = chat(client, max_tokens=10, temperature=1.0, seed=999, extra_body={"ignore_eos": True})
+    assert r3.choices[0].message.content != r1.choices[0].message.content
+    # n=2 streamed: both indexes arrive and finish
+    finished = set()
+    for c in chat(client, n=2, stream=True, **kw):
+        for ch in c.choices:
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert finished == {0, 1}
+
+
+def test_stop_strings(client):
+    base = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    assert len(text) > 12
+    stop = text[5:9]
+    expected = text[:text.find(stop)]
+    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0,
+                                  stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == expected
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 20
+    streamed = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20,
+                                              temperature=0, stop=stop, stream=True,
+                                              extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    kept = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0,
+                                     stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == expected + stop
+
+
+def test_logprobs(client):
+    r = chat(client, max_tokens=6, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 3
+        assert e.logprob <= 0
+        assert e.top_logprobs[0].token == e.token  # greedy: the sampled token is the most likely
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert e.bytes == list(e.token.encode())
+    c = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == c.choices[0].text
+    plain = chat(client, max_tokens=3)
+    assert plain.choices[0].logprobs is None
+
+
+def test_32_concurrent_streams_match_offline_llm(server, model_path):
+    from kvflow import LLM, SamplingParams
+
+    prompts = [f"Q{i}: tell me something about the number {i}" for i in range(32)]
+    max_tokens = 16
+
+    async def one(aclient, prompt):
+        text, finish = "", None
+        stream = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def run_all():
+        aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(aclient, p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    steps_before = server.engine.num_steps
+    results = asyncio.run(run_all())
+    assert all(f == "length" for _, f in results)
+    assert server.engine.max_batch_size > 1, "the engine never ran two requests in one step"
+    assert server.engine.num_steps - steps_before < 32 * max_tokens  # batched, not one request per step
+    llm = LLM(str(model_path), dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory="32MiB")
+    offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    assert [t for t, _ in results] == [o.outputs[0].text for o in offline]
+    assert_idle_and_empty(server)
+
+
+# ---- bad input --------------------------------------------------------------------------------------------------
+def assert_openai_error(resp: httpx.Response, status: int, param: str | None = "any") -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+    if param != "any":
+        assert err["param"] == param
+    return err
+
+
+def test_prompt_too_long_is_400_with_both_numbers(http, client):
+    prompt = "hello " * 600
+    err = assert_openai_error(http.post("/v1/completions", json={"model": "tiny", "prompt": prompt,
+                                                                 "max_tokens": 10}), 400)
+    assert str(MAX_MODEL_LEN) in err["message"]
+    n_prompt = http.post("/tokenize", json={"prompt": "hello " * 200}).json()["count"]
+    err = assert_openai_error(http.post("/v1/completions", json={"model": "tiny", "prompt": "hello " * 200,
+                                                                 "max_tokens": 400}), 400)
+    assert str(MAX_MODEL_LEN) in err["message"] and str(n_prompt + 400) in err["message"]
+    with pytest.raises(openai.BadRequestError):
+        chat(client, content="hi " * 600)
+
+
+def test_unknown_model_404(http, client):
+    err = assert_openai_error(http.post("/v1/chat/completions", json={
+        "model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}), 404, param="model")
+    assert "gpt-9" in err["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+
+
+def test_malformed_json_and_wrong_types_400(http):
+    assert_openai_error(http.post("/v1/chat/completions", content=b"{not json",
+                                  headers={"content-type": "application/json"}), 400)
+    assert_openai_error(http.post("/v1/chat/completions", json={"model": "tiny", "messages": "hello"}), 400,
+                        param="messages")
+    assert_openai_error(http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}), 400,
+        param="max_tokens")
+    assert_openai_error(http.post("/v1/completions", json={"model": "tiny"}), 400, param="prompt")
+    assert_openai_error(http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}), 400)
+    assert_openai_error(http.post("/v1/chat/completions", json={"model": "tiny", "messages": []}), 400)
+
+
+def test_invalid_sampling_values_400_with_param(http):
+    for field, value in (("temperature", -1), ("top_p", 0), ("n", 0), ("max_tokens", 0),
+                         ("presence_penalty", 5), ("top_k", -5)):
+        err = assert_openai_error(http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "x"}], field: value}), 400)
+        assert err["param"] == field, err
+    assert_openai_error(http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}), 400,
+        param="top_logprobs")
+    assert_openai_error(http.post("/v1/completions", json={"model": "tiny", "prompt": [10 ** 9]}), 400,
+                        param="prompt")
+
+
+def test_unknown_route_is_openai_shaped_404(http):
+    assert_openai_error(http.get("/v1/nothing-here"), 404)
+
+
+def aborted_count(server) -> float:
+    return server.engine.metrics.request_success.labels("tiny", "abort")._value.get()
+
+
+def test_disconnect_mid_stream_frees_kv(server, http):
+    server.wait_idle()
+    aborted = aborted_count(server)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me a long story"}],
+            "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen >= 4:
+                break
+        assert server.engine.core.has_unfinished_requests()
+    t0 = time.monotonic()
+    server.wait_idle(timeout=10)
+    assert time.monotonic() - t0 < 5
+    stats = server.engine.last_stats
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert_idle_and_empty(server)
+    assert aborted_count(server) == aborted + 1
+
+
+def test_disconnect_non_streamed_aborts(server):
+    server.wait_idle()
+    aborted = aborted_count(server)
+    body = {"model": "tiny", "prompt": "a long one", "max_tokens": 450, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    server.wait_idle(timeout=10)
+    assert_idle_and_empty(server)
+    assert aborted_count(server) == aborted + 1
+
+
+def test_idle_engine_thread_does_not_spin(server):
+    server.wait_idle()
+    tid = server.engine._thread.native_id
+
+    def cpu_ticks() -> int:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])   # utime + stime
+
+    before = cpu_ticks()
+    time.sleep(1.0)
+    assert cpu_ticks() - before <= 2   # clock ticks (1/100 s): asleep on its condition variable

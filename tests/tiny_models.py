@@ -1,0 +1,200 @@
+"""Tiny random-weight models for tests: an HF folder (safetensors + SmolLM2 tokenizer) and its GGUF twin.
+
+`make_tiny_hf_model` saves a real transformers model; `write_gguf_from_hf` writes the same weights as
+llama.cpp's convert_hf_to_gguf.py would (GGUF names, reversed shapes, llama Q/K rows permuted,
+architecture and tokenizer metadata), optionally quantized with gguf.quants.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+SMOLLM2_VOCAB = 49152
+
+
+def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A complete HF model folder (config.json, model.safetensors float32, tokenizer, chat template)."""
+    import transformers
+
+    from kvflow.models.loader import default_model_path
+    from kvflow.tokenizer import Tokenizer
+
+    out_dir = Path(out_dir)
+    cfg_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[family])
+    kwargs = dict(
+        vocab_size=SMOLLM2_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=(family == "llama"), bos_token_id=1, eos_token_id=2,
+        pad_token_id=2, torch_dtype="float32",
+    )
+    if family in ("qwen2", "qwen3"):
+        kwargs.update(head_dim=16, use_sliding_window=False)
+    kwargs.update(overrides)
+    hf_dtype = kwargs.pop("torch_dtype")
+    config = cfg_cls(**kwargs)
+    config.architectures = [model_cls.__name__]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls.__name__)(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # give every tensor distinct random values (norms near 1) so mix-ups show
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.torch_dtype = hf_dtype
+    model.save_pretrained(out_dir)
+    Tokenizer.from_model(default_model_path()).hf.save_pretrained(out_dir)
+    return out_dir
+
+
+# --------------------------------------------------------------------------- GGUF
+
+_HF_TO_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def hf_name_to_gguf(name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if name in top:
+        return top[name]
+    parts = name.split(".")  # model.layers.N.<module...>.<weight|bias>
+    assert parts[:2] == ["model", "layers"], name
+    return f"blk.{parts[2]}.{_HF_TO_GGUF_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}"
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_tokenizer_metadata(hf_dir: Path) -> dict:
+    """What llama.cpp's gpt2-style vocab conversion reads from tokenizer.json / tokenizer_config.json."""
+    tj = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = dict(tj["model"]["vocab"])
+    added = {t["content"]: t for t in tj.get("added_tokens", [])}
+    for content, t in added.items():
+        vocab[content] = t["id"]
+    n = max(vocab.values()) + 1
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [1] * n  # NORMAL
+    for tok, i in vocab.items():
+        tokens[i] = tok
+        if tok in added:
+            types[i] = 3 if added[tok].get("special") else 4  # CONTROL / USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
+    tc_file = hf_dir / "tokenizer_config.json"
+    tc = json.loads(tc_file.read_text()) if tc_file.exists() else {}
+    template = tc.get("chat_template")
+    if template is None and (hf_dir / "chat_template.jinja").exists():
+        template = (hf_dir / "chat_template.jinja").read_text()
+
+    def tid(name):
+        tok = tc.get(name)
+        if isinstance(tok, dict):
+            tok = tok.get("content")
+        return vocab.get(tok) if tok is not None else None
+
+    return dict(tokens=tokens, types=types, merges=merges, template=template,
+                bos=tid("bos_token"), eos=tid("eos_token"), unk=tid("unk_token"), pad=tid("pad_token"),
+                add_bos=bool(tc.get("add_bos_token", False)))
+
+
+_FTYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "bf16": 32}  # llama_ftype values
+
+
+def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path:
+    """Write the HF folder's model as GGUF like llama.cpp's converter. ftype: f32 f16 bf16 q8_0 q4_0 q4_1."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+    from safetensors.numpy import load_file
+
+    qtypes = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1}
+    qtype = qtypes[ftype]
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
+        cfg["architectures"][0]]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    rope_theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+
+    w = gguf.GGUFWriter(str(out_path), arch)
+    w.add_name(hf_dir.name)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(float(rope_theta))
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != cfg["hidden_size"] // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(_FTYPES[ftype])
+
+    tok = _hf_tokenizer_metadata(hf_dir)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    w.add_token_merges(tok["merges"])
+    for adder, key in ((w.add_bos_token_id, "bos"), (w.add_eos_token_id, "eos"),
+                       (w.add_unk_token_id, "unk"), (w.add_pad_token_id, "pad")):
+        if tok[key] is not None:
+            adder(tok[key])
+    w.add_add_bos_token(tok["add_bos"])
+    if tok["template"]:
+        w.add_chat_template(tok["template"])
+
+    tensors: dict[str, np.ndarray] = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    if cfg.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    for name, data in tensors.items():
+        data = data.astype(np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            data = llama_permute(data, heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = llama_permute(data, kv_heads)
+        gname = hf_name_to_gguf(name)
+        if data.ndim < 2 or qtype == T.F32:  # norms and biases stay F32, as llama.cpp keeps them
+            w.add_tensor(gname, np.ascontiguousarray(data))
+        elif qtype == T.F16:
+            w.add_tensor(gname, data.astype(np.float16))
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
