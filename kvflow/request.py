@@ -40,7 +40,8 @@ class Request:
         self.num_computed_tokens = 0              # tokens whose KV is in the cache
         self.num_cached_tokens = 0                # prompt tokens that came from the prefix cache
         self.stop_reason: int | None = None
-        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        # wall-clock seconds (time.time()), the clock the server stamps requests with on arrival
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_scheduled_time: float | None = None
         self.generator = None                     # torch.Generator when seeded (set by the runner)
         self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine from the tokenizer/model

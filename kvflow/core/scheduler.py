@@ -7,6 +7,7 @@ running request, which loses its KV and goes back to the head of the waiting que
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from kvflow.config import EngineConfig
@@ -71,6 +72,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_cached
+                req.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if num_new > 0:
@@ -125,7 +127,8 @@ class Scheduler:
         return None
 
     def abort(self, req: Request) -> None:
-        """Remove an unfinished request wherever it is and free its blocks (not on the hot path)."""
+        """Remove an unfinished request wherever it is and free its blocks. O(queue length), which is
+        at most max_num_seqs for the running list: cheap next to a model step."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -1,0 +1,143 @@
+"""Sample the server's Prometheus /metrics during a run (vLLM's names; kvflow adds a few). A server without
+/metrics (llama.cpp's without --metrics, a stub) is fine: sampling stops after the first miss and the report says so.
+
+Gauges are read as they are (summed over label sets); counters as their increase over the run.
+Engine busy fraction: the increase of kvflow:step_duration_seconds_sum over the wall time when the server has
+it, else the fraction of samples with at least one running request.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+GAUGES = {
+    "running": ("vllm:num_requests_running",),
+    "waiting": ("vllm:num_requests_waiting",),
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "resident_memory_bytes": ("process_resident_memory_bytes", "kvflow:process_resident_memory_bytes"),
+}
+COUNTERS = {
+    "prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "preemptions": ("vllm:num_preemptions",),
+    "step_seconds": ("kvflow:step_duration_seconds",),     # a histogram: its _sum
+    "generation_tokens": ("vllm:generation_tokens",),
+}
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The fields of GAUGES and COUNTERS found in one /metrics page (first name that is present wins)."""
+    values: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            name = s.name
+            if fam.type == "counter" and name.endswith("_total"):
+                name = name[: -len("_total")]
+            elif fam.type == "histogram":
+                if not name.endswith("_sum"):
+                    continue
+                name = name[: -len("_sum")]
+            values[name] = values.get(name, 0.0) + float(s.value)
+    out: dict[str, float] = {}
+    for field, names in {**GAUGES, **COUNTERS}.items():
+        for n in names:
+            if n in values:
+                out[field] = values[n]
+                break
+    return out
+
+
+class MetricsSampler:
+    """Fetch /metrics every `interval` seconds in the background; `series` holds {t, field: value} samples."""
+
+    def __init__(self, root_url: str, interval: float = 0.5, t_zero: float | None = None):
+        self.url = root_url.rstrip("/") + "/metrics"
+        self.interval = interval
+        self.t_zero = t_zero if t_zero is not None else time.perf_counter()
+        self.series: list[dict] = []
+        self.available: bool | None = None
+        self.error: str | None = None
+        self._task: asyncio.Task | None = None
+        self._client: httpx.AsyncClient | None = None
+
+    async def sample(self) -> dict | None:
+        assert self._client is not None
+        try:
+            resp = await self._client.get(self.url)
+            if resp.status_code != 200:
+                raise ValueError(f"HTTP {resp.status_code}")
+            values = parse_metrics(resp.text)
+        except Exception as e:   # noqa: BLE001 - any failure means "no metrics", never a failed run
+            if self.available is None:
+                self.available, self.error = False, f"{type(e).__name__}: {e}"[:300]
+            return None
+        self.available = True
+        point = {"t": time.perf_counter() - self.t_zero, **values}
+        self.series.append(point)
+        return point
+
+    async def _loop(self) -> None:
+        while True:
+            await self.sample()
+            if self.available is False:
+                return
+            await asyncio.sleep(self.interval)
+
+    async def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=5.0, trust_env=False)
+        await self.sample()                  # the baseline for counters
+        if self.available:
+            self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self.available:
+            await self.sample()              # the final counters
+        if self._client is not None:
+            await self._client.aclose()
+
+    def summary(self) -> dict:
+        return summarize_series(self.series, self.available, self.error)
+
+
+def _delta(series: list[dict], key: str) -> float | None:
+    vals = [p[key] for p in series if key in p]
+    return vals[-1] - vals[0] if len(vals) >= 2 else None
+
+
+def summarize_series(series: list[dict], available: bool | None = True, error: str | None = None) -> dict:
+    if not available or not series:
+        return {"available": False, "error": error}
+    out: dict = {"available": True, "samples": len(series)}
+    for key in GAUGES:
+        vals = [p[key] for p in series if key in p]
+        if vals:
+            out[f"{key}_mean"] = sum(vals) / len(vals)
+            out[f"{key}_max"] = max(vals)
+    q, h = _delta(series, "prefix_cache_queries"), _delta(series, "prefix_cache_hits")
+    if q is not None and h is not None:
+        out["prefix_cache_queries"] = q
+        out["prefix_cache_hits"] = h
+        out["prefix_cache_hit_rate"] = h / q if q > 0 else None
+    p = _delta(series, "preemptions")
+    if p is not None:
+        out["preemptions"] = p
+    wall = series[-1]["t"] - series[0]["t"]
+    busy = _delta(series, "step_seconds")
+    if busy is not None and wall > 0:
+        out["engine_busy_fraction"] = min(busy / wall, 1.0)
+        out["engine_busy_source"] = "kvflow:step_duration_seconds"
+    else:
+        running = [p["running"] for p in series if "running" in p]
+        if running:
+            out["engine_busy_fraction"] = sum(1 for r in running if r > 0) / len(running)
+            out["engine_busy_source"] = "samples with running > 0"
+    return out
