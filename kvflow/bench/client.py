@@ -23,6 +23,7 @@ TIMEOUT = "timeout"
 BROKEN_STREAM = "broken_stream"      # connection dropped, stream cut before its end, or unparsable event
 STREAM_ERROR = "stream_error"        # the server sent an error object inside the stream
 CONNECT_ERROR = "connect_error"
+CLIENT_ERROR = "client_error"        # anything else the client could not make sense of
 
 
 @dataclass
@@ -174,8 +175,10 @@ async def send_request(client: httpx.AsyncClient, url: str, api: str, body: dict
         rec.error_kind, rec.error = TIMEOUT, f"no complete answer within the timeout ({type(e).__name__})"
     except httpx.ConnectError as e:
         rec.error_kind, rec.error = CONNECT_ERROR, str(e) or type(e).__name__
-    except (httpx.TransportError, httpx.StreamError) as e:   # RemoteProtocolError, ReadError, ...
+    except (httpx.TransportError, httpx.StreamError, httpx.DecodingError) as e:   # RemoteProtocolError, ReadError..
         rec.error_kind, rec.error = BROKEN_STREAM, f"{type(e).__name__}: {e}"
+    except Exception as e:   # noqa: BLE001 - an odd answer must fail this request, never the whole run
+        rec.error_kind, rec.error = CLIENT_ERROR, f"{type(e).__name__}: {e}"[:500]
     if rec.error_kind is None and not done and rec.finish_reason is None:
         rec.error_kind, rec.error = BROKEN_STREAM, "the stream ended without [DONE] or a finish_reason"
     rec.e2e = (end if rec.error_kind is None else time.perf_counter()) - t_send

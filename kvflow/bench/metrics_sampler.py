@@ -34,7 +34,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             name = s.name
-            if fam.type == "counter" and name.endswith("_total"):
+            if fam.type in ("counter", "unknown", "untyped") and name.endswith("_total"):
                 name = name[: -len("_total")]
             elif fam.type == "histogram":
                 if not name.endswith("_sum"):

@@ -28,6 +28,7 @@ class KVCacheManager:
         # counters (tokens) for metrics
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.num_evictions = 0         # cached blocks overwritten to serve new ones
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -93,6 +94,7 @@ class KVCacheManager:
             if self.cached.get(key) == block:
                 del self.cached[key]
             self.block_key[block] = None
+            self.num_evictions += 1
         self.ref_cnt[block] = 1
         return block
 

@@ -1,0 +1,162 @@
+"""`kvflow bench` pieces against hand-computed values: percentiles, TPOT, ITL spreading, goodput, cost, /metrics
+parsing, workloads, launch command building."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvflow.bench.client import RequestRecord, split_tokens, spread_token_times
+from kvflow.bench.cli import parse_sweep
+from kvflow.bench.launcher import build_argv, parse_vary, variants
+from kvflow.bench.metrics_sampler import parse_metrics, summarize_series
+from kvflow.bench.stats import distribution, meets_slo, parse_slo, percentile, summarize
+from kvflow.bench.workloads import haiku_workload, jsonl_workload, random_workload, shared_prefix_workload
+
+
+def test_percentile_interpolates_like_numpy():
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(xs, 50) == pytest.approx(2.5)
+    assert percentile(xs, 90) == pytest.approx(3.7)      # pos (4-1)*0.9 = 2.7 -> 3 + 0.7*(4-3)
+    assert percentile(xs, 99) == pytest.approx(3.97)
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
+    assert percentile([7.0], 95) == 7.0 and percentile([], 50) is None
+    d = distribution([0.001, 0.002, 0.003])                # seconds in, ms out
+    assert d["mean"] == pytest.approx(2.0) and d["p50"] == pytest.approx(2.0) and d["p90"] == pytest.approx(2.8)
+
+
+def test_tpot_and_itl_of_a_record():
+    r = RequestRecord(index=0, send_time=0.0, success=True, ttft=0.1, e2e=0.75,
+                      token_times=[0.1, 0.2, 0.4, 0.7], output_tokens=4)
+    assert r.tpot == pytest.approx(0.2)                    # (0.7 - 0.1) / (4 - 1)
+    assert r.itls == pytest.approx([0.1, 0.2, 0.3])
+    assert sum(r.itls) / len(r.itls) == pytest.approx(r.tpot)
+    one = RequestRecord(index=1, send_time=0.0, success=True, ttft=0.1, e2e=0.1, token_times=[0.1], output_tokens=1)
+    assert one.tpot is None and one.itls == []
+
+
+def test_multi_token_chunks_are_spread():
+    # 7 tokens over 3 chunks of 2, 6, 2 characters: one each, the 4 extra in proportion (0.8, 2.4, 0.8)
+    # -> floors (0, 2, 0), the 2 left to the largest remainders (chunks 0 and 2)
+    assert split_tokens(["ab", "abcdef", "ab"], 7) == [2, 3, 2]
+    assert split_tokens(["a", "b"], 2) == [1, 1]
+    assert split_tokens(["a", "b", "c"], 2) == [1, 1, 1]   # fewer tokens reported than chunks: one each
+    assert split_tokens([], 5) == []
+    # chunk 0's tokens at its time; chunk 1's 3 tokens evenly over (0.1, 0.4]
+    assert spread_token_times([0.1, 0.4], [2, 3]) == pytest.approx([0.1, 0.1, 0.2, 0.3, 0.4])
+    times = spread_token_times([0.1, 0.4, 0.5], [1, 3, 1])
+    r = RequestRecord(index=0, send_time=0, success=True, ttft=0.1, e2e=0.5, token_times=times, output_tokens=5)
+    assert r.itls == pytest.approx([0.1, 0.1, 0.1, 0.1])   # per token, not per chunk (0.3 then 0.1)
+
+
+def _rec(i, send, ttft, e2e, out, prompt, success=True, kind=None):
+    times = [ttft + k * (e2e - ttft) / max(out - 1, 1) for k in range(out)] if success else []
+    return RequestRecord(index=i, send_time=send, success=success, ttft=ttft if success else None, e2e=e2e,
+                         token_times=times, output_tokens=out if success else 0, prompt_tokens=prompt,
+                         error_kind=kind)
+
+
+def test_summary_throughput_goodput_cost():
+    recs = [_rec(0, 0.0, 0.1, 1.0, 10, 5),                 # TPOT 0.9/9 = 0.1
+            _rec(1, 0.5, 0.3, 1.5, 10, 7),                 # ends at 2.0; TPOT 1.2/9
+            _rec(2, 0.2, None, 0.01, 0, 9, success=False, kind="http_400")]
+    s = summarize(recs, slo=parse_slo("ttft=200ms"), cost_per_hour=3.6)
+    assert s["duration_s"] == pytest.approx(2.0)           # first send 0.0 -> last end 2.0
+    assert (s["completed"], s["failed"]) == (2, 1)
+    assert s["errors_by_kind"] == {"http_400": 1}
+    assert s["request_throughput"] == pytest.approx(1.0)
+    assert s["input_throughput"] == pytest.approx(6.0)     # (5 + 7) / 2: failed requests' prompts don't count
+    assert s["output_throughput"] == pytest.approx(10.0)
+    assert s["ttft_ms"]["mean"] == pytest.approx(200.0)
+    assert s["tpot_ms"]["p50"] == pytest.approx((100.0 + 1200 / 9) / 2)
+    assert s["e2e_ms"]["p50"] == pytest.approx(1250.0)
+    assert s["good_requests"] == 1 and s["goodput"] == pytest.approx(0.5)
+    assert s["good_fraction"] == pytest.approx(1 / 3)
+    assert s["cost"]["run_dollars"] == pytest.approx(0.002)  # $3.6/h for 2 s
+    assert s["cost"]["per_million_output_tokens"] == pytest.approx(100.0)
+    assert s["cost"]["per_successful_request"] == pytest.approx(0.001)
+
+
+def test_slo_parsing_and_checks():
+    assert parse_slo("ttft=500ms, tpot=0.05,e2e=2s") == {"ttft": 0.5, "tpot": 0.05, "e2e": 2.0}
+    assert parse_slo(None) == {}
+    with pytest.raises(ValueError, match="bad --slo"):
+        parse_slo("latency=3")
+    r = _rec(0, 0.0, 0.1, 1.0, 10, 5)
+    assert meets_slo(r, {"tpot": 0.1}) and not meets_slo(r, {"tpot": 0.099})
+    assert meets_slo(r, {"ttft": 0.1, "e2e": 1.0}) and not meets_slo(r, {"e2e": 0.99})
+    assert not meets_slo(_rec(1, 0, None, 0.1, 0, 1, success=False, kind="timeout"), {})
+
+
+METRICS_TEXT = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="a"} 3
+vllm:num_requests_running{model_name="b"} 2
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="a"} 0.25
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{model_name="a"} 100
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{model_name="a"} 40
+# TYPE kvflow:step_duration_seconds histogram
+kvflow:step_duration_seconds_bucket{le="+Inf",model_name="a"} 10
+kvflow:step_duration_seconds_count{model_name="a"} 10
+kvflow:step_duration_seconds_sum{model_name="a"} 1.5
+"""
+
+
+def test_parse_metrics_with_fallback_names():
+    m = parse_metrics(METRICS_TEXT)
+    assert m == {"running": 5.0, "kv_cache_usage": 0.25, "prefix_cache_queries": 100.0, "prefix_cache_hits": 40.0,
+                 "step_seconds": 1.5}
+    series = [{"t": 0.0, **m}, {"t": 2.0, **m, "running": 1.0, "prefix_cache_queries": 200.0,
+                                "prefix_cache_hits": 115.0, "step_seconds": 2.5}]
+    s = summarize_series(series)
+    assert s["prefix_cache_hit_rate"] == pytest.approx(0.75)   # (115 - 40) / (200 - 100)
+    assert s["engine_busy_fraction"] == pytest.approx(0.5)     # 1.0 s of steps in 2.0 s
+    assert s["running_mean"] == pytest.approx(3.0) and s["running_max"] == 5.0
+    assert summarize_series([], available=False, error="HTTP 404") == {"available": False, "error": "HTTP 404"}
+
+
+def test_workloads_are_seeded_and_sized(tmp_path):
+    a, b = random_workload(20, 50, 16, 0.5, seed=3), random_workload(20, 50, 16, 0.5, seed=3)
+    assert [s.prompt for s in a.specs] == [s.prompt for s in b.specs]
+    assert all(25 <= len(s.prompt.split()) <= 75 and 8 <= s.max_tokens <= 24 for s in a.specs)
+    assert all(s.prompt_tokens_est == len(s.prompt.split()) for s in a.specs)
+    assert [s.prompt for s in random_workload(5, 50, 16, seed=4).specs] != [s.prompt for s in a.specs[:5]]
+    sp = shared_prefix_workload(3, 4, 40, 10, 8, seed=0)
+    assert len(sp.specs) == 12 and len({s.messages[0]["content"] for s in sp.specs}) == 3
+    assert len(sp.specs[0].messages[0]["content"].split()) == 40
+    h = haiku_workload()
+    assert len(h.specs) == 32 and h.specs[5].prompt == "Q5: write a haiku" and h.specs[5].max_tokens == 64
+    assert [s.index for s in h.take(40)][-1] == 39 and list(h.take(40))[33].prompt == "Q1: write a haiku"
+    f = tmp_path / "w.jsonl"
+    f.write_text(json.dumps({"prompt": "a b c", "max_tokens": 4}) + "\n\n" + json.dumps("plain prompt") + "\n"
+                 + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    j = jsonl_workload(f, default_max_tokens=9)
+    assert [(s.prompt, s.max_tokens) for s in j.specs[:2]] == [("a b c", 4), ("plain prompt", 9)]
+    assert j.specs[2].as_prompt() == "user: hi"
+    f.write_text('{"max_tokens": 3}\n')
+    with pytest.raises(ValueError, match="w.jsonl:1"):
+        jsonl_workload(f)
+
+
+def test_launch_argv_and_variants():
+    vary = parse_vary(["max-num-seqs=8,32", "enable-prefix-caching=true,false"])
+    vs = variants(vary)
+    assert len(vs) == 4 and vs[1] == {"max-num-seqs": "8", "enable-prefix-caching": "false"}
+    argv = build_argv("vllm serve m --max-num-seqs 4 --port 9000 --no-enable-prefix-caching --dtype=half", vs[1], 1234)
+    assert argv == ["vllm", "serve", "m", "--dtype=half", "--max-num-seqs", "8", "--no-enable-prefix-caching",
+                    "--host", "127.0.0.1", "--port", "1234"]
+    assert build_argv("kvflow serve m", {}, 5)[1:3] == ["-m", "kvflow.cli"]
+    with pytest.raises(ValueError):
+        parse_vary(["max-num-seqs"])
+
+
+def test_sweep_parsing():
+    assert parse_sweep("concurrency=1,4,16") == ("concurrency", [1.0, 4.0, 16.0])
+    over, vals = parse_sweep("request-rate=1,2.5,inf")
+    assert over == "request_rate" and vals[:2] == [1.0, 2.5] and math.isinf(vals[2])
+    for bad in ("concurrency=0", "concurrency=1.5", "qps=1", "concurrency="):
+        with pytest.raises(ValueError):
+            parse_sweep(bad)
