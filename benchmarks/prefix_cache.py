@@ -20,7 +20,7 @@ from kvflow.config import EngineConfig
 from kvflow.server.testing import ServerThread
 
 SYSTEM = "You are a meticulous assistant for a logistics company. " + " ".join(
-    f"Rule {i}: always check shipment {i} against manifest {i * 7} before answering." for i in range(40))
+    f"Rule {i}: always check shipment {i} against manifest {i * 7} before answering." for i in range(26))
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -74,7 +74,7 @@ def test_shared_system_prompt_is_computed_once(smol_llm):
     of the shared tokens."""
     tok = smol_llm.tokenizer
     system = "You are a meticulous assistant for a logistics company. " + " ".join(
-        f"Rule {i}: always check shipment {i} against manifest {i * 7} before answering." for i in range(40))
+        f"Rule {i}: always check shipment {i} against manifest {i * 7} before answering." for i in range(26))
     convs = [[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: where is box {i}?"}]
              for i in range(32)]
     prompts = [tok.apply_chat_template(c) for c in convs]

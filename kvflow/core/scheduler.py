@@ -52,8 +52,10 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # static batching: admit a new batch only when the previous one has completely finished
-        may_admit = not out.preempted_ids and not (self.static and self.running)
+        # static batching: a batch forms while none of its requests has produced a token (its prefill
+        # steps), then runs to completion before the next batch is admitted
+        batch_closed = self.static and any(r.num_output_tokens > 0 for r in self.running)
+        may_admit = not out.preempted_ids and not batch_closed
         while may_admit and self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not self.static and budget <= 0:
