@@ -461,10 +461,7 @@ class AsyncEngine:
                 _, core_id, prompt, params, arrival = item
                 n_added += 1
                 try:
-                    try:
-                        self.core.add_request(core_id, prompt, params, arrival_time=arrival)
-                    except TypeError:
-                        self.core.add_request(core_id, prompt, params)
+                    self.core.add_request(core_id, prompt, params, arrival_time=arrival)
                     self._live_core_ids.add(core_id)
                     route = self._routes.get(core_id)
                     if route is not None:
@@ -490,17 +487,13 @@ class AsyncEngine:
         return n_added
 
     def _mark_scheduled(self, step_start: float) -> None:
-        """Queue time ends (and prefill starts) at the first step that computed some of a request."""
-        requests = getattr(self.core, "requests", None)
-        if requests is None:
-            self._unscheduled.clear()      # unknown core: fall back to the first token's step
-            return
+        """Queue time ends (and prefill starts) when the scheduler first admits a request."""
         done = []
         for core_id, timings in self._unscheduled.items():
-            req = requests.get(core_id)
-            if req is None or getattr(req, "num_computed_tokens", 1) > 0:
+            req = self.core.requests.get(core_id)   # None: it finished within this very step
+            if req is None or req.first_scheduled_time is not None:
                 if timings.scheduled is None:
-                    timings.scheduled = step_start
+                    timings.scheduled = req.first_scheduled_time if req is not None else step_start
                 done.append(core_id)
         for core_id in done:
             del self._unscheduled[core_id]
