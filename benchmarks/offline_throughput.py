@@ -1,7 +1,7 @@
 """Offline throughput: kvflow's LLM.generate versus Hugging Face transformers' static-batch generate,
 same prompts, same weights (the embedded SmolLM2, dequantized), same dtype, side by side in one run.
 
-    python benchmarks/offline_throughput.py [--num-prompts 64] [--max-tokens 64] [--reps 3] [--dtype bfloat16]
+    python benchmarks/offline_throughput.py [--num-prompts 64] [--max-tokens 64] [--reps 3] [--dtype auto]
 
 Each side generates exactly max_tokens per prompt (kvflow: ignore_eos; transformers: min_new_tokens).
 Reports output tokens per second, the median of --reps runs after one warm-up, and the ratio.
@@ -57,10 +57,12 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on AMX/AVX-512-BF16 CPUs, else float32")
     ap.add_argument("--hf-batch-size", type=int, nargs="+", default=[64])
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
+    from kvflow import platform
+    dtype = platform.pick_dtype(args.dtype, torch.device("cpu"))
+    args.dtype = str(dtype).removeprefix("torch.")
 
     llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_memory="1GiB", max_num_seqs=args.num_prompts)
     prompts = make_prompts(llm, args.num_prompts)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -252,12 +253,8 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, served_model_n
 
     async def chat_sse(stream: RequestStream, request_id: str, created: int, model: str, want_logprobs: bool,
                        top_n: int, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
-        def chunk(choices: list, usage: Any = None) -> str:
-            body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "system_fingerprint": None, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        chunk = functools.partial(sse_chunk, {"id": request_id, "object": "chat.completion.chunk",
+                                               "created": created, "model": model}, include_usage=include_usage)
 
         try:
             for i in range(stream.params.n):
@@ -336,12 +333,8 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, served_model_n
         n = streams[0].params.n
         offsets = [0] * (len(streams) * n)
 
-        def chunk(choices: list, usage: Any = None) -> str:
-            body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                    "system_fingerprint": None, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        chunk = functools.partial(sse_chunk, {"id": request_id, "object": "text_completion",
+                                               "created": created, "model": model}, include_usage=include_usage)
 
         try:
             async for k, d in merge(streams):
@@ -404,6 +397,14 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, served_model_n
 
     app.add_middleware(_AuthAndArrival, api_key=api_key)
     return app
+
+
+def sse_chunk(head: dict, choices: list, usage: Any = None, *, include_usage: bool) -> str:
+    """One Server-Sent Event carrying a chunk object; `usage` appears (null until the last chunk) when asked."""
+    body = {**head, "system_fingerprint": None, "choices": choices}
+    if include_usage:
+        body["usage"] = usage
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 def _finite(x: float) -> float:
