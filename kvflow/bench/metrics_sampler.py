@@ -13,10 +13,11 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+# vLLM's names first (kvflow, vLLM, SGLang's vLLM-compatible set), then llama.cpp's llama-server (--metrics)
 GAUGES = {
-    "running": ("vllm:num_requests_running",),
-    "waiting": ("vllm:num_requests_waiting",),
-    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "running": ("vllm:num_requests_running", "llamacpp:requests_processing"),
+    "waiting": ("vllm:num_requests_waiting", "llamacpp:requests_deferred"),
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "llamacpp:kv_cache_usage_ratio"),
     "resident_memory_bytes": ("process_resident_memory_bytes", "kvflow:process_resident_memory_bytes"),
 }
 COUNTERS = {
@@ -24,7 +25,7 @@ COUNTERS = {
     "prefix_cache_hits": ("vllm:prefix_cache_hits",),
     "preemptions": ("vllm:num_preemptions",),
     "step_seconds": ("kvflow:step_duration_seconds",),     # a histogram: its _sum
-    "generation_tokens": ("vllm:generation_tokens",),
+    "generation_tokens": ("vllm:generation_tokens", "llamacpp:tokens_predicted_total"),
 }
 
 
