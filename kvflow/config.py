@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 SCHEDULING_POLICIES = ("continuous", "fcfs", "static")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-QUANTIZATIONS = (None, "none")          # fp8 / int8 arrive with the quantization issue
-KV_CACHE_DTYPES = ("auto",)
+QUANTIZATIONS = (None, "none", "fp8", "int8")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def parse_bytes(value: int | str | None) -> int | None:
@@ -38,8 +38,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
+    quantization: str | None = None            # None/"none", "int8" or "fp8": weight-only, per-channel scales
+    kv_cache_dtype: str = "auto"               # "fp8": KV stored as float8 e4m3, half of bf16's bytes
     tensor_parallel_size: int = 1
     seed: int = 0
 
@@ -68,9 +68,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization {self.quantization!r} is not supported yet "
-                             f"(fp8 and int8 arrive with the quantization work); use none")
+            raise ValueError(f"quantization must be one of none, fp8, int8; got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet; use auto")
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet; use 1")

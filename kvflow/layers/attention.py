@@ -12,6 +12,8 @@ from torch import nn
 
 from kvflow.runner.forward_context import get_attn_metadata
 
+FP8_MAX = 448.0
+
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -28,10 +30,8 @@ class PagedAttention(nn.Module):
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq*D]."""
         meta = get_attn_metadata()
         Hkv, D = self.num_kv_heads, self.head_dim
-        flat_k = self.k_cache.view(-1, Hkv, D)
-        flat_v = self.v_cache.view(-1, Hkv, D)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        self._store(self.k_cache, meta.slot_mapping, k)
+        self._store(self.v_cache, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
@@ -42,12 +42,29 @@ class PagedAttention(nn.Module):
             out[rows] = self._prefill(q[rows], k[rows], v[rows], p)
         return out.view(q.shape[0], -1)
 
+    # A float8 cache (kv_cache_dtype="fp8") is written and gathered through a uint8 view: CPU torch has no
+    # float8 index kernels. Values are stored unscaled (scale 1.0, as vLLM without calibration), clamped to
+    # e4m3's range.
+    @staticmethod
+    def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+        flat = cache.view(-1, *x.shape[1:])
+        if cache.dtype == torch.float8_e4m3fn:
+            flat.view(torch.uint8).index_copy_(0, slots, x.clamp(-FP8_MAX, FP8_MAX).to(cache.dtype).view(torch.uint8))
+        else:
+            flat.index_copy_(0, slots, x)
+
+    @staticmethod
+    def _load(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if cache.dtype == torch.float8_e4m3fn:
+            return cache.view(torch.uint8)[blocks].view(cache.dtype).to(dtype)
+        return cache[blocks]
+
     def _decode(self, q: torch.Tensor, meta) -> torch.Tensor:
         B, Hq, D = q.shape
         Hkv = self.num_kv_heads
         # [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
-        keys = self.k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        values = self.v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        keys = self._load(self.k_cache, meta.decode_block_tables, q.dtype).flatten(1, 2).transpose(1, 2)
+        values = self._load(self.v_cache, meta.decode_block_tables, q.dtype).flatten(1, 2).transpose(1, 2)
         # grouped-query attention without repeating K/V: the group's heads act as query rows
         q = q.view(B, Hkv, Hq // Hkv, D)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_key_mask, scale=self.scale)
@@ -59,8 +76,8 @@ class PagedAttention(nn.Module):
             keys, values, mask, causal = k, v, None, True
         else:
             n_blocks = -(-p.context_len // self.k_cache.shape[1])
-            keys = self.k_cache[p.block_table[:n_blocks]].flatten(0, 1)[:p.context_len]
-            values = self.v_cache[p.block_table[:n_blocks]].flatten(0, 1)[:p.context_len]
+            keys = self._load(self.k_cache, p.block_table[:n_blocks], q.dtype).flatten(0, 1)[:p.context_len]
+            values = self._load(self.v_cache, p.block_table[:n_blocks], q.dtype).flatten(0, 1)[:p.context_len]
             q_pos = torch.arange(past, p.context_len, device=q.device)
             mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos[:, None]
             causal = False

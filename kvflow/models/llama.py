@@ -95,8 +95,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if hasattr(head, "project"):          # quantized: dequantizes slice by slice
+            return head.project(hidden).float()
+        return F.linear(hidden, head.weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

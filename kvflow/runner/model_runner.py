@@ -14,6 +14,7 @@ import torch
 from kvflow import platform
 from kvflow.config import EngineConfig
 from kvflow.core.outputs import SchedulerOutput
+from kvflow.layers.quantization import QUANT_DTYPES, quantize_model
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.loader import iter_weights
 from kvflow.models.model_config import ModelConfig
@@ -43,8 +44,11 @@ class ModelRunner:
         # weights in the compute dtype; the rotary tables stay float32 (norms compute in float32 inside)
         self.model = model.to(self.dtype)
         model.rotary.float()
+        if config.quantization in QUANT_DTYPES:
+            quantize_model(model, config.quantization, self.dtype)
         self.model.eval()
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.weights_bytes = sum(t.numel() * t.element_size() for name, t in
+                                 [*model.named_parameters(), *model.named_buffers()] if not name.startswith("rotary"))
         self.load_seconds = time.perf_counter() - t0
 
         self.num_blocks = self._allocate_kv_cache()
@@ -53,7 +57,8 @@ class ModelRunner:
     # ---- KV cache ------------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
         cfg = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.kv_dtype = torch.float8_e4m3fn if self.config.kv_cache_dtype == "fp8" else self.dtype
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         per_block = 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
         budget = platform.kv_cache_budget(self.device, self.config.kv_cache_memory,
                                           self.config.gpu_memory_utilization, self.weights_bytes)
@@ -67,9 +72,10 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
         # zeroed, not empty: batched decode reads padded slots under a mask, and a NaN bit pattern
         # there would still poison the output (0 * NaN)
+        storage = torch.uint8 if elem == 1 else self.kv_dtype     # CPU torch cannot fill float8 tensors
         for attn in self.model.attention_layers:
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache = torch.zeros(shape, dtype=storage, device=self.device).view(self.kv_dtype)
+            attn.v_cache = torch.zeros(shape, dtype=storage, device=self.device).view(self.kv_dtype)
         self.kv_cache_bytes = num_blocks * per_block
         return num_blocks
 
