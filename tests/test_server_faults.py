@@ -183,9 +183,9 @@ def test_sigterm_lets_in_flight_finish_then_exits_0(model_path, tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--quantization", "fp8"], "not supported yet"),
+    (["--quantization", "int4"], "quantization must be one of"),
     (["--tensor-parallel-size", "2"], "not supported yet"),
-    (["--kv-cache-dtype", "fp8"], "not supported yet"),
+    (["--kv-cache-dtype", "fp16"], "kv_cache_dtype must be"),
     (["--scheduling-policy", "magic"], "scheduling_policy"),
     (["--max-queue-len", "0"], "max-queue-len"),
 ])

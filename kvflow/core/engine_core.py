@@ -45,9 +45,11 @@ class EngineCore:
         tokens = r.num_blocks * self.config.block_size
         log.info("model %s (%s) on %s, %s", self.model_path, self.model_config.family, r.device,
                  str(r.dtype).removeprefix("torch."))
-        log.info("weights loaded in %.1f s (%.0f MiB)", r.load_seconds, r.weights_bytes / 2**20)
-        log.info("KV cache %.2f GiB = %d blocks = %d tokens; maximum concurrency at max_model_len=%d: %.1fx",
-                 r.kv_cache_bytes / 2**30, r.num_blocks, tokens, self.max_model_len, tokens / self.max_model_len)
+        log.info("weights loaded in %.1f s (%.0f MiB, %s)", r.load_seconds, r.weights_bytes / 2**20,
+                 self.config.quantization if self.config.quantization not in (None, "none") else "not quantized")
+        log.info("KV cache %.2f GiB (%s) = %d blocks = %d tokens; maximum concurrency at max_model_len=%d: %.1fx",
+                 r.kv_cache_bytes / 2**30, str(r.kv_dtype).removeprefix("torch."), r.num_blocks, tokens,
+                 self.max_model_len, tokens / self.max_model_len)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
