@@ -118,6 +118,17 @@ def test_parse_metrics_with_fallback_names():
     assert summarize_series([], available=False, error="HTTP 404") == {"available": False, "error": "HTTP 404"}
 
 
+def test_parse_metrics_reads_llama_server_names():
+    text = """# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 4
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 2
+# TYPE llamacpp:kv_cache_usage_ratio gauge
+llamacpp:kv_cache_usage_ratio 0.5
+"""
+    assert parse_metrics(text) == {"running": 4.0, "waiting": 2.0, "kv_cache_usage": 0.5}
+
+
 def test_workloads_are_seeded_and_sized(tmp_path):
     a, b = random_workload(20, 50, 16, 0.5, seed=3), random_workload(20, 50, 16, 0.5, seed=3)
     assert [s.prompt for s in a.specs] == [s.prompt for s in b.specs]
