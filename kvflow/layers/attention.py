@@ -29,7 +29,6 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq*D]."""
         meta = get_attn_metadata()
-        Hkv, D = self.num_kv_heads, self.head_dim
         self._store(self.k_cache, meta.slot_mapping, k)
         self._store(self.v_cache, meta.slot_mapping, v)
 

@@ -22,7 +22,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor            # [num_tokens] flat cache slot of each new token
     num_decode_tokens: int                # the first rows of the batch are decodes, one token each
     decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor | None = None   # [num_decodes]
     decode_key_mask: torch.Tensor | None = None       # [num_decodes, 1, 1, max_blocks*block_size] bool
     prefills: list[PrefillSeq] = field(default_factory=list)
 

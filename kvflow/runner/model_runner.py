@@ -104,7 +104,6 @@ class ModelRunner:
             positions.append(pos)
             slots.append(bt[torch.arange(nd), pos // bs] * bs + pos % bs)
             meta.decode_block_tables = bt.to(self.device)
-            meta.decode_context_lens = (pos + 1).to(self.device)
             key_pos = torch.arange(width * bs)
             meta.decode_key_mask = (key_pos[None, :] <= pos[:, None])[:, None, None, :].to(self.device)
         row = nd
