@@ -112,11 +112,10 @@ def test_batch_invariance_alone_and_in_a_batch_of_16(smol_llm):
 
 
 def test_chunked_prefill_gives_the_same_outputs(smol_llm):
-    from kvflow.llm import LLM as _LLM
     prompts = mixed_prompts(smol_llm.tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     whole = [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params)]
-    chunked_llm = _LLM(dtype="float32", max_model_len=1024, kv_cache_memory="128MiB",
+    chunked_llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory="128MiB",
                        max_num_batched_tokens=16, enable_prefix_caching=False)
     chunked = [o.outputs[0].token_ids for o in chunked_llm.generate(prompts, params)]
     assert max(len(p) for p in prompts) > 16
