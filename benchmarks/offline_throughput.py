@@ -2,6 +2,7 @@
 same prompts, same weights (the embedded SmolLM2, dequantized), same dtype, side by side in one run.
 
     python benchmarks/offline_throughput.py [--num-prompts 64] [--max-tokens 64] [--reps 3] [--dtype auto]
+                                            [--device auto] [--hf-batch-size 64]
 
 Each side generates exactly max_tokens per prompt (kvflow: ignore_eos; transformers: min_new_tokens).
 Reports output tokens per second, the median of --reps runs after one warm-up, and the ratio.
@@ -43,8 +44,8 @@ def bench_hf(model, prompts, max_tokens: int, batch_size: int, pad_id: int) -> f
     for b in range(0, len(prompts), batch_size):
         batch = prompts[b:b + batch_size]
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])      # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=model.device)  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                  do_sample=False, pad_token_id=pad_id)
@@ -59,16 +60,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on AMX/AVX-512-BF16 CPUs, else float32")
     ap.add_argument("--hf-batch-size", type=int, nargs="+", default=[64])
+    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     args = ap.parse_args()
     from kvflow import platform
-    dtype = platform.pick_dtype(args.dtype, torch.device("cpu"))
+    device = platform.pick_device(args.device)
+    dtype = platform.pick_dtype(args.dtype, device)
     args.dtype = str(dtype).removeprefix("torch.")
 
-    llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_memory="1GiB", max_num_seqs=args.num_prompts)
+    llm = LLM(dtype=args.dtype, device=str(device), max_model_len=1024, kv_cache_memory="2GiB",
+              max_num_seqs=args.num_prompts, max_num_batched_tokens=max(1024, 32 * args.num_prompts))
     prompts = make_prompts(llm, args.num_prompts)
     from transformers import AutoModelForCausalLM
     path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device).eval()
     pad = llm.tokenizer.eos_token_id
 
     bench_kvflow(llm, prompts[:8], 8)                              # warm-up
@@ -79,8 +83,8 @@ def main() -> None:
         for b in args.hf_batch_size:
             results[f"hf_bs{b}"].append(bench_hf(hf, prompts, args.max_tokens, b, pad))
     med = {k: statistics.median(v) for k, v in results.items()}
-    print(f"{args.num_prompts} prompts x {args.max_tokens} tokens, {args.dtype}, {torch.get_num_threads()} threads, "
-          f"median of {args.reps}")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    print(f"{args.num_prompts} prompts x {args.max_tokens} tokens, {args.dtype}, {where}, median of {args.reps}")
     print(f"{'engine':<16}{'output tok/s':>14}{'runs':>40}")
     for k, v in results.items():
         print(f"{k:<16}{med[k]:>14.1f}{'  ' + ', '.join(f'{x:.1f}' for x in v):>40}")

@@ -46,4 +46,5 @@ def hf_smol():
     from transformers import AutoModelForCausalLM
     from kvflow.models.loader import default_model_path
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()     # beside the engine's device

@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
 
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()

@@ -40,7 +40,8 @@ def perplexity(llm: LLM, text: str, chunk: int = 32) -> float:
                 logits.append(engine.runner.model.compute_logits(engine.runner.model(input_ids, positions)))
     finally:
         kv.free(req)
-    nll = F.cross_entropy(torch.cat(logits)[:-1], torch.tensor(ids[1:]))
+    logits = torch.cat(logits)
+    nll = F.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device))
     return math.exp(nll.item())
 
 
