@@ -1,0 +1,143 @@
+"""kvflow serve versus llama.cpp's llama-server on the same GGUF and the same workloads, in one run.
+
+    python benchmarks/serve_compare.py [--llama-server PATH] [--model GGUF] [--concurrency 1 8 32 64]
+                                       [--waves 1] [--reps 2] [--no-long] [--kvflow-args "..."]
+
+Workloads (the performance issue's): streamed chat completions, temperature 0, ignore_eos, 64 output tokens,
+a ~60-token system prompt shared by every request plus a short question, at each concurrency; and a long one,
+~250 prompt tokens and 256 output tokens, 32 requests at concurrency 32. Each level sends
+max(4, concurrency * waves) requests (closed loop), after one warm-up request, with kvflow's own bench client.
+
+llama-server runs with `-t <cores> -np 32` (`-np 64` for concurrency 64) and 1,024 tokens of context per slot.
+The servers run one at a time, started fresh for each level and alternating, so slow drifts of the machine hit both; each
+(server, level) is the median of --reps. Results: a table on stdout and `serve_compare.json` in --output-dir.
+Never run this while anything else loads the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from kvflow.bench.launcher import LaunchedServer
+from kvflow.bench.runner import BenchConfig, run_benchmark
+from kvflow.bench.workloads import random_workload, shared_prefix_workload
+
+LONG = "long"
+
+
+def workload_for(level, waves: int):
+    if level == LONG:
+        return random_workload(32, input_len=250, output_len=256, seed=1), 32, 32
+    n = max(4, level * waves)
+    return shared_prefix_workload(1, n, prefix_len=60, question_len=10, output_len=64, seed=0), n, level
+
+
+def run_level(server: LaunchedServer, level, waves: int) -> dict:
+    workload, n, conc = workload_for(level, waves)
+    cfg = BenchConfig(base_url=server.base_url, api="chat", num_requests=n, concurrency=conc, ignore_eos=True,
+                      temperature=0.0, warmup=1, progress=False, metrics_interval=1.0, timeout=1800.0)
+    run = run_benchmark(cfg, workload, command=shlex.join(sys.argv))["runs"][-1]
+    s = run["summary"]
+    return {"output_throughput": s["output_throughput"], "ttft_p50_ms": s["ttft_ms"]["p50"],
+            "ttft_p95_ms": s["ttft_ms"]["p95"], "tpot_p50_ms": s["tpot_ms"]["p50"], "itl_p99_ms": s["itl_ms"]["p99"],
+            "completed": s["completed"], "failed": s["failed"], "num_requests": n, "concurrency": conc}
+
+
+def median_of(runs: list[dict]) -> dict:
+    keys = [k for k in runs[0] if isinstance(runs[0][k], (int, float))]
+    return {k: statistics.median(r[k] for r in runs if r[k] is not None) if any(r[k] is not None for r in runs)
+            else None for k in keys}
+
+
+def fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(levels, results: dict, have_llama: bool) -> None:
+    head = f"{'level':>6} | {'kvflow tok/s':>12} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9}"
+    if have_llama:
+        head += f" | {'llama tok/s':>11} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} | {'tok/s x':>7} {'TPOT x':>7}"
+    print(head)
+    print("-" * len(head))
+    for level in levels:
+        k = results["kvflow"].get(str(level))
+        if not k:
+            continue
+        k = median_of(k)
+        row = (f"{str(level):>6} | {fmt(k['output_throughput']):>12} {fmt(k['ttft_p50_ms'], '.0f'):>7}ms "
+               f"{fmt(k['ttft_p95_ms'], '.0f'):>6}ms {fmt(k['tpot_p50_ms'], '.0f'):>7}ms")
+        ll = results.get("llama-server", {}).get(str(level))
+        if have_llama and ll:
+            ll = median_of(ll)
+            ratio = k["output_throughput"] / ll["output_throughput"] if ll["output_throughput"] else None
+            tpot = ll["tpot_p50_ms"] / k["tpot_p50_ms"] if k["tpot_p50_ms"] and ll["tpot_p50_ms"] else None
+            row += (f" | {fmt(ll['output_throughput']):>11} {fmt(ll['ttft_p50_ms'], '.0f'):>7}ms "
+                    f"{fmt(ll['ttft_p95_ms'], '.0f'):>6}ms {fmt(ll['tpot_p50_ms'], '.0f'):>7}ms | "
+                    f"{fmt(ratio, '.2f'):>6}x {fmt(tpot, '.2f'):>6}x")
+        print(row)
+    if have_llama:
+        print("tok/s x: kvflow output throughput / llama-server's; TPOT x: llama-server's TPOT / kvflow's "
+              "(above 1: kvflow faster)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-server", default=None, help="path to a llama.cpp llama-server binary")
+    ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--no-long", action="store_true", help="skip the long-prompt workload")
+    ap.add_argument("--waves", type=int, default=1, help="requests per level = max(4, concurrency * waves)")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--kvflow-args", default="", help="extra flags for kvflow serve")
+    ap.add_argument("--llama-args", default="", help="extra flags for llama-server")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server -t")
+    ap.add_argument("--output-dir", default=f"results/serve-compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = ap.parse_args()
+
+    from kvflow.models.loader import default_model_path
+    model = args.model or str(default_model_path())
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    levels = list(args.concurrency) + ([] if args.no_long else [LONG])
+
+    def np_for(level) -> int:
+        return 64 if level != LONG and level > 32 else 32
+
+    launches = {"kvflow": lambda level: f"kvflow serve {shlex.quote(model)} --max-num-seqs 64 {args.kvflow_args}"}
+    if args.llama_server:
+        launches["llama-server"] = lambda level: (
+            f"{shlex.quote(args.llama_server)} -m {shlex.quote(model)} -t {args.threads} -np {np_for(level)} "
+            f"-c {np_for(level) * 1024} {args.llama_args}")
+
+    results: dict[str, dict[str, list]] = {name: {} for name in launches}
+    for rep in range(args.reps):
+        for level in levels:
+            for name, launch in launches.items():
+                # one server at a time, started fresh for each level: an idle one would still hold memory and
+                # threads, and a fresh start gives every level the same conditions
+                log = out / f"{name}-rep{rep + 1}-{level}.log"
+                with LaunchedServer(launch(level), {}, log) as server:
+                    r = run_level(server, level, args.waves)
+                results[name].setdefault(str(level), []).append(r)
+                print(f"rep {rep + 1} {name:>12} level {str(level):>4}: {r['output_throughput']:.1f} tok/s, "
+                      f"TTFT p50 {fmt(r['ttft_p50_ms'], '.0f')} ms p95 {fmt(r['ttft_p95_ms'], '.0f')} ms, "
+                      f"TPOT p50 {fmt(r['tpot_p50_ms'], '.0f')} ms, {r['failed']} failed", flush=True)
+
+    (out / "serve_compare.json").write_text(json.dumps(
+        {"model": model, "launches": {n: launches[n](1) for n in launches}, "levels": [str(x) for x in levels],
+         "reps": args.reps, "waves": args.waves, "results": results}, indent=1))
+    print(f"\n{Path(model).name}, median of {args.reps}; levels: concurrency (shared 60-token system prompt, "
+          f"64 output tokens) and 'long' (250 in, 256 out, 32 at concurrency 32)")
+    print_table(levels, results, "llama-server" in launches)
+    print(f"results: {out / 'serve_compare.json'}")
+
+
+if __name__ == "__main__":
+    main()
