@@ -28,6 +28,10 @@ from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvflow.async_engine")
 
+# An idle engine thread wakes this often to ask the core whether it can still step (a tensor-parallel worker
+# may have died while nothing ran): an idle server notices, reports unhealthy and can exit.
+HEALTH_CHECK_INTERVAL_S = 1.0
+
 
 class RequestFailedError(RuntimeError):
     """The engine could not finish this request."""
@@ -225,6 +229,9 @@ class AsyncEngine:
         self.last_stats: dict = {}
         self.num_steps = 0
         self.max_batch_size = 0
+        # called once, on the engine thread, after the engine died and its requests were failed
+        # (`kvflow serve` sets it to stop the server, which then exits non-zero)
+        self.on_death = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     @classmethod
@@ -290,6 +297,10 @@ class AsyncEngine:
             self._cond.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():    # never while a step may still run
+            shutdown = getattr(self.core, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
         self.metrics.set_engine_alive(False)
         self.metrics.close()
 
@@ -412,16 +423,21 @@ class AsyncEngine:
     # ---- engine thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
         core = self.core
+        check_health = getattr(core, "check_health", None)
         try:
             has_work = False
             while True:
                 with self._cond:
-                    while not self._inbox and not has_work and not self._stop:
-                        self._cond.wait()
+                    if not self._inbox and not has_work and not self._stop:
+                        self._cond.wait(HEALTH_CHECK_INTERVAL_S)
                     if self._stop:
                         break
                     items = list(self._inbox)
                     self._inbox.clear()
+                if not items and not has_work:
+                    if check_health is not None:
+                        check_health()          # raises when the engine cannot step any more
+                    continue
                 n_added = self._apply(items)
                 stepped = False
                 n_new = 0
@@ -520,6 +536,11 @@ class AsyncEngine:
             by_loop.setdefault(stream.loop, []).append(stream)
         for loop, streams in by_loop.items():
             _call_soon(loop, _fail_all, streams, message)
+        if self.on_death is not None:
+            try:
+                self.on_death()
+            except Exception:  # noqa: BLE001 - the death is already reported
+                logger.exception("the engine's death callback failed")
 
 
 def _fail_all(streams: list[RequestStream], message: str) -> None:

@@ -40,7 +40,10 @@ class EngineConfig:
     scheduling_policy: str = "continuous"
     quantization: str | None = None            # None/"none", "int8" or "fp8": weight-only, per-channel scales
     kv_cache_dtype: str = "auto"               # "fp8": KV stored as float8 e4m3, half of bf16's bytes
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1              # ranks the model is split over (processes; machines with nnodes)
+    distributed_init_method: str | None = None  # tcp://HOST:PORT of node 0 (rank 0); None: one machine, any port
+    nnodes: int = 1                            # machines; each runs tensor_parallel_size // nnodes ranks
+    node_rank: int = 0                         # this machine's index; node 0 runs the scheduler and server
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -71,5 +74,18 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of none, fp8, int8; got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet; use 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of "
+                             f"nnodes={self.nnodes} (every machine runs the same number of ranks)")
+        if self.nnodes > 1 and self.distributed_init_method is None:
+            raise ValueError("nnodes > 1 needs distributed_init_method=tcp://HOST:PORT, an address of node 0 "
+                             "that every node can reach")
+        if self.distributed_init_method is not None:
+            from kvflow.distributed.parallel_state import parse_init_method
+            parse_init_method(self.distributed_init_method)

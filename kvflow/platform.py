@@ -8,11 +8,19 @@ import torch
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def pick_device(device: str) -> torch.device:
+def pick_device(device: str, local_rank: int | None = None) -> torch.device:
+    """`local_rank` (tensor parallelism): this process's rank among the ranks of its machine; on CUDA it takes
+    cuda:{local_rank} and makes it the current device (NCCL runs its collectives on the current device)."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+    if local_rank is not None and device.startswith("cuda"):
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"tensor-parallel local rank {local_rank} needs cuda:{local_rank}, but this machine "
+                             f"has {torch.cuda.device_count()} CUDA device(s)")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
     return torch.device(device)
 
 
@@ -33,10 +41,11 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
-def setup_threads(device: torch.device) -> None:
-    """The engine thread runs the model with every core (DESIGN: one process on CPU)."""
+def setup_threads(device: torch.device, ranks_on_this_machine: int = 1) -> None:
+    """The engine thread runs the model with every core (DESIGN: one process on CPU); with tensor parallelism
+    the ranks of one machine share its cores evenly, so they do not fight over them."""
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_this_machine))
 
 
 def available_memory(device: torch.device) -> int:
@@ -65,13 +74,16 @@ CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
 def kv_cache_budget(device: torch.device, kv_cache_memory: int | None, utilization: float | None,
-                    weights_bytes: int) -> int:
+                    weights_bytes: int, tensor_parallel_size: int = 1, ranks_on_this_machine: int = 1) -> int:
+    """Bytes this rank may give its KV cache. `kv_cache_memory` is the total over all tensor-parallel ranks
+    (each rank gets an equal share); `utilization` is per device on CUDA; on CPU the ranks of one machine
+    share its RAM, so its fraction (or the default budget) is split among them. `weights_bytes`: this rank's."""
     if kv_cache_memory is not None:
-        return kv_cache_memory
+        return kv_cache_memory // tensor_parallel_size
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used_by_others = total - free - torch.cuda.memory_allocated(device)
         return int(total * (utilization or 0.9)) - torch.cuda.memory_allocated(device) - used_by_others
     if utilization is not None:
-        return int(total_memory(device) * utilization) - weights_bytes
-    return min(CPU_DEFAULT_KV_CACHE_BYTES, available_memory(device) // 4)
+        return int(total_memory(device) * utilization) // ranks_on_this_machine - weights_bytes
+    return min(CPU_DEFAULT_KV_CACHE_BYTES, available_memory(device) // 4) // ranks_on_this_machine

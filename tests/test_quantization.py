@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kvflow import LLM, SamplingParams
 from kvflow.core.outputs import ScheduledRequest, SchedulerOutput
+from kvflow.layers.quantization import fp8_matmul_supported
 from kvflow.request import Request
 from kvflow.runner.forward_context import forward_context
 
@@ -35,7 +36,8 @@ def perplexity(llm: LLM, text: str, chunk: int = 32) -> float:
         for start in range(0, len(ids), chunk):
             n = min(chunk, len(ids) - start)
             sched = SchedulerOutput([ScheduledRequest("ppl", start, n, samples=False)])
-            input_ids, positions, meta, _, _ = engine.runner.prepare_inputs(sched, {"ppl": req}, kv.block_tables)
+            batch, _ = engine.runner.describe_step(sched, {"ppl": req}, kv.block_tables)
+            input_ids, positions, meta, _ = engine.runner.prepare_inputs(batch)
             with torch.inference_mode(), forward_context(meta):
                 logits.append(engine.runner.model.compute_logits(engine.runner.model(input_ids, positions)))
     finally:
@@ -59,9 +61,13 @@ def baseline():
     return perplexity(llm, TEXT), [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
+# Dequantized fp8 weights (CPU, older GPUs) agree with bf16 on 7/16 prompts; fp8 tensor cores (torch._scaled_mm,
+# per-token activation scales) agreed on 9/16 on an H200 (+2.0% perplexity), which meets the bar.
+ON_FP8_TENSOR_CORES = torch.cuda.is_available() and fp8_matmul_supported(torch.device("cuda"), torch.bfloat16)
 FP8_WEIGHTS_GAP = pytest.mark.xfail(
-    strict=True, reason="known gap: e4m3 weights keep perplexity within 3% (+1.6%) but agree with bf16's "
-                        "greedy output on only 7 of 16 prompts at 8 tokens on this 135M model")
+    not ON_FP8_TENSOR_CORES, strict=True,
+    reason="known gap: dequantized e4m3 weights keep perplexity within 3% (+1.6%) but agree with bf16's "
+           "greedy output on only 7 of 16 prompts at 8 tokens on this 135M model")
 
 
 @pytest.mark.parametrize("variant", [{"quantization": "int8"},

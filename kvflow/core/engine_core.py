@@ -30,7 +30,20 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None
                                        else self.model_config.eos_token_ids)
 
-        self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len)
+        # tensor parallelism: this process is rank 0; the executor starts the other ranks and sends them
+        # each step. The split is checked first, before any process starts.
+        self.workers = None
+        if config.tensor_parallel_size > 1:
+            from kvflow.distributed.executor import TensorParallelExecutor
+            from kvflow.models.llama import check_tensor_parallel
+            check_tensor_parallel(self.model_config, config.tensor_parallel_size)
+            self.workers = TensorParallelExecutor(config, self.max_model_len)
+        try:
+            self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len,
+                                      tp=self.workers.tp if self.workers else None, workers=self.workers)
+        except BaseException:
+            self.shutdown()
+            raise
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
@@ -47,6 +60,10 @@ class EngineCore:
                  str(r.dtype).removeprefix("torch."))
         log.info("weights loaded in %.1f s (%.0f MiB, %s)", r.load_seconds, r.weights_bytes / 2**20,
                  self.config.quantization if self.config.quantization not in (None, "none") else "not quantized")
+        if self.workers is not None:
+            log.info("tensor parallel: %d ranks; rank 0 holds %d of %d KV heads and %d of %d vocabulary rows "
+                     "(sizes below are rank 0's)", self.config.tensor_parallel_size, r.model.sizes.num_kv_heads,
+                     self.model_config.num_key_value_heads, r.model.sizes.vocab_size, self.model_config.vocab_size)
         log.info("KV cache %.2f GiB (%s) = %d blocks = %d tokens; maximum concurrency at max_model_len=%d: %.1fx",
                  r.kv_cache_bytes / 2**30, str(r.kv_dtype).removeprefix("torch."), r.num_blocks, tokens,
                  self.max_model_len, tokens / self.max_model_len)
@@ -89,6 +106,16 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._aborted_outputs)
+
+    def check_health(self) -> None:
+        """Raise if the engine cannot step any more (a tensor-parallel worker died). Cheap; for idle loops."""
+        if self.workers is not None:
+            self.workers.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any. Call once no step is running."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:

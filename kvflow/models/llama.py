@@ -3,6 +3,14 @@
 Q, K and V are one fused projection, and so are gate and up: one matmul each instead of three or two.
 `forward(input_ids, positions)` takes the flat batch of every scheduled token; attention finds the
 step's metadata in the forward context.
+
+Tensor parallelism (`tp`, one rank of N): every layer keeps plain `nn.Linear`s of this rank's size, so
+quantization swaps them as usual. Attention is split by KV-head groups (a rank gets whole KV heads and
+their query heads), the MLP by intermediate columns, the embedding and LM head by vocabulary rows, each
+contiguous and as even as possible. Q/K/V and gate/up compute their own columns (column-parallel); o_proj
+and down_proj sum partial products over the ranks (row-parallel: one all-reduce each). Everything else
+(norms, rotary, the residual stream) is replicated. `load_weights` takes each rank's slice of the full
+checkpoint tensors.
 """
 from __future__ import annotations
 
@@ -12,17 +20,58 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.attention import PagedAttention
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.model_config import ModelConfig
 
 
+def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+    """Every rank needs at least one whole KV head (and its group of query heads)."""
+    if size > cfg.num_key_value_heads:
+        raise ValueError(
+            f"tensor_parallel_size={size} cannot split this model: it has {cfg.num_attention_heads} attention "
+            f"heads and {cfg.num_key_value_heads} KV heads, and each rank needs at least one KV head; "
+            f"use tensor_parallel_size <= {cfg.num_key_value_heads}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ValueError(f"{cfg.num_attention_heads} attention heads do not form groups over "
+                         f"{cfg.num_key_value_heads} KV heads")
+
+
+class TensorParallelSizes:
+    """This rank's share of each split dimension: its sizes, and its [start, end) in checkpoint units (rows or
+    columns of the full tensors) for load_weights."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        check_tensor_parallel(cfg, tp.size)
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        kv_start, kv_end = tp.shard(cfg.num_key_value_heads)
+        self.num_kv_heads = kv_end - kv_start
+        self.num_heads = self.num_kv_heads * group
+        d = cfg.head_dim
+        self.q_rows = (kv_start * group * d, kv_end * group * d)
+        self.kv_rows = (kv_start * d, kv_end * d)
+        self.intermediate = tp.shard(cfg.intermediate_size)
+        self.intermediate_size = self.intermediate[1] - self.intermediate[0]
+        self.vocab = tp.shard(cfg.vocab_size)
+        self.vocab_size = self.vocab[1] - self.vocab[0]
+        # checkpoint name piece -> (dim to slice, this rank's range): output rows of the column-parallel
+        # layers, input columns of the row-parallel ones, vocabulary rows of the embedding and head
+        self.slices = {
+            "q_proj": (0, self.q_rows), "k_proj": (0, self.kv_rows), "v_proj": (0, self.kv_rows),
+            "o_proj": (1, self.q_rows),
+            "gate_proj": (0, self.intermediate), "up_proj": (0, self.intermediate),
+            "down_proj": (1, self.intermediate),
+            "embed_tokens": (0, self.vocab), "lm_head": (0, self.vocab),
+        }
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = sizes.num_heads, sizes.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
@@ -41,28 +90,29 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.tp.all_reduce(self.o_proj(self.attn(q, k, v)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, sizes: TensorParallelSizes):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate_size = sizes.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, tp, sizes)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp, sizes)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(positions, self.input_layernorm(h))
@@ -75,34 +125,51 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None):
         super().__init__()
         self.config = cfg
+        self.tp = tp = tp or TensorParallel()
+        self.sizes = sizes = TensorParallelSizes(cfg, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(sizes.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, tp, sizes) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, sizes.vocab_size, bias=False)
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(positions, h)
         return self.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        # this rank holds vocabulary rows [start, end): it looks up the ids in that range, gives zero rows
+        # for the others, and the sum over ranks is the full lookup (works for the quantized table too)
+        start, end = self.sizes.vocab
+        local = input_ids - start
+        outside = (local < 0) | (local >= end - start)
+        rows = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits over the whole vocabulary; under tensor parallelism every rank computes its vocabulary
+        slice and rank 0 gets them all (the other ranks get None)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if hasattr(head, "project"):          # quantized: dequantizes slice by slice
-            return head.project(hidden).float()
-        return F.linear(hidden, head.weight).float()
+            logits = head.project(hidden).float()
+        else:
+            logits = F.linear(hidden, head.weight).float()
+        return self.tp.gather_last_dim(logits, self.config.vocab_size)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up on the way."""
+        """Copy Hugging Face-named tensors in (this rank's slice of each), fusing q/k/v and gate/up on the way."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
@@ -111,6 +178,7 @@ class LlamaForCausalLM(nn.Module):
                 continue        # tied: the embedding serves as the head
             if "rotary_emb" in name:
                 continue
+            tensor = self._rank_slice(name, tensor)
             target = name
             for piece, (fused, shard) in _FUSED.items():
                 if f".{piece}." in name:
@@ -135,12 +203,22 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {missing[:8]}")
 
+    def _rank_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows or columns of a checkpoint tensor (all of it at size 1; biases slice with their rows)."""
+        if self.tp.size == 1:
+            return tensor
+        for piece in name.split("."):
+            if piece in self.sizes.slices:
+                dim, (start, end) = self.sizes.slices[piece]
+                return tensor.narrow(dim, start, end - start) if dim < tensor.dim() else tensor
+        return tensor      # norms (q_norm/k_norm are per head_dim): replicated
+
     def _shard_sizes(self, name: str) -> list[int]:
         """Row sizes of the pieces a (possibly fused) parameter is loaded from."""
-        cfg = self.config
+        cfg, sizes = self.config, self.sizes
         if "qkv_proj" in name:
-            kv = cfg.num_key_value_heads * cfg.head_dim
-            return [cfg.num_attention_heads * cfg.head_dim, kv, kv]
+            kv = sizes.num_kv_heads * cfg.head_dim
+            return [sizes.num_heads * cfg.head_dim, kv, kv]
         if "gate_up_proj" in name:
-            return [cfg.intermediate_size, cfg.intermediate_size]
+            return [sizes.intermediate_size, sizes.intermediate_size]
         return [0]

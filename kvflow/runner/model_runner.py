@@ -2,11 +2,14 @@
 runs one forward over the flat batch, and returns one sampled token per sampling request.
 
 The batch is laid out decodes first (one token each, attended in one batched call), then prefill chunks.
+A step goes SchedulerOutput -> StepBatch (plain Python lists: what every tensor-parallel rank needs, and
+what rank 0 sends the others) -> tensors -> forward. Only rank 0 (the one with the scheduler) samples.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,6 +17,7 @@ import torch
 from kvflow import platform
 from kvflow.config import EngineConfig
 from kvflow.core.outputs import SchedulerOutput
+from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.quantization import QUANT_DTYPES, quantize_model
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.loader import iter_weights
@@ -27,19 +31,37 @@ log = logging.getLogger("kvflow")
 MODEL_FAMILIES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
 
 
+@dataclass
+class StepBatch:
+    """One step's work, per scheduled request in batch order (decodes first, then prefill chunks): what every
+    rank needs to build the step's tensors. Plain lists, cheap to pickle for the other ranks."""
+    num_decodes: int
+    token_ids: list[int]                # the flat batch's input ids, this step's chunk of each request
+    num_computed_tokens: list[int]
+    num_new_tokens: list[int]
+    block_tables: list[list[int]]
+    samples: list[bool]
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path, max_model_len: int):
+    """`tp`: this process's tensor-parallel rank (default: the only one). `workers`: on rank 0 under tensor
+    parallelism, the handle on the other ranks (`TensorParallelExecutor`): each step is sent to them first."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path, max_model_len: int,
+                 tp: TensorParallel | None = None, workers=None):
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
-        self.device = platform.pick_device(config.device)
+        self.tp = tp = tp or TensorParallel()
+        self.workers = workers
+        self.device = platform.pick_device(config.device, tp.local_rank if tp.size > 1 else None)
         self.dtype = platform.pick_dtype(config.dtype, self.device)
-        platform.setup_threads(self.device)
+        platform.setup_threads(self.device, tp.local_size)
 
         t0 = time.perf_counter()
         with torch.device(self.device):
-            model = MODEL_FAMILIES[model_config.family](model_config, max_model_len)
+            model = MODEL_FAMILIES[model_config.family](model_config, max_model_len, tp)
         model.load_weights(iter_weights(model_path))
         # weights in the compute dtype; the rotary tables stay float32 (norms compute in float32 inside)
         self.model = model.to(self.dtype)
@@ -52,24 +74,27 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
 
         self.num_blocks = self._allocate_kv_cache()
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device) if tp.is_first else None
 
     # ---- KV cache ------------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
         cfg = self.model_config
         self.kv_dtype = torch.float8_e4m3fn if self.config.kv_cache_dtype == "fp8" else self.dtype
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        per_block = 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        num_kv_heads = self.model.sizes.num_kv_heads          # this rank's share of the heads
+        per_block = 2 * cfg.num_hidden_layers * self.block_size * num_kv_heads * cfg.head_dim * elem
         budget = platform.kv_cache_budget(self.device, self.config.kv_cache_memory,
-                                          self.config.gpu_memory_utilization, self.weights_bytes)
-        num_blocks = budget // per_block
+                                          self.config.gpu_memory_utilization, self.weights_bytes,
+                                          self.tp.size, self.tp.local_size)
+        # every rank indexes the same block ids: the rank that fits the fewest blocks sets the number
+        num_blocks = self.tp.min_over_ranks(max(budget, 0) // per_block)
         need = -(-self.max_model_len // self.block_size)
         if num_blocks < need:
             raise ValueError(
                 f"the KV cache budget ({budget / 2**20:.1f} MiB = {max(num_blocks, 0)} blocks of {self.block_size} "
                 f"tokens) cannot hold one request of max_model_len={self.max_model_len} ({need} blocks); "
                 f"raise kv_cache_memory / gpu_memory_utilization or lower max_model_len")
-        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, num_kv_heads, cfg.head_dim)
         # zeroed, not empty: batched decode reads padded slots under a mask, and a NaN bit pattern
         # there would still poison the output (0 * NaN)
         storage = torch.uint8 if elem == 1 else self.kv_dtype     # CPU torch cannot fill float8 tensors
@@ -80,63 +105,81 @@ class ModelRunner:
         return num_blocks
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare_inputs(self, sched: SchedulerOutput, requests: dict[str, Request],
-                       block_tables: dict[str, list[int]]):
-        bs = self.block_size
+    @staticmethod
+    def describe_step(sched: SchedulerOutput, requests: dict[str, Request],
+                      block_tables: dict[str, list[int]]) -> tuple[StepBatch, list[str]]:
+        """The step as plain lists, in batch order, and the ids of the requests that sample, in logits order."""
         decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
+        token_ids = [requests[s.request_id].token_ids[s.num_computed_tokens] for s in decodes]
+        for s in prefills:
+            token_ids += requests[s.request_id].token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
+        batch = StepBatch(num_decodes=len(decodes), token_ids=token_ids,
+                          num_computed_tokens=[s.num_computed_tokens for s in ordered],
+                          num_new_tokens=[s.num_new_tokens for s in ordered],
+                          block_tables=[block_tables[s.request_id] for s in ordered],
+                          samples=[s.samples for s in ordered])
+        return batch, [s.request_id for s in ordered if s.samples]
 
-        input_ids: list[int] = []
+    def prepare_inputs(self, batch: StepBatch):
+        bs = self.block_size
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         logits_indices: list[int] = []
-        sampling_ids: list[str] = []
 
-        nd = len(decodes)
+        nd = batch.num_decodes
         meta = AttentionMetadata(slot_mapping=None, num_decode_tokens=nd)
         if nd:
-            tables = [block_tables[s.request_id] for s in decodes]
+            tables = batch.block_tables[:nd]
             width = max(len(t) for t in tables)
             bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-            pos = torch.tensor([s.num_computed_tokens for s in decodes], dtype=torch.long)
-            input_ids += [requests[s.request_id].token_ids[s.num_computed_tokens] for s in decodes]
+            pos = torch.tensor(batch.num_computed_tokens[:nd], dtype=torch.long)
             positions.append(pos)
             slots.append(bt[torch.arange(nd), pos // bs] * bs + pos % bs)
             meta.decode_block_tables = bt.to(self.device)
             key_pos = torch.arange(width * bs)
             meta.decode_key_mask = (key_pos[None, :] <= pos[:, None])[:, None, None, :].to(self.device)
         row = nd
-        for s in prefills:
-            req = requests[s.request_id]
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            table = torch.tensor(block_tables[s.request_id], dtype=torch.long)
-            pos = torch.arange(start, end, dtype=torch.long)
-            input_ids += req.token_ids[start:end]
+        for i in range(nd, len(batch.num_new_tokens)):
+            start, n = batch.num_computed_tokens[i], batch.num_new_tokens[i]
+            table = torch.tensor(batch.block_tables[i], dtype=torch.long)
+            pos = torch.arange(start, start + n, dtype=torch.long)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            meta.prefills.append(PrefillSeq(row, s.num_new_tokens, end, table.to(self.device)))
-            row += s.num_new_tokens
+            meta.prefills.append(PrefillSeq(row, n, start + n, table.to(self.device)))
+            row += n
         row = 0
-        for s in ordered:
-            row += s.num_new_tokens
-            if s.samples:
+        for n, samples in zip(batch.num_new_tokens, batch.samples):
+            row += n
+            if samples:
                 logits_indices.append(row - 1)
-                sampling_ids.append(s.request_id)
         meta.slot_mapping = torch.cat(slots).to(self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         pos = torch.cat(positions).to(self.device)
-        return ids, pos, meta, torch.tensor(logits_indices, dtype=torch.long, device=self.device), sampling_ids
+        return ids, pos, meta, torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor | None:
+        """Every rank's part of a step: the forward, then the logits of the sampling rows (rank 0 gets the whole
+        vocabulary's; other ranks, and steps where no request samples, get None)."""
+        ids, pos, meta, logits_indices = self.prepare_inputs(batch)
+        with forward_context(meta):
+            hidden = self.model(ids, pos)
+        if not len(logits_indices):
+            return None
+        return self.model.compute_logits(hidden[logits_indices])
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, requests: dict[str, Request],
                 block_tables: dict[str, list[int]]) -> tuple[dict[str, int], dict[str, dict | None]]:
-        ids, pos, meta, logits_indices, sampling_ids = self.prepare_inputs(sched, requests, block_tables)
-        with forward_context(meta):
-            hidden = self.model(ids, pos)
+        batch, sampling_ids = self.describe_step(sched, requests, block_tables)
+        if self.workers is None:
+            logits = self.forward(batch)
+        else:
+            logits = self.workers.run_step(batch, self.forward)
         if not sampling_ids:
             return {}, {}
-        logits = self.model.compute_logits(hidden[logits_indices])
         reqs = [requests[r] for r in sampling_ids]
         tokens, logprobs = self.sampler(logits, reqs)
         lp = logprobs or [None] * len(tokens)

@@ -34,7 +34,14 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--quantization", "-q", default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N processes (gloo on CPU, NCCL on CUDA, one GPU each)")
+    p.add_argument("--distributed-init-method", default=None, metavar="tcp://HOST:PORT",
+                   help="rendezvous of a multi-machine run: an address of node 0 every node can reach "
+                        "(default: one machine, a free local port)")
+    p.add_argument("--nnodes", type=int, default=1, help="machines; each runs tensor-parallel-size / nnodes ranks")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index; node 0 serves HTTP, the others only run their ranks")
     p.add_argument("--scheduling-policy", default="continuous", help="continuous (default), fcfs or static")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=os.environ.get("KVFLOW_API_KEY") or os.environ.get("VLLM_API_KEY"),
@@ -77,6 +84,9 @@ def config_from_args(args):
         quantization=None if args.quantization in (None, "none") else args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
+        distributed_init_method=args.distributed_init_method,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
         seed=args.seed,
     )
 
@@ -96,6 +106,9 @@ def run_serve(args) -> int:
     setup_logging(args.log_level)
     config = config_from_args(args)   # ValueError ("... not supported yet") -> clean error exit in kvflow.cli
     logger.info("kvflow serve: %s", ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(config).items()))
+    if config.node_rank > 0:          # another machine's ranks of a multi-machine run: no server here
+        from kvflow.distributed.worker import run_worker_node
+        return run_worker_node(config)
     logger.info("server: host=%s port=%d api_key=%s max_queue_len=%s request_log=%s", args.host, args.port,
                 "set" if args.api_key else "none", args.max_queue_len, args.request_log)
     engine = AsyncEngine.from_config(config, max_queue_len=args.max_queue_len, request_log=args.request_log,
@@ -110,9 +123,17 @@ def run_serve(args) -> int:
     # then the app's lifespan stops the engine) and re-raises the signal afterwards: a no-op SIGTERM handler
     # makes that re-raise harmless, so a graceful SIGTERM exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
+
+    def stop_serving():   # the engine died: its requests got errors; stop the server, exit non-zero below
+        server.should_exit = True
+
+    engine.on_death = stop_serving
     logger.info("serving %s on http://%s:%d/v1", ", ".join(names), args.host, args.port)
     try:
         server.run()
     except KeyboardInterrupt:
         pass
+    if engine._dead is not None:
+        logger.error("exiting: %s", engine._dead)
+        return 1
     return 0

@@ -1,0 +1,118 @@
+"""Rank 0's side of tensor parallelism (the process with the scheduler and the server).
+
+At start it spawns this machine's other ranks, joins the group, and sends every rank its settings. Each
+step it sends the step's description (`StepBatch`) over the control group, then runs its own share of the
+forward; the other ranks do the same, and the model's collectives tie the shares together.
+
+Worker death must end the engine, not hang it: a collective with a dead peer fails at once (its connections
+close), the group's timeout catches a peer that hangs, a local worker's exit code is checked before every
+step, and an idle engine pings the workers (`check_health`) so an idle server notices too. Each of these
+raises `TensorParallelError`, which AsyncEngine treats as engine death.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from kvflow import platform
+from kvflow.config import EngineConfig
+from kvflow.distributed.parallel_state import free_local_port, join_process_group, leave_process_group
+from kvflow.distributed.worker import (PING, STEP, STOP, Placement, describe_exit, node_placements,
+                                       start_local_workers, stop_local_workers)
+
+log = logging.getLogger("kvflow.distributed")
+
+
+class TensorParallelError(RuntimeError):
+    """A worker died, or a collective failed: the ranks are out of step and the engine cannot go on."""
+
+
+class TensorParallelExecutor:
+    def __init__(self, config: EngineConfig, max_model_len: int):
+        self.failed: str | None = None
+        self._closed = False
+        self.tp = None
+        # rank 0 shares this machine's cores with its local workers (ModelRunner sets fewer torch threads);
+        # the count is per process, so it is given back at shutdown for engines that run here later
+        self._threads_before = torch.get_num_threads()
+        init_method = config.distributed_init_method or f"tcp://127.0.0.1:{free_local_port()}"
+        placements = node_placements(config, init_method)
+        self.workers: list[tuple[Placement, object]] = start_local_workers(config, placements[1:])
+        try:
+            remote = config.tensor_parallel_size - len(placements)
+            log.info("tensor parallel: %d ranks (%d on this machine%s), rendezvous at %s",
+                     config.tensor_parallel_size, len(placements),
+                     f", {remote} on {config.nnodes - 1} other node(s)" if remote else "", init_method)
+            device = platform.pick_device(config.device, 0)
+            self.tp = join_process_group(init_method, 0, config.tensor_parallel_size, 0, len(placements),
+                                         device, self.check_alive)
+            self.tp.broadcast_from_first((config, max_model_len))
+        except BaseException as e:
+            self.failed = self.failed or f"tensor-parallel start failed: {e}"
+            self.shutdown()
+            raise
+
+    # ---- liveness ----------------------------------------------------------------------------------
+    def _dead_workers(self) -> list[str]:
+        return [describe_exit(p, proc) for p, proc in self.workers if proc.exitcode is not None]
+
+    def check_alive(self) -> None:
+        """Raise if a local worker has exited (a cheap waitpid per worker)."""
+        if self.failed is not None:
+            raise TensorParallelError(self.failed)
+        dead = self._dead_workers()
+        if dead:
+            self.failed = "; ".join(dead)
+            raise TensorParallelError(self.failed)
+
+    def check_health(self) -> None:
+        """Between steps (an idle engine calls this now and then): local exit codes, then a ping that fails
+        if any rank, on any machine, has closed its connections."""
+        self.check_alive()
+        try:
+            self.tp.broadcast_from_first((PING, None))
+        except Exception as e:
+            raise self._failure(e) from e
+
+    def _failure(self, error: Exception) -> TensorParallelError:
+        # a collective failed: most likely a worker died; give its exit a moment to show, then say who
+        deadline = time.monotonic() + 2.0
+        dead = self._dead_workers()
+        while not dead and self.workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = self._dead_workers()
+        if dead:      # the collective's own error (connection reset ...) only says that a peer went away
+            self.failed = "; ".join(dead)
+        else:
+            first_line = str(error).splitlines()[0] if str(error) else ""
+            self.failed = f"a tensor-parallel step failed: {type(error).__name__}: {first_line}"
+        return TensorParallelError(self.failed)
+
+    # ---- steps -------------------------------------------------------------------------------------
+    def run_step(self, batch, forward: Callable):
+        """Send the step to every rank, run rank 0's share (`forward(batch)`), return its result."""
+        self.check_alive()
+        try:
+            self.tp.broadcast_from_first((STEP, batch))
+            return forward(batch)
+        except Exception as e:
+            raise self._failure(e) from e
+
+    # ---- shutdown ----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Tell every rank to stop, wait for the local workers (terminate stragglers), leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.tp is not None and self.failed is None:
+            try:
+                self.tp.broadcast_from_first((STOP, None))
+            except Exception as e:  # noqa: BLE001 - a broken group: the workers are stopped below anyway
+                log.warning("tensor parallel: could not send stop: %s", str(e).splitlines()[0] if str(e) else e)
+        stop_local_workers(self.workers, timeout=10.0 if self.failed is None else 1.0)
+        leave_process_group()
+        torch.set_num_threads(self._threads_before)
+        log.info("tensor parallel: workers stopped")
