@@ -19,6 +19,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.outputs import SchedulerOutput
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.quantization import QUANT_DTYPES, quantize_model
+from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.loader import iter_weights
 from kvflow.models.model_config import ModelConfig
@@ -68,6 +69,10 @@ class ModelRunner:
         model.rotary.float()
         if config.quantization in QUANT_DTYPES:
             quantize_model(model, config.quantization, self.dtype)
+        elif platform.small_batch_bf16_copies(config.dtype, config.quantization, self.device, self.dtype):
+            enable_small_batch_bf16(model)
+            log.info("float32 compute; steps of <= %d rows read bfloat16 copies of the weights (dtype=auto on a "
+                     "CPU without native bf16 matmul; dtype=float32 turns this off)", SMALL_BATCH_ROWS)
         self.model.eval()
         self.weights_bytes = sum(t.numel() * t.element_size() for name, t in
                                  [*model.named_parameters(), *model.named_buffers()] if not name.startswith("rotary"))
