@@ -2,7 +2,10 @@
 same prompts, same weights (the embedded SmolLM2, dequantized), same dtype, side by side in one run.
 
     python benchmarks/offline_throughput.py [--num-prompts 64] [--max-tokens 64] [--reps 3] [--dtype auto]
-                                            [--device auto] [--hf-batch-size 64]
+                                            [--device auto] [--hf-batch-size 64] [--hf-dtype DTYPE]
+
+--hf-dtype sets transformers' dtype apart from kvflow's (default: the same), e.g. the performance issue's
+baseline `--hf-dtype bfloat16` against kvflow's `--dtype auto`.
 
 Each side generates exactly max_tokens per prompt (kvflow: ignore_eos; transformers: min_new_tokens).
 Reports output tokens per second, the median of --reps runs after one warm-up, and the ratio.
@@ -61,18 +64,18 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on AMX/AVX-512-BF16 CPUs, else float32")
     ap.add_argument("--hf-batch-size", type=int, nargs="+", default=[64])
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    ap.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: kvflow's)")
     args = ap.parse_args()
     from kvflow import platform
     device = platform.pick_device(args.device)
-    dtype = platform.pick_dtype(args.dtype, device)
-    args.dtype = str(dtype).removeprefix("torch.")
+    hf_dtype = platform.pick_dtype(args.hf_dtype or args.dtype, device)
 
     llm = LLM(dtype=args.dtype, device=str(device), max_model_len=1024, kv_cache_memory="2GiB",
               max_num_seqs=args.num_prompts, max_num_batched_tokens=max(1024, 32 * args.num_prompts))
     prompts = make_prompts(llm, args.num_prompts)
     from transformers import AutoModelForCausalLM
     path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=hf_dtype).to(device).eval()
     pad = llm.tokenizer.eos_token_id
 
     bench_kvflow(llm, prompts[:8], 8)                              # warm-up
@@ -84,7 +87,9 @@ def main() -> None:
             results[f"hf_bs{b}"].append(bench_hf(hf, prompts, args.max_tokens, b, pad))
     med = {k: statistics.median(v) for k, v in results.items()}
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    print(f"{args.num_prompts} prompts x {args.max_tokens} tokens, {args.dtype}, {where}, median of {args.reps}")
+    kv_dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
+    print(f"{args.num_prompts} prompts x {args.max_tokens} tokens, kvflow dtype={args.dtype} ({kv_dtype}), "
+          f"transformers {str(hf_dtype).removeprefix('torch.')}, {where}, median of {args.reps}")
     print(f"{'engine':<16}{'output tok/s':>14}{'runs':>40}")
     for k, v in results.items():
         print(f"{k:<16}{med[k]:>14.1f}{'  ' + ', '.join(f'{x:.1f}' for x in v):>40}")

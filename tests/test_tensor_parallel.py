@@ -45,8 +45,10 @@ def no_worker_left_behind():
         time.sleep(0.1)
 
 
+# The issue's configuration is gloo on CPU: pinned, so a one-GPU machine runs these tests too (NCCL would
+# need a GPU per rank).
 def core_config(path, **kw) -> EngineConfig:
-    args = dict(model=str(path), dtype="float32", max_model_len=256, kv_cache_memory="32MiB")
+    args = dict(model=str(path), dtype="float32", max_model_len=256, kv_cache_memory="32MiB", device="cpu")
     args.update(kw)
     return EngineConfig(**args)
 
@@ -178,7 +180,7 @@ def test_smollm2_tp2_greedy_matches_tp1(smol_llm):
                "The three laws of motion are"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in smol_llm.generate(prompts, params)]
-    llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory="256MiB", tensor_parallel_size=2)
+    llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory="256MiB", tensor_parallel_size=2, device="cpu")
     try:
         assert llm.engine.runner.model.sizes.num_kv_heads == 2            # 3 KV heads: 2 on rank 0, 1 on rank 1
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -191,7 +193,7 @@ def test_smollm2_tp2_greedy_matches_tp1(smol_llm):
 
 def test_server_answers_the_openai_client_and_an_idle_worker_death_turns_health_503(tiny_even):
     config = core_config(tiny_even, tensor_parallel_size=2, served_model_name="tiny", max_model_len=512)
-    tp1 = LLM(str(tiny_even), dtype="float32", max_model_len=512, kv_cache_memory="32MiB")
+    tp1 = LLM(str(tiny_even), dtype="float32", max_model_len=512, kv_cache_memory="32MiB", device="cpu")
     expected = tp1.generate("Tensor parallel", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     with ServerThread(config) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
@@ -256,7 +258,7 @@ def gone(pid: int) -> bool:
 
 def test_killing_a_worker_mid_request_fails_the_request_and_the_server_exits_non_zero(tiny_even, tmp_path):
     port, log = free_port(), tmp_path / "serve.log"
-    proc = serve([str(tiny_even), "--tensor-parallel-size", "2", "--port", str(port), "--host", "127.0.0.1",
+    proc = serve([str(tiny_even), "--device", "cpu", "--tensor-parallel-size", "2", "--port", str(port), "--host", "127.0.0.1",
                   "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "32MiB",
                   "--served-model-name", "tiny"], log)
     try:
@@ -295,7 +297,7 @@ def test_killing_a_worker_mid_request_fails_the_request_and_the_server_exits_non
 def test_two_nodes_on_one_machine_serve_and_stop_together(tiny_even, tmp_path):
     """Node 0 runs the server and rank 0, node 1 (`--node-rank 1`) only rank 1, over tcp://127.0.0.1:PORT."""
     port, rendezvous = free_port(), f"tcp://127.0.0.1:{free_port()}"
-    common = [str(tiny_even), "--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-init-method",
+    common = [str(tiny_even), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-init-method",
               rendezvous, "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "32MiB"]
     log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
     node1 = serve([*common, "--node-rank", "1"], log1)        # may start first: it waits for node 0
@@ -308,7 +310,7 @@ def test_two_nodes_on_one_machine_serve_and_stop_together(tiny_even, tmp_path):
         text = "".join(c.choices[0].text for c in client.completions.create(
             model="tiny", prompt="two machines", max_tokens=12, temperature=0, stream=True,
             extra_body={"ignore_eos": True}))
-        tp1 = LLM(str(tiny_even), dtype="float32", max_model_len=512, kv_cache_memory="32MiB")
+        tp1 = LLM(str(tiny_even), dtype="float32", max_model_len=512, kv_cache_memory="32MiB", device="cpu")
         assert text == tp1.generate("two machines", SamplingParams(temperature=0, max_tokens=12,
                                                                      ignore_eos=True))[0].outputs[0].text
         assert "no HTTP server on this node" in log1.read_text()
