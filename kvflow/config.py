@@ -36,6 +36,7 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None  # fraction of device memory (RAM on CPU) for weights + KV
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
+    max_prefill_tokens_while_decoding: int = 0   # cap on a step's prompt tokens while others stream (0: off)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"
     quantization: str | None = None            # None/"none", "int8" or "fp8": weight-only, per-channel scales
@@ -65,6 +66,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 0 (0: no cap), "
+                             f"got {self.max_prefill_tokens_while_decoding}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -102,3 +102,29 @@ def test_abort_frees_blocks_wherever_the_request_is():
     assert a.status == b.status == RequestStatus.FINISHED_ABORTED
     assert not sched.has_unfinished_requests()
     kv.check()
+
+
+def test_prefill_is_capped_only_while_others_are_decoding():
+    sched, kv = make(max_num_batched_tokens=16, max_prefill_tokens_while_decoding=3)
+    reqs = {}
+    add(sched, "a", 10, max_tokens=20, requests=reqs)
+    assert [s.num_new_tokens for s in run_step(sched, reqs).scheduled] == [10]   # no one decoding: full budget
+    add(sched, "long", 12, max_tokens=2, requests=reqs)
+    chunks = []
+    for _ in range(4):
+        out = run_step(sched, reqs)
+        assert ("a", 1) == (out.scheduled[0].request_id, out.scheduled[0].num_new_tokens)   # a keeps decoding
+        chunks += [s.num_new_tokens for s in out.scheduled if s.request_id == "long"]
+    assert chunks == [3, 3, 3, 3]                     # while a streams, the prompt advances 3 tokens a step
+    assert reqs["long"].num_output_tokens == 1
+    # once nothing decodes, a new prompt takes the whole budget again
+    while sched.running:
+        run_step(sched, reqs)
+    add(sched, "c", 14, requests=reqs)
+    assert [s.num_new_tokens for s in run_step(sched, reqs).scheduled] == [14]
+
+
+def test_prefill_cap_must_not_be_negative():
+    import pytest
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        EngineConfig(max_prefill_tokens_while_decoding=-1)

@@ -4,6 +4,10 @@ One token budget per step. Running requests go first (a decode costs one token, 
 takes what is left of the budget); then waiting requests are admitted in arrival order while the budget,
 `max_num_seqs` and free blocks allow. A request that needs a block when none is free preempts the newest
 running request, which loses its KV and goes back to the head of the waiting queue (recompute).
+
+`max_prefill_tokens_while_decoding` (0: off) caps the prompt tokens of a step while any running request is
+already generating: a step with a long prefill chunk is a long gap between the streaming requests' tokens,
+so while they stream, prompts advance in small chunks; with no one decoding, prompts take the whole budget.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
         self.static = config.scheduling_policy == "static"
         self.max_model_len = max_model_len
         self.kv = kv_cache_manager
@@ -37,10 +42,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        cap = self.max_prefill_tokens_while_decoding
+        decoding = cap > 0 and any(r.num_output_tokens > 0 and r.num_tokens - r.num_computed_tokens == 1
+                                   for r in self.running)
+        prefill_budget = cap if decoding else budget          # prompt tokens this step
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new > 1 or req.num_tokens - req.num_computed_tokens > 1:   # a prompt (or recompute) chunk
+                num_new = min(num_new, prefill_budget)
+                if num_new <= 0:
+                    i += 1
+                    continue
+                prefill_budget -= num_new
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -58,11 +73,11 @@ class Scheduler:
         may_admit = not out.preempted_ids and not batch_closed
         while may_admit and self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if not self.static and budget <= 0:
+            if not self.static and min(budget, prefill_budget) <= 0:
                 break
             computed_blocks, num_cached = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_cached
-            num_new = min(remaining, budget)
+            num_new = min(remaining, budget, prefill_budget) if not self.static else min(remaining, budget)
             # static admits the whole batch now and prefills it over the next steps
             reserve = remaining if self.static else num_new
             req.num_computed_tokens = num_cached
@@ -80,6 +95,7 @@ class Scheduler:
             if num_new > 0:
                 out.scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
+                prefill_budget -= num_new
         return out
 
     @staticmethod

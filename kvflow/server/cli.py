@@ -31,6 +31,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=0,
+                   help="while requests are generating, prefill at most this many prompt tokens per step, so "
+                        "their streams do not stall behind a long prompt (0: no cap; see docs/performance.md)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--quantization", "-q", default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
@@ -79,6 +82,7 @@ def config_from_args(args):
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         quantization=None if args.quantization in (None, "none") else args.quantization,
