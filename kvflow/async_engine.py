@@ -264,6 +264,11 @@ class AsyncEngine:
         return self
 
     @property
+    def death_reason(self) -> str | None:
+        """Why the engine loop died, or None while it lives."""
+        return self._dead
+
+    @property
     def is_alive(self) -> bool:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 
@@ -298,9 +303,7 @@ class AsyncEngine:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         if self._thread is None or not self._thread.is_alive():    # never while a step may still run
-            shutdown = getattr(self.core, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            self.core.shutdown()
         self.metrics.set_engine_alive(False)
         self.metrics.close()
 
@@ -423,7 +426,6 @@ class AsyncEngine:
     # ---- engine thread -----------------------------------------------------------------------------------------
     def _run(self) -> None:
         core = self.core
-        check_health = getattr(core, "check_health", None)
         try:
             has_work = False
             while True:
@@ -435,8 +437,7 @@ class AsyncEngine:
                     items = list(self._inbox)
                     self._inbox.clear()
                 if not items and not has_work:
-                    if check_health is not None:
-                        check_health()          # raises when the engine cannot step any more
+                    core.check_health()         # raises when the engine cannot step any more
                     continue
                 n_added = self._apply(items)
                 stepped = False

@@ -49,8 +49,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new > 1 or req.num_tokens - req.num_computed_tokens > 1:   # a prompt (or recompute) chunk
+            remaining = req.num_tokens - req.num_computed_tokens
+            num_new = min(remaining, budget)
+            if remaining > 1:                                  # a prompt (or recompute) chunk, not a decode
                 num_new = min(num_new, prefill_budget)
                 if num_new <= 0:
                     i += 1
@@ -77,7 +78,7 @@ class Scheduler:
                 break
             computed_blocks, num_cached = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_cached
-            num_new = min(remaining, budget, prefill_budget) if not self.static else min(remaining, budget)
+            num_new = min(remaining, budget, prefill_budget)   # prefill_budget >= budget unless capped
             # static admits the whole batch now and prefills it over the next steps
             reserve = remaining if self.static else num_new
             req.num_computed_tokens = num_cached

@@ -71,11 +71,11 @@ class QuantizedLinear(nn.Module):
 
 
 class QuantizedEmbedding(nn.Module):
-    """A quantized embedding table that can also serve as the (tied) LM head via `project`."""
+    """A quantized [vocab, hidden] table: the embedding (lookups) and/or the LM head (`project`), tied or not."""
 
-    def __init__(self, embedding: nn.Embedding, method: str, dtype: torch.dtype):
+    def __init__(self, table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype):
         super().__init__()
-        q, scale = quantize_rows(embedding.weight, method)
+        q, scale = quantize_rows(table.weight, method)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
         self.dtype = dtype
@@ -87,17 +87,6 @@ class QuantizedEmbedding(nn.Module):
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.cat([_dequant_matmul(hidden, q, s) for q, s in
                           zip(self.qweight.split(HEAD_CHUNK_ROWS), self.scale.split(HEAD_CHUNK_ROWS))], dim=-1)
-
-
-class QuantizedHead(QuantizedEmbedding):
-    """An untied LM head (nn.Linear [vocab, hidden]) stored quantized."""
-
-    def __init__(self, linear: nn.Linear, method: str, dtype: torch.dtype):
-        nn.Module.__init__(self)
-        q, scale = quantize_rows(linear.weight, method)
-        self.register_buffer("qweight", q)
-        self.register_buffer("scale", scale)
-        self.dtype = dtype
 
 
 def _probe_fp8_matmul(layer: QuantizedLinear, dtype: torch.dtype) -> str | None:
@@ -121,7 +110,7 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 head = name == "lm_head"
-                setattr(module, name, QuantizedHead(child, "int8", dtype) if head else QuantizedLinear(child, method))
+                setattr(module, name, QuantizedEmbedding(child, "int8", dtype) if head else QuantizedLinear(child, method))
             elif isinstance(child, nn.Embedding):
                 # the embedding (and tied LM head) is int8 in both modes: e4m3's 3-bit mantissa costs the
                 # small embedded model >3% perplexity there, where vLLM would keep it unquantized

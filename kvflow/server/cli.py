@@ -137,7 +137,7 @@ def run_serve(args) -> int:
         server.run()
     except KeyboardInterrupt:
         pass
-    if engine._dead is not None:
-        logger.error("exiting: %s", engine._dead)
+    if engine.death_reason is not None:
+        logger.error("exiting: %s", engine.death_reason)
         return 1
     return 0
