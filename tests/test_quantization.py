@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kvflow import LLM, SamplingParams
 from kvflow.core.outputs import ScheduledRequest, SchedulerOutput
-from kvflow.layers.quantization import fp8_matmul_supported
+from kvflow.layers.quantization import (QuantizedEmbedding, QuantizedLinear, QuantizedRows, fp8_matmul_supported,
+                                        int8_kernel_supported, to_float)
 from kvflow.request import Request
 from kvflow.runner.forward_context import forward_context
 
@@ -105,3 +107,43 @@ def test_fp8_kv_cache_doubles_token_capacity():
 def test_unknown_quantization_is_a_clear_error():
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(quantization="int4")
+
+
+def test_fp8_to_float_matches_torch_on_every_code():
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = ~codes.float().isnan()             # 0x7f and 0xff are NaN; weights and the KV cache never hold them
+    for dtype in (torch.float32, torch.bfloat16):
+        ours, theirs = to_float(codes, dtype)[finite], codes.to(dtype)[finite]
+        assert torch.equal(ours.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           theirs.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), dtype
+
+
+@pytest.mark.skipif(not int8_kernel_supported(torch.device("cpu"), 64), reason="torch has no CPU int8 kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kernel_matches_dequantized_matmul(dtype):
+    torch.manual_seed(0)
+    layer = QuantizedLinear(nn.Linear(64, 40, bias=True), "int8").to(dtype)
+    reference = {}
+    for rows in (1, 3, 17, 40):
+        reference[rows] = torch.randn(rows + 1, 65, dtype=dtype)[1:, 1:]   # a strided view at an odd offset
+    expected = {rows: layer(x) for rows, x in reference.items()}
+    layer.use_int8_kernel(17)
+    for rows, x in reference.items():
+        y = layer(x)
+        assert y.dtype == dtype and y.shape == (rows, 40)
+        err = ((y.float() - expected[rows].float()).norm() / expected[rows].float().norm()).item()
+        assert err < 1e-2, (rows, err)
+    assert not int8_kernel_supported(torch.device("cpu"), 40)     # K not a multiple of 16: never handed over
+
+
+@pytest.mark.skipif(not int8_kernel_supported(torch.device("cpu"), 576), reason="torch has no CPU int8 kernel")
+def test_int8_matrices_use_the_cpu_kernel():
+    """On CPU every int8 matrix of the embedded model runs torch's int8 kernel for small steps: the int8 layers
+    and the int8 embedding/LM head of both modes (the fp8 layers keep dequantizing)."""
+    for method in ("int8", "fp8"):
+        llm = LLM(quantization=method, device="cpu", max_model_len=256, kv_cache_memory="16MiB")
+        matrices = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedRows)]
+        int8 = [m for m in matrices if m.qweight.dtype == torch.int8]
+        assert int8 and all(m.int8_kernel_rows > 0 for m in int8), method
+        assert all(m.int8_kernel_rows == 0 for m in matrices if m.qweight.dtype != torch.int8)
+        assert any(isinstance(m, QuantizedEmbedding) for m in int8)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.layers.quantization import to_float
 from kvflow.runner.forward_context import get_attn_metadata
 
 FP8_MAX = 448.0
@@ -55,7 +56,7 @@ class PagedAttention(nn.Module):
     @staticmethod
     def _load(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if cache.dtype == torch.float8_e4m3fn:
-            return cache.view(torch.uint8)[blocks].view(cache.dtype).to(dtype)
+            return to_float(cache.view(torch.uint8)[blocks].view(cache.dtype), dtype)
         return cache[blocks]
 
     def _decode(self, q: torch.Tensor, meta) -> torch.Tensor:

@@ -9,6 +9,13 @@ On CUDA GPUs with FP8 tensor cores (compute capability >= 8.9) and bfloat16 comp
 `torch._scaled_mm`: activations are quantized per token (dynamic row-wise scale), weights keep their
 per-channel scale, and the GPU multiplies in fp8 — what vLLM calls fp8 with dynamic per-token activation
 scales. A start-up probe checks the kernel against the dequantizing path and falls back if it fails.
+
+On CPUs, int8 matrices (int8 layers, and the int8 embedding/LM head of both modes) multiply small steps with
+torch's int8 weight-only kernel (`torch._weight_int8pack_mm`): it reads the int8 weights directly, with
+bfloat16 activations and output, instead of materializing a float copy of each matrix. On a 2-core AVX2 CPU it
+is 2.6-6x faster than dequantizing up to 8 rows and break-even near 32 (`benchmarks/linear_weight_formats.py`),
+and 18x faster on the 49152-row LM head at one row. Larger steps in float32 keep the dequantizing path, whose
+MKL matmul wins there; with bfloat16 compute on a CPU without native bf16 the kernel wins at every size.
 """
 from __future__ import annotations
 
@@ -18,11 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow import platform
+
 log = logging.getLogger("kvflow")
 
 QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 HEAD_CHUNK_ROWS = 4096     # the LM head is dequantized in slices that fit in cache
+INT8_KERNEL_MAX_ROWS = 16  # float32 compute: steps up to this many rows use the int8 kernel (crossover ~16-32)
+ALWAYS = 1 << 62
 
 
 def quantize_rows(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +46,41 @@ def quantize_rows(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, torc
 
 
 def _dequant_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+    return F.linear(x, to_float(q, x.dtype)) * scale.to(x.dtype)
+
+
+# e4m3 -> float by moving bits: the sign to the top, exponent and mantissa (7 bits) right under it, then a
+# multiply by 2**120 that turns e4m3's exponent bias (7) into float32's or bfloat16's (127). Subnormals come
+# out right too (both are 0.m x 2**(1 - bias)). torch's own conversion on CPU is scalar, ~9x slower
+# (`benchmarks/linear_weight_formats.py`). The NaN code is the only one it maps differently; weights have none.
+_E4M3_FLOAT32_MASK = torch.tensor(0x87F00000).to(torch.int32).item()
+_E4M3_BFLOAT16_MASK = torch.tensor(0x87F0).to(torch.int16).item()
+
+
+def to_float(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Any tensor to `dtype`; float8 e4m3 on CPU by the bit moves above."""
+    if q.dtype != torch.float8_e4m3fn or q.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return q.to(dtype)
+    if dtype == torch.float32:
+        bits = q.view(torch.int8).to(torch.int32).bitwise_left_shift_(20).bitwise_and_(_E4M3_FLOAT32_MASK)
+    else:
+        bits = q.view(torch.int8).to(torch.int16).bitwise_left_shift_(4).bitwise_and_(_E4M3_BFLOAT16_MASK)
+    return bits.view(dtype).mul_(2.0 ** 120)
+
+
+def _int8_kernel_matmul(x: torch.Tensor, q: torch.Tensor, scale_bf16: torch.Tensor) -> torch.Tensor:
+    """y = x @ (q * scale).T by torch's CPU int8 weight-only kernel: bf16 activations, fp32 accumulation."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    if not rows.is_contiguous() or rows.data_ptr() % 64:
+        rows = rows.clone(memory_format=torch.contiguous_format)   # its AVX-512 loop uses aligned loads
+    y = torch._weight_int8pack_mm(rows, q, scale_bf16)
+    return y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
+
+
+def int8_kernel_supported(device: torch.device, in_features: int) -> bool:
+    """The kernel's vector loops step K by 16 (AVX-512) or 8 (AVX2) with no remainder loop: other K read past
+    the row (wrong sums or a crash), so they keep the dequantizing path."""
+    return device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm") and in_features % 16 == 0
 
 
 def _fp8_scaled_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -53,31 +98,44 @@ def fp8_matmul_supported(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
-class QuantizedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, method: str):
+class QuantizedRows(nn.Module):
+    """An [N, K] matrix stored as quantized rows with one scale per row: what linear layers and vocabulary
+    tables share."""
+
+    def __init__(self, weight: torch.Tensor, method: str):
         super().__init__()
-        q, scale = quantize_rows(linear.weight, method)
+        q, scale = quantize_rows(weight, method)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
+        self.int8_kernel_rows = 0    # set by quantize_model: steps of up to this many rows use the int8 kernel
+
+    def use_int8_kernel(self, max_rows: int) -> None:
+        self.register_buffer("scale_bf16", self.scale.to(torch.bfloat16))   # the kernel takes scales in x's dtype
+        self.int8_kernel_rows = max_rows
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ (q * scale).T by the int8 kernel for small steps, else dequantizing."""
+        if x.numel() <= self.int8_kernel_rows * x.shape[-1]:
+            return _int8_kernel_matmul(x, self.qweight, self.scale_bf16)
+        return _dequant_matmul(x, self.qweight, self.scale)
+
+
+class QuantizedLinear(QuantizedRows):
+    def __init__(self, linear: nn.Linear, method: str):
+        super().__init__(linear.weight, method)
         self.bias = linear.bias
         self.fp8_matmul = False      # set by quantize_model when the GPU multiplies fp8 natively
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_matmul:
-            y = _fp8_scaled_matmul(x, self.qweight, self.scale)
-        else:
-            y = _dequant_matmul(x, self.qweight, self.scale)
+        y = _fp8_scaled_matmul(x, self.qweight, self.scale) if self.fp8_matmul else self.matmul(x)
         return y + self.bias if self.bias is not None else y
 
 
-class QuantizedEmbedding(nn.Module):
+class QuantizedEmbedding(QuantizedRows):
     """A quantized [vocab, hidden] table: the embedding (lookups) and/or the LM head (`project`), tied or not."""
 
     def __init__(self, table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype):
-        super().__init__()
-        q, scale = quantize_rows(table.weight, method)
-        self.register_buffer("qweight", q)
-        self.register_buffer("scale", scale)
+        super().__init__(table.weight, method)
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -85,6 +143,9 @@ class QuantizedEmbedding(nn.Module):
         return rows.to(self.dtype) * self.scale[ids, None].to(self.dtype)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.numel() <= self.int8_kernel_rows * hidden.shape[-1]:
+            return self.matmul(hidden)
+        # dequantizing the whole table at once would stream a float copy through DRAM: slice by slice instead
         return torch.cat([_dequant_matmul(hidden, q, s) for q, s in
                           zip(self.qweight.split(HEAD_CHUNK_ROWS), self.scale.split(HEAD_CHUNK_ROWS))], dim=-1)
 
@@ -121,9 +182,15 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
 
 
 def _choose_matmul(model: nn.Module, method: str, dtype: torch.dtype) -> str:
-    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    if method != "fp8" or not linears:
-        return f"{method} weights, dequantized per matrix before each matmul"
+    matrices = [m for m in model.modules() if isinstance(m, QuantizedRows)]
+    linears = [m for m in matrices if isinstance(m, QuantizedLinear)]
+    how = _choose_fp8_matmul(linears, dtype) if method == "fp8" and linears else \
+        f"{method} weights, dequantized per matrix before each matmul"
+    kernel = _choose_int8_kernel([m for m in matrices if m.qweight.dtype == torch.int8], dtype)
+    return f"{how}; {kernel}" if kernel else how
+
+
+def _choose_fp8_matmul(linears: list[QuantizedLinear], dtype: torch.dtype) -> str:
     device = linears[0].qweight.device
     if not fp8_matmul_supported(device, dtype):
         return "fp8 weights, dequantized per matrix before each matmul (no fp8 tensor cores / bf16 here)"
@@ -134,3 +201,34 @@ def _choose_matmul(model: nn.Module, method: str, dtype: torch.dtype) -> str:
     for layer in linears:
         layer.fp8_matmul = True
     return "fp8 weights and per-token fp8 activations, torch._scaled_mm on the GPU's fp8 tensor cores"
+
+
+def _choose_int8_kernel(matrices: list[QuantizedRows], dtype: torch.dtype) -> str:
+    """Turn torch's CPU int8 kernel on for the int8 matrices it can multiply, after checking it once per
+    input width against the dequantizing path. Returns what was chosen, for the boot log ("" for nothing)."""
+    usable = [m for m in matrices if int8_kernel_supported(m.qweight.device, m.qweight.shape[1])]
+    if not usable:
+        return ""
+    for width in sorted({m.qweight.shape[1] for m in usable}):
+        problem = _probe_int8_kernel(next(m for m in usable if m.qweight.shape[1] == width))
+        if problem:
+            log.warning("int8 kernel: %s; dequantizing instead", problem)
+            return ""
+    # float32 compute keeps MKL's matmul for big steps (it wins past ~16-32 rows); emulated bf16 never wins
+    linear_rows = ALWAYS if dtype == torch.bfloat16 and not platform.cpu_has_fast_bf16() else INT8_KERNEL_MAX_ROWS
+    for m in usable:
+        # the LM head: one dequantized pass over the 49152-row table costs more than the kernel at any batch
+        m.use_int8_kernel(ALWAYS if isinstance(m, QuantizedEmbedding) else linear_rows)
+    rows = "every step" if linear_rows == ALWAYS else f"steps of <= {linear_rows} rows"
+    return f"int8 matrices use torch's int8 CPU kernel (bf16 activations) for {rows} and for the LM head"
+
+
+def _probe_int8_kernel(matrix: QuantizedRows) -> str | None:
+    x = torch.randn(5, matrix.qweight.shape[1])
+    try:
+        fast = _int8_kernel_matmul(x, matrix.qweight, matrix.scale.to(torch.bfloat16))
+    except (RuntimeError, TypeError) as e:
+        return f"torch._weight_int8pack_mm failed: {str(e).splitlines()[0]}"
+    ref = _dequant_matmul(x, matrix.qweight, matrix.scale)
+    err = ((fast - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+    return None if err < 0.02 else f"torch._weight_int8pack_mm differs from the reference by {err:.1%}"
