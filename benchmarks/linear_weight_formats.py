@@ -2,10 +2,18 @@
 SmolLM2-135M step (30 layers x qkv, o, gate_up, down, plus the 49152-row LM head), each layer with its own
 weights so they stream from DRAM as in the real model.
 
-    python benchmarks/linear_weight_formats.py [--reps 3]
+    python benchmarks/linear_weight_formats.py [--reps 3] [--rows 1 8 32 64]
 
-Formats: fp32 weights (MKL sgemm), bf16 weights with bf16 matmul (oneDNN), and bf16 weights converted to
-fp32 one matrix at a time just before the matmul (half the DRAM bytes; the fp32 copy lives in cache).
+Formats (x is float32, as with dtype=auto on a CPU without native bf16):
+  fp32            fp32 weights, MKL sgemm
+  bf16            bf16 weights and a bf16 matmul (oneDNN; emulated and slow without AVX-512-BF16/AMX)
+  bf16->fp32      bf16 weights converted to fp32 one matrix at a time just before the matmul
+  int8->fp32      int8 weights + per-row scales, dequantized per matrix (kvflow's path for big steps)
+  int8 kernel     int8 weights read directly by torch._weight_int8pack_mm, bf16 activations (kvflow's path for
+                  steps of <= 32 rows and the LM head)
+  fp8 torch       e4m3 weights converted by torch's `.to(float32)`
+  fp8 bits        e4m3 weights converted by kvflow's bit moves (layers/quantization.to_float)
+The LM head of the dequantizing formats is converted in 4096-row slices, as kvflow does.
 """
 from __future__ import annotations
 
@@ -16,29 +24,41 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvflow.layers.quantization import quantize_rows, to_float
+
 LAYERS = 30
-SHAPES = [(1728, 576), (576, 576), (3072, 576), (576, 1536)]   # qkv, o, gate_up, down: [out, in]
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # qkv, o, gate_up, down: [out, in]
 VOCAB, HIDDEN = 49152, 576
 
 
-def step(x_by_k: dict[int, torch.Tensor], weights, head, mode: str) -> None:
-    for layer in weights:
-        for w in layer:
-            x = x_by_k[w.shape[1]]
-            if mode == "fp32":
-                F.linear(x, w)
-            elif mode == "bf16":
-                F.linear(x.bfloat16(), w)
-            else:
-                F.linear(x, w.float())
-    x = x_by_k[HIDDEN]
-    if mode == "fp32":
-        F.linear(x, head)
-    elif mode == "bf16":
-        F.linear(x.bfloat16(), head)
+def prepare(w: torch.Tensor, fmt: str):
+    if fmt == "fp32":
+        return w
+    if fmt in ("bf16", "bf16->fp32"):
+        return w.bfloat16()
+    q, s = quantize_rows(w, "fp8" if fmt.startswith("fp8") else "int8")
+    return q, (s.bfloat16() if fmt == "int8 kernel" else s)
+
+
+def matmul(x: torch.Tensor, w, fmt: str, head: bool = False) -> torch.Tensor:
+    if fmt == "fp32":
+        return F.linear(x, w)
+    if fmt == "bf16":
+        return F.linear(x.bfloat16(), w)
+    if fmt == "int8 kernel":
+        return torch._weight_int8pack_mm(x.bfloat16(), *w).float()
+    convert = {"bf16->fp32": lambda t: t.float(), "int8->fp32": lambda t: t.float(),
+               "fp8 torch": lambda t: t.float(), "fp8 bits": lambda t: to_float(t, torch.float32)}[fmt]
+    if fmt == "bf16->fp32":
+        chunks = [(c, None) for c in w.split(4096 if head else len(w))]
     else:
-        for chunk in head.split(4096):
-            F.linear(x, chunk.float())
+        q, s = w
+        chunks = list(zip(q.split(4096 if head else len(q)), s.split(4096 if head else len(s))))
+    outs = [F.linear(x, convert(c)) * (1 if s is None else s) for c, s in chunks]
+    return torch.cat(outs, dim=-1) if head else outs[0]
+
+
+FORMATS = ("fp32", "bf16", "bf16->fp32", "int8->fp32", "int8 kernel", "fp8 torch", "fp8 bits")
 
 
 def main() -> None:
@@ -46,24 +66,33 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     args = ap.parse_args()
+    torch.manual_seed(0)
     w32 = [[torch.randn(n, k) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
-    w16 = [[w.bfloat16() for w in layer] for layer in w32]
     h32 = torch.randn(VOCAB, HIDDEN) * 0.02
-    h16 = h32.bfloat16()
-    print(f"{torch.get_num_threads()} threads; ms per decode step of linears (median of {args.reps})")
-    print(f"{'rows':>5}{'fp32':>10}{'bf16':>10}{'bf16->fp32':>12}")
-    for m in args.rows:
-        xs = {k: torch.randn(m, k) for k in (576, 1536)}
-        row = []
-        for mode, (ws, h) in (("fp32", (w32, h32)), ("bf16", (w16, h16)), ("bf16->fp32", (w16, h16))):
-            step(xs, ws, h, mode)
-            times = []
-            for _ in range(args.reps):
+    print(f"{torch.get_num_threads()} threads; ms per decode step of linears [of which the LM head] "
+          f"(median of {args.reps})")
+    print(f"{'rows':>5}" + "".join(f"{f:>18}" for f in FORMATS))
+    results = {}
+    for fmt in FORMATS:
+        layers = [[prepare(w, fmt) for w in layer] for layer in w32]
+        head = prepare(h32, fmt)
+        for m in args.rows:
+            xs = {k: torch.randn(m, k) for k in (576, 1536)}
+            step_ms, head_ms = [], []
+            for _ in range(args.reps + 1):                       # the first pass warms up
                 t0 = time.perf_counter()
-                step(xs, ws, h, mode)
-                times.append((time.perf_counter() - t0) * 1e3)
-            row.append(statistics.median(times))
-        print(f"{m:>5}{row[0]:>10.1f}{row[1]:>10.1f}{row[2]:>12.1f}")
+                for layer, shapes in zip(layers, [SHAPES] * LAYERS):
+                    for w, (_, k) in zip(layer, shapes):
+                        matmul(xs[k], w, fmt)
+                t1 = time.perf_counter()
+                matmul(xs[HIDDEN], head, fmt, head=True)
+                t2 = time.perf_counter()
+                step_ms.append((t2 - t0) * 1e3)
+                head_ms.append((t2 - t1) * 1e3)
+            results[(fmt, m)] = (statistics.median(step_ms[1:]), statistics.median(head_ms[1:]))
+        del layers, head
+    for m in args.rows:
+        print(f"{m:>5}" + "".join(f"{results[(f, m)][0]:>10.1f} [{results[(f, m)][1]:>5.1f}]" for f in FORMATS))
 
 
 if __name__ == "__main__":

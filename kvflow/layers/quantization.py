@@ -12,10 +12,11 @@ scales. A start-up probe checks the kernel against the dequantizing path and fal
 
 On CPUs, int8 matrices (int8 layers, and the int8 embedding/LM head of both modes) multiply small steps with
 torch's int8 weight-only kernel (`torch._weight_int8pack_mm`): it reads the int8 weights directly, with
-bfloat16 activations and output, instead of materializing a float copy of each matrix. On a 2-core AVX2 CPU it
-is 2.6-6x faster than dequantizing up to 8 rows and break-even near 32 (`benchmarks/linear_weight_formats.py`),
-and 18x faster on the 49152-row LM head at one row. Larger steps in float32 keep the dequantizing path, whose
-MKL matmul wins there; with bfloat16 compute on a CPU without native bf16 the kernel wins at every size.
+bfloat16 activations and output, instead of materializing
+a float copy of each matrix. On a 2-core AVX2 CPU a decode step of SmolLM2's int8 matrices takes
+28 ms with it against 138 ms dequantizing at one row, 254 against 357 ms at 32 rows, and 485 against 386 ms at
+64 (`benchmarks/linear_weight_formats.py`), so float32 compute hands steps of up to 32 rows to the kernel; with
+bfloat16 compute on a CPU without native bf16 the kernel wins at every size.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ log = logging.getLogger("kvflow")
 QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 HEAD_CHUNK_ROWS = 4096     # the LM head is dequantized in slices that fit in cache
-INT8_KERNEL_MAX_ROWS = 16  # float32 compute: steps up to this many rows use the int8 kernel (crossover ~16-32)
+INT8_KERNEL_MAX_ROWS = 32  # float32 compute: steps up to this many rows use the int8 kernel (crossover 32-64)
 ALWAYS = 1 << 62
 
 
@@ -214,7 +215,7 @@ def _choose_int8_kernel(matrices: list[QuantizedRows], dtype: torch.dtype) -> st
         if problem:
             log.warning("int8 kernel: %s; dequantizing instead", problem)
             return ""
-    # float32 compute keeps MKL's matmul for big steps (it wins past ~16-32 rows); emulated bf16 never wins
+    # float32 compute keeps dequantizing + MKL for big steps (it wins past 32-64 rows); emulated bf16 never does
     linear_rows = ALWAYS if dtype == torch.bfloat16 and not platform.cpu_has_fast_bf16() else INT8_KERNEL_MAX_ROWS
     for m in usable:
         # the LM head: one dequantized pass over the 49152-row table costs more than the kernel at any batch
