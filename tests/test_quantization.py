@@ -64,11 +64,13 @@ def baseline():
 
 
 # Dequantized fp8 weights (CPU, older GPUs) agree with bf16 on 7/16 prompts; fp8 tensor cores (torch._scaled_mm,
-# per-token activation scales) agreed on 9/16 on an H200 (+2.0% perplexity), which meets the bar.
+# per-token activation scales) agreed on 9/16 on an H200 (+2.0% perplexity), which meets the bar. Equally valid
+# e4m3 roundings land at 6-10/16 on CPU (benchmarks/fp8_agreement_spread.py): at this model size the count is
+# mostly rounding luck around a format-level loss, so this stays a strict xfail rather than a tuned pass.
 ON_FP8_TENSOR_CORES = torch.cuda.is_available() and fp8_matmul_supported(torch.device("cuda"), torch.bfloat16)
 FP8_WEIGHTS_GAP = pytest.mark.xfail(
     not ON_FP8_TENSOR_CORES, strict=True,
-    reason="known gap: dequantized e4m3 weights keep perplexity within 3% (+1.6%) but agree with bf16's "
+    reason="known gap: dequantized e4m3 weights keep perplexity within 3% (+1.3%) but agree with bf16's "
            "greedy output on only 7 of 16 prompts at 8 tokens on this 135M model")
 
 
