@@ -12,11 +12,11 @@ scales. A start-up probe checks the kernel against the dequantizing path and fal
 
 On CPUs, int8 matrices (int8 layers, and the int8 embedding/LM head of both modes) multiply small steps with
 torch's int8 weight-only kernel (`torch._weight_int8pack_mm`): it reads the int8 weights directly, with
-bfloat16 activations and output, instead of materializing
-a float copy of each matrix. On a 2-core AVX2 CPU a decode step of SmolLM2's int8 matrices takes
-28 ms with it against 138 ms dequantizing at one row, 254 against 357 ms at 32 rows, and 485 against 386 ms at
-64 (`benchmarks/linear_weight_formats.py`), so float32 compute hands steps of up to 32 rows to the kernel; with
-bfloat16 compute on a CPU without native bf16 the kernel wins at every size.
+bfloat16 activations and output, instead of materializing a float copy of each matrix. On a 2-core AVX2 CPU a
+decode step of SmolLM2's int8 matrices takes 28 ms with it against 138 ms dequantizing at one row, 254 against
+357 ms at 32 rows, and 485 against 386 ms at 64 (`benchmarks/linear_weight_formats.py`), so float32 compute
+hands steps of up to 32 rows to the kernel; with bfloat16 compute on a CPU without native bf16 the kernel wins
+at every size.
 """
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ def _choose_int8_kernel(matrices: list[QuantizedRows], dtype: torch.dtype) -> st
     # float32 compute keeps dequantizing + MKL for big steps (it wins past 32-64 rows); emulated bf16 never does
     linear_rows = ALWAYS if dtype == torch.bfloat16 and not platform.cpu_has_fast_bf16() else INT8_KERNEL_MAX_ROWS
     for m in usable:
-        # the LM head: one dequantized pass over the 49152-row table costs more than the kernel at any batch
+        # the LM head: dequantizing the 49152-row table lost to the kernel at every size measured (1-64 rows)
         m.use_int8_kernel(ALWAYS if isinstance(m, QuantizedEmbedding) else linear_rows)
     rows = "every step" if linear_rows == ALWAYS else f"steps of <= {linear_rows} rows"
     return f"int8 matrices use torch's int8 CPU kernel (bf16 activations) for {rows} and for the LM head"
