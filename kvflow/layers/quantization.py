@@ -185,9 +185,11 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
 def _choose_matmul(model: nn.Module, method: str, dtype: torch.dtype) -> str:
     matrices = [m for m in model.modules() if isinstance(m, QuantizedRows)]
     linears = [m for m in matrices if isinstance(m, QuantizedLinear)]
-    how = _choose_fp8_matmul(linears, dtype) if method == "fp8" and linears else \
-        f"{method} weights, dequantized per matrix before each matmul"
     kernel = _choose_int8_kernel([m for m in matrices if m.qweight.dtype == torch.int8], dtype)
+    if method == "fp8" and linears:
+        how = _choose_fp8_matmul(linears, dtype)
+    else:
+        how = f"{method} weights" + ("" if kernel else ", dequantized per matrix before each matmul")
     return f"{how}; {kernel}" if kernel else how
 
 
@@ -220,7 +222,7 @@ def _choose_int8_kernel(matrices: list[QuantizedRows], dtype: torch.dtype) -> st
     for m in usable:
         # the LM head: dequantizing the 49152-row table lost to the kernel at every size measured (1-64 rows)
         m.use_int8_kernel(ALWAYS if isinstance(m, QuantizedEmbedding) else linear_rows)
-    rows = "every step" if linear_rows == ALWAYS else f"steps of <= {linear_rows} rows"
+    rows = "every step" if linear_rows == ALWAYS else f"steps of <= {linear_rows} rows (dequantized above)"
     return f"int8 matrices use torch's int8 CPU kernel (bf16 activations) for {rows} and for the LM head"
 
 
