@@ -29,23 +29,30 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos/sin tables, looked up once per step (`lookup`) and applied to every layer's q and k heads in one
+    pass (`rotate`)."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
         super().__init__()
         inv_freq = _inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).float(), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
+        half = head_dim // 2
+        # rotate_half(x) * sin == swap_halves(x) * [-sin_lo, sin_hi]: the sign lives in the table, so a rotation
+        # is one flip and three arithmetic ops (bit-equal to Hugging Face's neg + cat form)
+        sin = emb.sin()
         self.register_buffer("cos", emb.cos(), persistent=False)   # [max_positions, head_dim] fp32
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin_signed", torch.cat([-sin[:, :half], sin[:, half:]], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; rotates in float32, returns in the input dtype."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's (cos, signed sin), each [T, 1, head_dim] float32, shared by all layers."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    xf = x.float()
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    @staticmethod
+    def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, H, D] (any heads, e.g. q and k side by side); rotates in float32, returns x's dtype."""
+        cos, sin_signed = rope
+        T, H, D = x.shape
+        xf = x.float()
+        swapped = xf.view(T, H, 2, D // 2).flip(-2).view(T, H, D)
+        return (xf * cos + swapped * sin_signed).to(x.dtype)

@@ -81,15 +81,15 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # q and k heads sit side by side in qkv's rows: rotate them as one [T, Hq + Hkv, D] tensor
+        qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:      # Qwen3: per-head norms, with their own weights for q and k
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
+        q, k = self.rotary.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         return self.tp.all_reduce(self.o_proj(self.attn(q, k, v)))
 
 
@@ -114,8 +114,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp, sizes)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -142,8 +142,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
+        rope = self.rotary.lookup(positions)
         for layer in self.layers:
-            h = layer(positions, h)
+            h = layer(rope, h)
         return self.norm(h)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
