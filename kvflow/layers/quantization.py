@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow import platform
+from kvflow.layers.swap import swap_matrices
 
 log = logging.getLogger("kvflow")
 
@@ -52,7 +53,8 @@ def _dequant_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> to
 
 # e4m3 -> float by moving bits: the sign to the top, exponent and mantissa (7 bits) right under it, then a
 # multiply by 2**120 that turns e4m3's exponent bias (7) into float32's or bfloat16's (127). Subnormals come
-# out right too (both are 0.m x 2**(1 - bias)). torch's own conversion on CPU is scalar, ~9x slower
+# out right too (both are 0.m x 2**(1 - bias)). torch's own conversion on CPU is scalar: 5.2 ms against 0.58 ms
+# for a 3072x576 matrix here (ad hoc); a decode step's conversions + matmuls, 532 ms against 96
 # (`benchmarks/linear_weight_formats.py`). The NaN code is the only one it maps differently; weights have none.
 _E4M3_FLOAT32_MASK = torch.tensor(0x87F00000).to(torch.int32).item()
 _E4M3_BFLOAT16_MASK = torch.tensor(0x87F0).to(torch.int16).item()
@@ -145,7 +147,7 @@ class QuantizedEmbedding(QuantizedRows):
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.numel() <= self.int8_kernel_rows * hidden.shape[-1]:
-            return self.matmul(hidden)
+            return _int8_kernel_matmul(hidden, self.qweight, self.scale_bf16)
         # dequantizing the whole table at once would stream a float copy through DRAM: slice by slice instead
         return torch.cat([_dequant_matmul(hidden, q, s) for q, s in
                           zip(self.qweight.split(HEAD_CHUNK_ROWS), self.scale.split(HEAD_CHUNK_ROWS))], dim=-1)
@@ -168,15 +170,10 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
     Returns how the quantized linear layers multiply (for the boot log)."""
     if method not in QUANT_DTYPES:
         raise ValueError(f"quantization must be one of {', '.join(QUANT_DTYPES)}, got {method!r}")
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                head = name == "lm_head"
-                setattr(module, name, QuantizedEmbedding(child, "int8", dtype) if head else QuantizedLinear(child, method))
-            elif isinstance(child, nn.Embedding):
-                # the embedding (and tied LM head) is int8 in both modes: e4m3's 3-bit mantissa costs the
-                # small embedded model >3% perplexity there, where vLLM would keep it unquantized
-                setattr(module, name, QuantizedEmbedding(child, "int8", dtype))
+    # the embedding and LM head are int8 in both modes: e4m3's 3-bit mantissa costs the small embedded model
+    # >3% perplexity there, where vLLM would keep them unquantized
+    swap_matrices(model, linear=lambda layer: QuantizedLinear(layer, method),
+                  table=lambda table: QuantizedEmbedding(table, "int8", dtype))
     how = _choose_matmul(model, method, dtype)
     log.info("quantization: %s", how)
     return how

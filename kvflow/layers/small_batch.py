@@ -2,9 +2,9 @@
 
 On a CPU without native bf16 matrix units (AVX2: no AVX-512-BF16, no AMX) float32 is the fast compute type
 for batched steps, but a step of a few rows is bound by reading the weights from DRAM, not by arithmetic.
-There a bfloat16 copy of each matrix halves the bytes read: one row ran the model's linears in 35 ms in bf16
-against 126 ms in fp32 on the 2-core dev machine, while at 32 rows bf16 (emulated) took 642 ms against 260
-(docs/performance.md, `benchmarks/linear_weight_formats.py`). So each linear layer keeps both copies and picks
+There a bfloat16 copy of each matrix halves the bytes read: one row ran the model's linears and LM head in
+34 ms in bf16 against 91 ms in fp32 on the 2-core dev machine, while at 32 rows bf16 (emulated) took 568 ms
+against 256 (docs/performance.md, `benchmarks/linear_weight_formats.py`, 2026-11-30). So each linear layer keeps both copies and picks
 by the number of rows: this costs 50% more weight memory and makes a request's numerics depend on how many
 others share its step (as bf16 inference does anyway); `dtype=float32` keeps exact float32 everywhere.
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvflow.layers.swap import swap_matrices
 
 SMALL_BATCH_ROWS = 4      # at 8 rows the two formats tie on the dev machine; below, bf16 wins by up to 3.6x
 
@@ -52,10 +54,5 @@ class DualPrecisionEmbedding(nn.Module):
 
 def enable_small_batch_bf16(model: nn.Module, max_rows: int = SMALL_BATCH_ROWS) -> None:
     """Give every linear layer, the embedding and the LM head a bf16 copy for steps of <= max_rows rows."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                swap = DualPrecisionEmbedding(child, max_rows) if name == "lm_head" else DualPrecisionLinear(child, max_rows)
-                setattr(module, name, swap)
-            elif isinstance(child, nn.Embedding):
-                setattr(module, name, DualPrecisionEmbedding(child, max_rows))
+    swap_matrices(model, linear=lambda layer: DualPrecisionLinear(layer, max_rows),
+                  table=lambda table: DualPrecisionEmbedding(table, max_rows))
