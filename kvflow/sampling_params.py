@@ -1,7 +1,25 @@
-"""SamplingParams: how one request picks its tokens, with vLLM's names and defaults."""
+"""SamplingParams: how one request picks its tokens, with vLLM's names and defaults, and the one place that
+checks every field's value. The limits below are what the engine's types can hold (int64 seeds, int32 top-k)
+or what a sane request needs; the server publishes them in its OpenAPI document."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from kvflow.errors import InvalidRequestError
+
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1      # torch.Generator takes a signed/unsigned 64-bit seed
+MAX_TOP_K = 2**31 - 1                          # larger means "all of the vocabulary" anyway
+MIN_TEMPERATURE = 0.01                         # below this (but > 0) logits / t overflows to inf
+MAX_TEMPERATURE = 100.0
+MAX_PENALTY = 2.0                              # presence / frequency, as OpenAI
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0                         # as OpenAI: -100 bans a token, +100 forces it
 
 
 @dataclass
@@ -20,6 +38,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit
     logprobs: int | None = None       # number of top log-probabilities per sampled token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -30,44 +49,78 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
 
     def validate(self) -> None:
-        def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        """Raise InvalidRequestError naming the field for any value the engine cannot run."""
+        def bad(name: str, why: str, value=None) -> None:
+            raise InvalidRequestError(f"{name} {why}, got {value if value is not None else getattr(self, name)!r}",
+                                      param=name, code="invalid_value")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
+        def integer(name: str, lo: int, hi: int | None = None, *, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+                bad(name, f"must be an integer in [{lo}, {hi}]" if hi is not None else f"must be an integer >= {lo}")
+
+        def number(name: str, lo: float, hi: float) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+                bad(name, f"must be a finite number in [{lo}, {hi}]")
+
+        integer("n", 1)
+        number("temperature", 0.0, MAX_TEMPERATURE)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            bad("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        number("top_p", 0.0, 1.0)
+        if self.top_p == 0:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", "must be -1, 0 (disabled) or a positive integer")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", "must be in [0, 1]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad("min_tokens", "must be an integer >= 0")
+        integer("top_k", 0, MAX_TOP_K)
+        number("min_p", 0.0, 1.0)
+        integer("seed", MIN_SEED, MAX_SEED, optional=True)
+        integer("max_tokens", 1, optional=True)
+        integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if not -2 <= self.presence_penalty <= 2:
-            bad("presence_penalty", "must be in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
+        number("presence_penalty", -MAX_PENALTY, MAX_PENALTY)
+        number("frequency_penalty", -MAX_PENALTY, MAX_PENALTY)
+        number("repetition_penalty", 0.0, MAX_REPETITION_PENALTY)
+        if self.repetition_penalty == 0:
             bad("repetition_penalty", "must be > 0")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", "must be an integer in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        integer("logprobs", 0, MAX_LOGPROBS, optional=True)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings", len(self.stop))
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            bad("stop", f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids", len(self.stop_token_ids))
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries", len(self.logit_bias))
+        for t, b in self.logit_bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                bad("logit_bias", "keys must be token ids (non-negative integers)", t)
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                bad("logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", b)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Token ids named by the request must exist in the model's vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"{name}: token id {bad} is out of range [0, {vocab_size})",
+                                          param=name, code="invalid_value")
+
+    def child_seed(self, index: int) -> int | None:
+        """The seed of the index-th of n samples (seed + index, wrapped into the int64 range)."""
+        if self.seed is None:
+            return None
+        return (self.seed + index - MIN_SEED) % 2**64 + MIN_SEED
 
     @property
     def greedy(self) -> bool:
