@@ -66,7 +66,7 @@ def main() -> None:
     try:
         for llm, threads in llms.values():                        # warm-up
             generate(llm, prompts[:4], 4, threads)
-        tp = tp2.workers.tp                                       # rank 0's collectives, timed from here on
+        tp = tp2.executor.tp                                      # rank 0's collectives, timed from here on
         timers = {"step broadcast": Timer(tp.broadcast_from_first), "all-reduce": Timer(tp.all_reduce),
                   "LM-head gather": Timer(tp.gather_last_dim)}
         tp.broadcast_from_first, tp.all_reduce, tp.gather_last_dim = timers.values()

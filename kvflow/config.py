@@ -23,6 +23,14 @@ def parse_bytes(value: int | str | None) -> int | None:
     return int(number * base ** power)
 
 
+def parse_init_method(init_method: str) -> tuple[str, int]:
+    """'tcp://HOST:PORT' (HOST may be [IPv6]) -> (HOST, PORT)."""
+    m = re.fullmatch(r"tcp://(\[[^\]]+\]|[^:/\[\]]+):(\d+)/?", init_method or "")
+    if not m:
+        raise ValueError(f"distributed_init_method must look like tcp://HOST:PORT, got {init_method!r}")
+    return m.group(1).strip("[]"), int(m.group(2))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None                   # HF folder or GGUF file; None: the embedded default
@@ -91,5 +99,4 @@ class EngineConfig:
             raise ValueError("nnodes > 1 needs distributed_init_method=tcp://HOST:PORT, an address of node 0 "
                              "that every node can reach")
         if self.distributed_init_method is not None:
-            from kvflow.distributed.parallel_state import parse_init_method
             parse_init_method(self.distributed_init_method)

@@ -1,14 +1,16 @@
-"""LLM: the offline API. Encodes prompts, drives EngineCore in-process until all are done, decodes text."""
+"""LLM: the offline API. Encodes prompts, drives EngineCore in-process until all are done, decodes text
+through the same OutputProcessor the server uses."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
+import time
+import weakref
 from typing import Sequence
 
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
-from kvflow.detokenizer import IncrementalDetokenizer
 from kvflow.models.loader import load_model_config, resolve_model_path
+from kvflow.output_processor import OutputProcessor, RequestState
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import Tokenizer
@@ -17,14 +19,26 @@ Prompt = str | list[int] | dict
 
 
 class LLM:
-    """`LLM(model=None, **engine_args)`: engine_args are EngineConfig's fields (dtype, max_model_len, ...)."""
+    """`LLM(model=None, **engine_args)`: engine_args are EngineConfig's fields (dtype, max_model_len, ...).
+    Use it as a context manager, or call `shutdown()`, to stop tensor-parallel workers at once; otherwise
+    they stop when the LLM is garbage-collected or the interpreter exits."""
 
     def __init__(self, model: str | None = None, **engine_args):
         self.config = EngineConfig(model=model, **engine_args)
         load_model_config(resolve_model_path(self.config.model))   # fail on the architecture first
         self.tokenizer = Tokenizer.from_model(resolve_model_path(self.config.tokenizer or self.config.model))
         self.engine = EngineCore(self.config, eos_token_ids=self.tokenizer.eos_token_ids)
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -59,46 +73,31 @@ class LLM:
             sampling_params = [sampling_params] * len(encoded)
         if len(sampling_params) != len(encoded):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(encoded)} prompts")
+        for (_, ids), params in zip(encoded, sampling_params):      # reject a bad prompt before running any
+            self.engine.validator.validate(ids, params)
 
-        results: list[RequestOutput] = []
-        children: dict[str, tuple[CompletionOutput, IncrementalDetokenizer]] = {}
+        processor = OutputProcessor(self.tokenizer, keep_logprobs=True)
+        states: list[tuple[str | None, RequestState]] = []
         added = []
         try:
             for (text, ids), params in zip(encoded, sampling_params):
                 rid = str(next(self._ids))
-                out = RequestOutput(rid, text, ids)
-                results.append(out)
-                for i in range(params.n):
-                    child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-                    cid = f"{rid}-{i}"
-                    self.engine.add_request(cid, ids, child)
-                    added.append(cid)
-                    completion = CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)
-                    out.outputs.append(completion)
-                    detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                                   stop=params.stop,
-                                                   include_stop_str_in_output=params.include_stop_str_in_output)
-                    children[cid] = (completion, detok)
-            by_id = {r.request_id: r for r in results}
+                for core in processor.add_request(rid, ids, params, time.time()):
+                    self.engine.add_request(core.request_id, core.prompt_token_ids, core.params,
+                                            arrival_time=core.arrival_time)
+                    added.append(core.request_id)
+                states.append((text, processor.requests[rid]))
             while self.engine.has_unfinished_requests():
-                for eo in self.engine.step():
-                    completion, detok = children[eo.request_id]
-                    by_id[eo.request_id.rsplit("-", 1)[0]].num_cached_tokens = eo.num_cached_tokens
-                    if completion.finish_reason is not None:
-                        continue                      # already ended by a stop string
-                    completion.token_ids += eo.new_token_ids
-                    if completion.logprobs is not None and eo.new_logprobs:
-                        completion.logprobs += eo.new_logprobs
-                    completion.text += detok.add(eo.new_token_ids)
-                    if detok.stop_str is not None:
-                        completion.finish_reason, completion.stop_reason = "stop", detok.stop_str
-                        self.engine.abort([eo.request_id])
-                    elif eo.finished:
-                        completion.text += detok.flush()
-                        completion.finish_reason, completion.stop_reason = eo.finish_reason, eo.stop_reason
+                processed = processor.process(self.engine.step())
+                if processed.to_abort:
+                    self.engine.abort(processed.to_abort)
         except BaseException:
-            self.engine.abort(added)   # nothing is left holding blocks if a prompt was rejected midway
+            self.engine.abort(added)   # nothing is left holding blocks if something failed midway
             while self.engine.has_unfinished_requests() and not self.engine.requests:
                 self.engine.step()
             raise
-        return results
+        return [RequestOutput(state.request_id, text, state.prompt_token_ids,
+                              [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
+                                                c.logprobs) for c in state.choices],
+                              num_cached_tokens=state.num_cached_tokens)
+                for text, state in states]

@@ -2,12 +2,13 @@
 
 Each server owns one `EngineMetrics` with a private `CollectorRegistry`, so several servers can live in one
 process (tests do that). Engine-wide numbers (running, waiting, KV usage, prefix cache, preemptions, step
-sizes) come from `EngineCore.stats()` snapshots taken by the engine thread after every step; per-request
+sizes) come from the `StepStats` of every engine step; per-request
 numbers (TTFT, inter-token latency, end-to-end, token counts) are observed on the asyncio side when a
 request finishes, from a `RequestTimings` record that starts when the server received the request.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
+
+from kvflow.core.outputs import StepStats
 
 logger = logging.getLogger("kvflow.metrics")
 
@@ -67,7 +70,6 @@ def process_resident_memory_bytes() -> float:
 class RequestTimings:
     """Wall-clock times (time.time()) of one request, from the server's point of view."""
     arrival: float                       # the server received the HTTP request
-    added: float | None = None           # handed to the engine core (engine thread)
     first_token: float | None = None     # the first new token reached the asyncio side
     last_token: float | None = None
     finished: float | None = None
@@ -83,6 +85,16 @@ class RequestTimings:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
+
+
+@dataclass
+class _Totals:
+    """Counts since start, for the periodic log line's rates."""
+    prompt: int = 0
+    generated: int = 0
+    queries: int = 0
+    hits: int = 0
+    preemptions: int = 0
 
 
 @dataclass
@@ -183,15 +195,12 @@ class EngineMetrics:
             self.request_success.labels(model_name, reason)
 
         self._lock = threading.Lock()
-        self._last_stats: dict = {}
+        self._last_stats = StepStats()
         self._max_batch = 0
-        # periodic log line state (engine thread only)
+        # the periodic log line's state
+        self._totals = _Totals()
+        self._totals_at_log = _Totals()
         self._log_last_time = time.monotonic()
-        self._log_last_prompt = 0
-        self._log_last_gen = 0
-        self._log_last_q = 0
-        self._log_last_h = 0
-        self._gen_tokens_engine = 0   # new tokens produced by steps (engine thread)
         self._busy_since_log = False
 
         self._request_log_path = request_log
@@ -200,41 +209,39 @@ class EngineMetrics:
             self._request_log_file = sys.stdout if request_log == "-" else open(request_log, "a", buffering=1)
 
     # ---- engine thread: after every step ----------------------------------------------------------------------
-    def record_step(self, stats: dict, num_new_tokens: int, stepped: bool = True) -> None:
+    def record_step(self, stats: StepStats) -> None:
+        """After every engine step (or idle look): gauges, counters' deltas, step histograms."""
         name = self.model_name
-        last = self._last_stats
-        self.num_requests_running.labels(name).set(stats.get("num_running", 0))
-        self.num_requests_waiting.labels(name).set(stats.get("num_waiting", 0))
-        usage = float(stats.get("kv_cache_usage", 0.0))
-        self.kv_cache_usage.labels(name).set(usage)
-        self.gpu_cache_usage.labels(name).set(usage)
-        for key, ctr in (("prefix_cache_queries", self.prefix_cache_queries),
-                         ("prefix_cache_hits", self.prefix_cache_hits),
-                         ("num_preemptions", self.num_preemptions),
-                         ("num_prompt_tokens_computed", self.prompt_tokens_computed)):
-            delta = int(stats.get(key, 0)) - int(last.get(key, 0))
+        self.num_requests_running.labels(name).set(stats.num_running)
+        self.num_requests_waiting.labels(name).set(stats.num_waiting)
+        self.kv_cache_usage.labels(name).set(stats.kv_cache_usage)
+        self.gpu_cache_usage.labels(name).set(stats.kv_cache_usage)
+        for delta, ctr in ((stats.prefix_cache_queries, self.prefix_cache_queries),
+                           (stats.prefix_cache_hits, self.prefix_cache_hits),
+                           (stats.num_preemptions, self.num_preemptions),
+                           (stats.num_prompt_tokens_computed, self.prompt_tokens_computed)):
             if delta > 0:
                 ctr.labels(name).inc(delta)
-        if stepped:
-            n_tokens = int(stats.get("last_step_num_tokens", 0))
-            batch = int(stats.get("last_step_batch_size", 0))
-            if n_tokens > 0:
-                self.iteration_tokens.labels(name).observe(n_tokens)
-            if batch > 0:
-                self.step_batch_size.labels(name).observe(batch)
-                if batch > self._max_batch:
-                    self._max_batch = batch
-                    self.max_step_batch_size.labels(name).set(batch)
-            if stats.get("last_step_duration_s") is not None:
-                self.step_duration.labels(name).observe(float(stats["last_step_duration_s"]))
+        if stats.batch_size > 0:
+            self.iteration_tokens.labels(name).observe(stats.num_batched_tokens)
+            self.step_batch_size.labels(name).observe(stats.batch_size)
+            if stats.batch_size > self._max_batch:
+                self._max_batch = stats.batch_size
+                self.max_step_batch_size.labels(name).set(stats.batch_size)
+            self.step_duration.labels(name).observe(stats.duration_s)
             self._busy_since_log = True
-        if "weights_bytes" in stats:
-            self.weights_bytes.labels(name).set(stats["weights_bytes"])
-        if "kv_cache_bytes" in stats:
-            self.kv_cache_bytes.labels(name).set(stats["kv_cache_bytes"])
-        self._gen_tokens_engine += num_new_tokens
-        self._last_stats = dict(stats)
+        t = self._totals
+        t.prompt += stats.num_prompt_tokens_computed
+        t.generated += stats.num_generated_tokens
+        t.queries += stats.prefix_cache_queries
+        t.hits += stats.prefix_cache_hits
+        t.preemptions += stats.num_preemptions
+        self._last_stats = stats
         self.maybe_log_stats()
+
+    def set_memory(self, weights_bytes: int, kv_cache_bytes: int) -> None:
+        self.weights_bytes.labels(self.model_name).set(weights_bytes)
+        self.kv_cache_bytes.labels(self.model_name).set(kv_cache_bytes)
 
     @property
     def max_batch_size(self) -> int:
@@ -245,22 +252,16 @@ class EngineMetrics:
         dt = now - self._log_last_time
         if not force and (dt < self.log_stats_interval or not self._busy_since_log):
             return
-        s = self._last_stats
-        prompt = int(s.get("num_prompt_tokens_computed", 0))
-        q, h = int(s.get("prefix_cache_queries", 0)), int(s.get("prefix_cache_hits", 0))
-        dq, dh = q - self._log_last_q, h - self._log_last_h
-        hit_rate = 100.0 * dh / dq if dq > 0 else (100.0 * h / q if q > 0 else 0.0)
+        t, last, s = self._totals, self._totals_at_log, self._last_stats
+        dq, dh = t.queries - last.queries, t.hits - last.hits
+        hit_rate = 100.0 * dh / dq if dq > 0 else (100.0 * t.hits / t.queries if t.queries > 0 else 0.0)
         logger.info(
             "Engine: prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, running %d reqs, "
             "waiting %d reqs, KV cache usage %.1f%%, prefix cache hit rate %.1f%%, preemptions %d",
-            (prompt - self._log_last_prompt) / max(dt, 1e-9),
-            (self._gen_tokens_engine - self._log_last_gen) / max(dt, 1e-9),
-            s.get("num_running", 0), s.get("num_waiting", 0), 100.0 * float(s.get("kv_cache_usage", 0.0)),
-            hit_rate, s.get("num_preemptions", 0))
+            (t.prompt - last.prompt) / max(dt, 1e-9), (t.generated - last.generated) / max(dt, 1e-9),
+            s.num_running, s.num_waiting, 100.0 * s.kv_cache_usage, hit_rate, t.preemptions)
         self._log_last_time = now
-        self._log_last_prompt = prompt
-        self._log_last_gen = self._gen_tokens_engine
-        self._log_last_q, self._log_last_h = q, h
+        self._totals_at_log = dataclasses.replace(t)
         self._busy_since_log = False
 
     def set_engine_alive(self, alive: bool) -> None:

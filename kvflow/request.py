@@ -15,6 +15,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6           # this request's data failed (sampling): it ends alone, the engine goes on
 
     @property
     def finished(self) -> bool:
@@ -25,6 +26,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -39,11 +41,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0              # tokens whose KV is in the cache
         self.num_cached_tokens = 0                # prompt tokens that came from the prefix cache
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None    # the stop token id; the message when FINISHED_ERROR
         # wall-clock seconds (time.time()), the clock the server stamps requests with on arrival
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_scheduled_time: float | None = None
-        self.generator = None                     # torch.Generator when seeded (set by the runner)
         self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine from the tokenizer/model
 
     @property

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.config import EngineConfig
+from kvflow.core.outputs import StepStats
 from kvflow.metrics import EngineMetrics, FinishedRequest, RequestTimings
 from kvflow.server.testing import ServerThread
 from tiny_models import make_tiny_hf_model
@@ -150,13 +151,12 @@ def test_request_log_lines(server):
 
 def test_periodic_log_line(caplog):
     m = EngineMetrics("m", log_stats_interval=0.0)
-    stats = {"num_running": 3, "num_waiting": 2, "kv_cache_usage": 0.25, "num_preemptions": 1,
-             "prefix_cache_queries": 100, "prefix_cache_hits": 40, "num_prompt_tokens_computed": 60,
-             "last_step_batch_size": 3, "last_step_num_tokens": 63, "last_step_duration_s": 0.01,
-             "weights_bytes": 10, "kv_cache_bytes": 20}
+    stats = StepStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, num_preemptions=1,
+                      prefix_cache_queries=100, prefix_cache_hits=40, num_prompt_tokens_computed=60,
+                      num_generated_tokens=3, batch_size=3, num_batched_tokens=63, duration_s=0.01)
     with caplog.at_level(logging.INFO, logger="kvflow.metrics"):
         time.sleep(0.01)
-        m.record_step(stats, num_new_tokens=3)
+        m.record_step(stats)
     line = caplog.records[-1].getMessage()
     for part in ("prompt throughput", "generation throughput", "running 3 reqs", "waiting 2 reqs",
                  "KV cache usage 25.0%", "prefix cache hit rate 40.0%", "preemptions 1"):

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow import LLM, SamplingParams
-from kvflow.core.outputs import ScheduledRequest, SchedulerOutput
+from kvflow.runner.step import StepBatch
 from kvflow.layers.quantization import (QuantizedEmbedding, QuantizedLinear, QuantizedRows, fp8_matmul_supported,
                                         int8_kernel_supported, to_float)
+from kvflow.layers.forward_context import forward_context
 from kvflow.request import Request
-from kvflow.runner.forward_context import forward_context
 
 TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "List three colors:",
@@ -37,8 +37,8 @@ def perplexity(llm: LLM, text: str, chunk: int = 32) -> float:
     try:
         for start in range(0, len(ids), chunk):
             n = min(chunk, len(ids) - start)
-            sched = SchedulerOutput([ScheduledRequest("ppl", start, n, samples=False)])
-            batch, _ = engine.runner.describe_step(sched, {"ppl": req}, kv.block_tables)
+            batch = StepBatch(num_decodes=int(n == 1), token_ids=ids[start:start + n], num_computed_tokens=[start],
+                              num_new_tokens=[n], block_tables=[kv.block_tables["ppl"]], samples=[False])
             input_ids, positions, meta, _ = engine.runner.prepare_inputs(batch)
             with torch.inference_mode(), forward_context(meta):
                 logits.append(engine.runner.model.compute_logits(engine.runner.model(input_ids, positions)))

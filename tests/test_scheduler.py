@@ -3,6 +3,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import Scheduler
 from kvflow.request import Request, RequestStatus
+from kvflow.runner.step import SampledTokens
 from kvflow.sampling_params import SamplingParams
 
 
@@ -19,10 +20,14 @@ def add(sched, rid, n, max_tokens=4, requests=None):
     return r
 
 
+def sampled(out, token=7):
+    rows = len(out.step.sampling) if out.step else 0
+    return SampledTokens([token] * rows, [None] * rows)
+
+
 def run_step(sched, requests, token=7):
     out = sched.schedule()
-    sampled = {s.request_id: token for s in out.scheduled if s.samples}
-    sched.update(out, requests, sampled)
+    sched.update(out, sampled(out, token))
     return out
 
 
@@ -66,10 +71,9 @@ def test_preemption_recomputes_the_newest_request_and_loses_nothing():
         if not sched.has_unfinished_requests():
             break
         out = sched.schedule()
-        sampled = {s.request_id: 7 for s in out.scheduled if s.samples}
-        finished += sched.update(out, reqs, sampled)
+        finished += [o for o in sched.update(out, sampled(out)) if o.finished]
     assert sched.num_preemptions > 0
-    assert {r.request_id for r in finished} == {"a", "b"}
+    assert {o.request_id for o in finished} == {"a", "b"}
     assert a.num_output_tokens == 8 and b.num_output_tokens == 8
     assert a.status == b.status == RequestStatus.FINISHED_LENGTH
     kv.check()
@@ -97,8 +101,7 @@ def test_abort_frees_blocks_wherever_the_request_is():
     a = add(sched, "a", 5, requests=reqs)
     b = add(sched, "b", 5, requests=reqs)
     run_step(sched, reqs)
-    sched.abort(a)
-    sched.abort(b)
+    sched.abort(["a", "b"])
     assert a.status == b.status == RequestStatus.FINISHED_ABORTED
     assert not sched.has_unfinished_requests()
     kv.check()

@@ -53,7 +53,7 @@ def chat(client, content="Hello, who are you?", **kw):
 
 def assert_idle_and_empty(server):
     server.wait_idle()
-    assert server.engine.last_stats["kv_cache_usage"] == 0
+    assert server.engine.last_stats.kv_cache_usage == 0
     server.engine.core.kv_cache_manager.check()
 
 
@@ -333,7 +333,7 @@ def test_disconnect_mid_stream_frees_kv(server, http):
     server.wait_idle(timeout=10)
     assert time.monotonic() - t0 < 5
     stats = server.engine.last_stats
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats.num_running == 0 and stats.num_waiting == 0
     assert_idle_and_empty(server)
     assert aborted_count(server) == aborted + 1
 

@@ -101,10 +101,10 @@ def compare_tp1_tp2(path, prompts, params, **kw):
     try:
         assert core.runner.num_blocks == single.runner.num_blocks or "kv_cache_memory" in kw
         got = run(core, prompts, params)
-        assert core.workers.workers[0][1].is_alive()
+        assert core.executor.workers[0][1].is_alive()
     finally:
         core.shutdown()
-    assert core.workers.workers[0][1].exitcode == 0      # stopped when told, not killed
+    assert core.executor.workers[0][1].exitcode == 0      # stopped when told, not killed
     assert_same(expected, got)
     return core
 
@@ -210,7 +210,7 @@ def test_server_answers_the_openai_client_and_an_idle_worker_death_turns_health_
         server.wait_idle()
         server.engine.core.kv_cache_manager.check()
 
-        worker = server.engine.core.workers.workers[0][1]
+        worker = server.engine.core.executor.workers[0][1]
         os.kill(worker.pid, signal.SIGKILL)            # the server is idle: the health check must notice
         deadline = time.monotonic() + 10
         while httpx.get(server.url + "/health").status_code != 503:

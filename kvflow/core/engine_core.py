@@ -1,4 +1,7 @@
-"""EngineCore: the step loop's one body. Token ids in, token ids out; no text, no threads."""
+"""EngineCore: the step loop's one body. Token ids in, token ids out; no text, no threads.
+
+    step():  Scheduler.schedule() -> ModelStep -> executor.execute() -> SampledTokens -> Scheduler.update()
+"""
 from __future__ import annotations
 
 import logging
@@ -7,18 +10,19 @@ from typing import Iterable
 
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.outputs import EngineOutput
+from kvflow.core.outputs import EngineOutput, StepStats
+from kvflow.core.request_validator import RequestValidator
 from kvflow.core.scheduler import Scheduler
+from kvflow.executor import create_executor
 from kvflow.models.loader import load_model_config, resolve_model_path
 from kvflow.request import Request
-from kvflow.runner.model_runner import ModelRunner
 from kvflow.sampling_params import SamplingParams
 
 log = logging.getLogger("kvflow")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] | None = None):
+    def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] | None = None, max_n: int | None = None):
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.model_config = load_model_config(self.model_path)
@@ -29,28 +33,16 @@ class EngineCore:
         self.max_model_len = config.max_model_len or model_len
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None
                                        else self.model_config.eos_token_ids)
-
-        # tensor parallelism: this process is rank 0; the executor starts the other ranks and sends them
-        # each step. The split is checked first, before any process starts.
-        self.workers = None
-        if config.tensor_parallel_size > 1:
-            from kvflow.distributed.executor import TensorParallelExecutor
-            from kvflow.models.llama import check_tensor_parallel
-            check_tensor_parallel(self.model_config, config.tensor_parallel_size)
-            self.workers = TensorParallelExecutor(config, self.max_model_len)
-        try:
-            self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len,
-                                      tp=self.workers.tp if self.workers else None, workers=self.workers)
-        except BaseException:
-            self.shutdown()
-            raise
+        self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len, max_n)
+        self.executor = create_executor(config, self.model_config, self.model_path, self.max_model_len)
+        self.runner = self.executor.runner            # rank 0's: weights, KV cache sizes, dtype
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
-        self.requests: dict[str, Request] = {}
         self._aborted_outputs: list[EngineOutput] = []
-        self.num_prompt_tokens_computed = 0
-        self.last_step = {"batch_size": 0, "num_tokens": 0, "duration_s": 0.0}
+        self._counters = (0, 0, 0)       # preemptions, prefix-cache queries, hits as of the last stats
+        self.num_prompt_tokens_computed = 0    # since start: prompt tokens not served by the prefix cache
+        self.last_stats = StepStats()
         self._log_boot()
 
     def _log_boot(self) -> None:
@@ -60,7 +52,7 @@ class EngineCore:
                  str(r.dtype).removeprefix("torch."))
         log.info("weights loaded in %.1f s (%.0f MiB, %s)", r.load_seconds, r.weights_bytes / 2**20,
                  self.config.quantization if self.config.quantization not in (None, "none") else "not quantized")
-        if self.workers is not None:
+        if self.config.tensor_parallel_size > 1:
             log.info("tensor parallel: %d ranks; rank 0 holds %d of %d KV heads and %d of %d vocabulary rows "
                      "(sizes below are rank 0's)", self.config.tensor_parallel_size, r.model.sizes.num_kv_heads,
                      self.model_config.num_key_value_heads, r.model.sizes.vocab_size, self.model_config.vocab_size)
@@ -68,54 +60,39 @@ class EngineCore:
                  r.kv_cache_bytes / 2**30, str(r.kv_dtype).removeprefix("torch."), r.num_blocks, tokens,
                  self.max_model_len, tokens / self.max_model_len)
 
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.scheduler.requests
+
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
-        if request_id in self.requests:
+        """Raises InvalidRequestError (see RequestValidator) before anything is queued."""
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n != 1:
             raise ValueError("the engine core takes n=1 requests; fan out n>1 before add_request")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, which leaves no room to generate within "
-                             f"max_model_len={self.max_model_len}")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len:
-            raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens} "
-                             f"tokens, more than max_model_len={self.max_model_len}")
+        max_tokens = self.validator.validate(prompt_token_ids, params)
         req = Request(request_id, prompt_token_ids, params, max_tokens, arrival_time)
         req.eos_token_ids = self.eos_token_ids
-        self.requests[request_id] = req
         self.scheduler.add_request(req)
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        """Free an unfinished request's blocks now; its final output (finish_reason "abort") comes next step."""
-        for rid in request_ids:
-            req = self.requests.pop(rid, None)
-            if req is None:
-                continue
-            self.scheduler.abort(req)
-            self._aborted_outputs.append(EngineOutput(rid, [], finish_reason="abort",
-                                                      num_prompt_tokens=req.num_prompt_tokens,
-                                                      num_cached_tokens=req.num_cached_tokens))
+        """Free unfinished requests' blocks now; their final outputs (finish_reason "abort") come next step."""
+        self._aborted_outputs += self.scheduler.abort(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._aborted_outputs)
+        return bool(self.scheduler.requests) or bool(self._aborted_outputs)
 
     def check_health(self) -> None:
         """Raise if the engine cannot step any more (a tensor-parallel worker died). Cheap; for idle loops."""
-        if self.workers is not None:
-            self.workers.check_health()
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any. Call once no step is running."""
-        if self.workers is not None:
-            self.workers.shutdown()
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -123,40 +100,31 @@ class EngineCore:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.last_stats = self._stats()
             return outputs
+        num_prompt = 0
         for s in sched.scheduled:
-            if s.num_computed_tokens < self.requests[s.request_id].num_prompt_tokens:
-                self.num_prompt_tokens_computed += min(
-                    s.num_new_tokens, self.requests[s.request_id].num_prompt_tokens - s.num_computed_tokens)
-        sampled, logprobs = self.runner.execute(sched, self.requests, self.kv_cache_manager.block_tables)
-        self.scheduler.update(sched, self.requests, sampled)
-        for rid, token in sampled.items():
-            req = self.requests[rid]
-            lp = logprobs.get(rid)
-            outputs.append(EngineOutput(
-                rid, [token], new_logprobs=[lp] if lp is not None else None,
-                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens))
-            if req.status.finished:
-                del self.requests[rid]
-        self.last_step = {"batch_size": len(sched.scheduled), "num_tokens": sched.num_batched_tokens,
-                          "duration_s": time.perf_counter() - t0}
+            num_prompt += max(0, min(s.num_new_tokens,
+                                     self.requests[s.request_id].num_prompt_tokens - s.num_computed_tokens))
+        self.num_prompt_tokens_computed += num_prompt
+        sampled = self.executor.execute(sched.step)
+        outputs += self.scheduler.update(sched, sampled)
+        self.last_stats = self._stats(batch_size=len(sched.scheduled), num_batched_tokens=sched.num_batched_tokens,
+                                      num_prompt_tokens_computed=num_prompt,
+                                      num_generated_tokens=len(sampled.token_ids),
+                                      duration_s=time.perf_counter() - t0)
         return outputs
 
-    def stats(self) -> dict:
-        kv = self.kv_cache_manager
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": kv.usage,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
-            "last_step_batch_size": self.last_step["batch_size"],
-            "last_step_num_tokens": self.last_step["num_tokens"],
-            "last_step_duration_s": self.last_step["duration_s"],
-            "weights_bytes": self.runner.weights_bytes,
-            "kv_cache_bytes": self.runner.kv_cache_bytes,
-            "num_kv_blocks": self.runner.num_blocks,
-        }
+    def stats(self) -> StepStats:
+        """The engine as it is now, with the counters' deltas since the last stats (for an idle look)."""
+        self.last_stats = self._stats()
+        return self.last_stats
+
+    def _stats(self, **step) -> StepStats:
+        kv, sched = self.kv_cache_manager, self.scheduler
+        counters = (sched.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits)
+        deltas = [now - before for now, before in zip(counters, self._counters)]
+        self._counters = counters
+        return StepStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
+                         kv_cache_usage=kv.usage, num_preemptions=deltas[0], prefix_cache_queries=deltas[1],
+                         prefix_cache_hits=deltas[2], **step)

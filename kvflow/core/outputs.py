@@ -1,10 +1,13 @@
-"""The contracts between the parts: what the scheduler hands the runner, what the core hands the frontend."""
+"""The contracts around the core: what the scheduler decides for a step, what the core hands the frontend,
+and the per-step numbers the metrics read."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvflow.runner.step import ModelStep
 
-@dataclass
+
+@dataclass(frozen=True)
 class ScheduledRequest:
     """One request's share of a step: compute `num_new_tokens` tokens starting at `num_computed_tokens`."""
     request_id: str
@@ -15,8 +18,10 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)   # in the order they were chosen
     preempted_ids: list[str] = field(default_factory=list)
+    rows: list[ScheduledRequest] = field(default_factory=list)        # the same in batch order: decodes first
+    step: ModelStep | None = None      # the runner's input, built from `rows`
 
     @property
     def num_batched_tokens(self) -> int:
@@ -27,7 +32,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineOutput:
     """New tokens of one request after one step. `finish_reason` is set on its last output."""
     request_id: str
@@ -35,10 +40,27 @@ class EngineOutput:
     # one dict per new token: {token_id: logprob} of the top-k plus the sampled token, when logprobs were asked
     new_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop token id, when one ended the request
+    stop_reason: int | str | None = None  # the stop token id or an error message; None on EOS (as vLLM)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None   # when the scheduler first admitted it (ends its queue time)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """The engine after one step (or an idle look): gauges as they are now, counters as this step's deltas."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_prompt_tokens_computed: int = 0     # prompt tokens computed (not served from the prefix cache)
+    num_generated_tokens: int = 0
+    batch_size: int = 0                     # requests in the step (0: no step ran)
+    num_batched_tokens: int = 0
+    duration_s: float = 0.0

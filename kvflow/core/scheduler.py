@@ -8,6 +8,9 @@ running request, which loses its KV and goes back to the head of the waiting que
 `max_prefill_tokens_while_decoding` (0: off) caps the prompt tokens of a step while any running request is
 already generating: a step with a long prefill chunk is a long gap between the streaming requests' tokens,
 so while they stream, prompts advance in small chunks; with no one decoding, prompts take the whole budget.
+
+`schedule()` hands out the whole step (`SchedulerOutput.step`: rows, token ids, block tables, sampling rows);
+`update()` takes the sampled tokens back and returns what each request produced (`EngineOutput`s).
 """
 from __future__ import annotations
 
@@ -16,8 +19,9 @@ from collections import deque
 
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.outputs import ScheduledRequest, SchedulerOutput
+from kvflow.core.outputs import EngineOutput, ScheduledRequest, SchedulerOutput
 from kvflow.request import Request, RequestStatus
+from kvflow.runner.step import ModelStep, SampledTokens, SamplingRow, StepBatch
 
 
 class Scheduler:
@@ -28,11 +32,13 @@ class Scheduler:
         self.static = config.scheduling_policy == "static"
         self.max_model_len = max_model_len
         self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}   # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []      # oldest first: the newest is preempted first
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -97,7 +103,36 @@ class Scheduler:
                 out.scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
                 prefill_budget -= num_new
+        if out.scheduled:
+            out.rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1)   # decodes first (stable)
+            out.step = self._model_step(out.rows)
         return out
+
+    def _model_step(self, scheduled: list[ScheduledRequest]) -> ModelStep:
+        token_ids: list[int] = []
+        sampling = []
+        for s in scheduled:
+            req = self.requests[s.request_id]
+            token_ids += req.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
+            if s.samples:
+                sampling.append(self._sampling_row(req))
+        batch = StepBatch(num_decodes=sum(s.num_new_tokens == 1 for s in scheduled), token_ids=token_ids,
+                          num_computed_tokens=[s.num_computed_tokens for s in scheduled],
+                          num_new_tokens=[s.num_new_tokens for s in scheduled],
+                          block_tables=[self.kv.block_tables[s.request_id] for s in scheduled],
+                          samples=[s.samples for s in scheduled])
+        return ModelStep(batch, sampling)
+
+    @staticmethod
+    def _sampling_row(req: Request) -> SamplingRow:
+        p = req.params
+        blocked: tuple[int, ...] = ()
+        if req.num_output_tokens < p.min_tokens:          # EOS and stop ids may not end it yet
+            blocked = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(req.eos_token_ids))
+        seed = None
+        if p.seed is not None:     # a fresh, reproducible seed per position (see Sampler)
+            seed = (p.seed * 6364136223846793005 + req.num_output_tokens * 1442695040888963407) % 2**64
+        return SamplingRow(p, req.token_ids, req.num_prompt_tokens, blocked, seed)
 
     @staticmethod
     def _scheduled(req: Request, num_new: int) -> ScheduledRequest:
@@ -112,45 +147,69 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- after the model ran -------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, requests: dict[str, Request],
-               sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish requests. Returns the finished ones."""
+    def update(self, out: SchedulerOutput, sampled: SampledTokens) -> list[EngineOutput]:
+        """Advance computed tokens, append the sampled tokens (in sampling-row order), finish requests.
+        Returns one output per request that sampled."""
+        outputs = []
         finished = []
-        for s in out.scheduled:
-            req = requests[s.request_id]
+        k = 0
+        for s in out.rows:
+            req = self.requests[s.request_id]
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(req)
             if not s.samples:
                 continue
-            token = sampled[s.request_id]
-            req.token_ids.append(token)
-            status = self._check_stop(req, token)
-            if status is not None:
-                req.status = status
+            token, logprobs, error = sampled.token_ids[k], sampled.logprobs[k], sampled.errors.get(k)
+            k += 1
+            if error is not None:
+                req.status, req.stop_reason = RequestStatus.FINISHED_ERROR, error
+                new_tokens = []
+            else:
+                req.token_ids.append(token)
+                req.status = self._check_stop(req, token) or req.status
+                new_tokens = [token]
+            if req.status.finished:
                 finished.append(req)
+            outputs.append(EngineOutput(
+                req.request_id, new_tokens, new_logprobs=[logprobs] if logprobs is not None else None,
+                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                first_scheduled_time=req.first_scheduled_time))
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
             for req in finished:
                 self.kv.free(req)
-        return finished
+                del self.requests[req.request_id]
+        return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
         if req.num_output_tokens >= p.min_tokens:
-            if (not p.ignore_eos and token in req.eos_token_ids) or token in p.stop_token_ids:
+            if token in p.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED         # stop_reason stays None, as vLLM
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def abort(self, req: Request) -> None:
-        """Remove an unfinished request wherever it is and free its blocks. O(queue length), which is
-        at most max_num_seqs for the running list: cheap next to a model step."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        self.kv.free(req)
-        req.status = RequestStatus.FINISHED_ABORTED
+    def abort(self, request_ids) -> list[EngineOutput]:
+        """Remove unfinished requests wherever they are and free their blocks; their final outputs. O(queue
+        length) per request, at most max_num_seqs for the running list: cheap next to a model step."""
+        outputs = []
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self.kv.free(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            outputs.append(EngineOutput(rid, [], finish_reason="abort", num_prompt_tokens=req.num_prompt_tokens,
+                                        num_cached_tokens=req.num_cached_tokens,
+                                        first_scheduled_time=req.first_scheduled_time))
+        return outputs

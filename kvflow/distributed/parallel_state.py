@@ -11,13 +11,14 @@ Two process groups exist while tensor parallelism runs:
 from __future__ import annotations
 
 import datetime
-import re
 import socket
 import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from kvflow.config import parse_init_method
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 CONTROL_TIMEOUT = datetime.timedelta(days=30)     # an idle server sends nothing; workers wait for it
@@ -90,13 +91,6 @@ class TensorParallel:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.control_group)
         return box[0]
-
-
-def parse_init_method(init_method: str) -> tuple[str, int]:
-    m = re.fullmatch(r"tcp://(\[[^\]]+\]|[^:/\[\]]+):(\d+)/?", init_method or "")
-    if not m:
-        raise ValueError(f"distributed_init_method must look like tcp://HOST:PORT, got {init_method!r}")
-    return m.group(1).strip("[]"), int(m.group(2))
 
 
 def join_process_group(init_method: str, rank: int, size: int, local_rank: int, local_size: int,

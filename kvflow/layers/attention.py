@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.layers.quantization import to_float
-from kvflow.runner.forward_context import get_attn_metadata
+from kvflow.layers.forward_context import get_attn_metadata
 
 FP8_MAX = 448.0
 

@@ -1,61 +1,44 @@
-"""ModelRunner: owns the model, the KV tensors and the sampler; turns a SchedulerOutput into tensors,
-runs one forward over the flat batch, and returns one sampled token per sampling request.
+"""ModelRunner: owns the model, the KV tensors and the sampler; turns a ModelStep into tensors, runs one
+forward over the flat batch, and samples one token per sampling row. It knows nothing of requests, the
+scheduler or the KV cache manager: the step carries the token ids, positions and block tables.
 
-The batch is laid out decodes first (one token each, attended in one batched call), then prefill chunks.
-A step goes SchedulerOutput -> StepBatch (plain Python lists: what every tensor-parallel rank needs, and
-what rank 0 sends the others) -> tensors -> forward. Only rank 0 (the one with the scheduler) samples.
+Under tensor parallelism every rank has a runner; only rank 0 (`tp.is_first`) has a sampler.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvflow import platform
 from kvflow.config import EngineConfig
-from kvflow.core.outputs import SchedulerOutput
 from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.layers.forward_context import AttentionMetadata, PrefillSeq, forward_context
 from kvflow.layers.quantization import QUANT_DTYPES, quantize_model
 from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.loader import iter_weights
 from kvflow.models.model_config import ModelConfig
-from kvflow.request import Request
-from kvflow.runner.forward_context import AttentionMetadata, PrefillSeq, forward_context
-from kvflow.sampler import Sampler
+from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
+from kvflow.runner.sampler import Sampler
 
 log = logging.getLogger("kvflow")
 
 MODEL_FAMILIES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
 
 
-@dataclass
-class StepBatch:
-    """One step's work, per scheduled request in batch order (decodes first, then prefill chunks): what every
-    rank needs to build the step's tensors. Plain lists, cheap to pickle for the other ranks."""
-    num_decodes: int
-    token_ids: list[int]                # the flat batch's input ids, this step's chunk of each request
-    num_computed_tokens: list[int]
-    num_new_tokens: list[int]
-    block_tables: list[list[int]]
-    samples: list[bool]
-
-
 class ModelRunner:
-    """`tp`: this process's tensor-parallel rank (default: the only one). `workers`: on rank 0 under tensor
-    parallelism, the handle on the other ranks (`TensorParallelExecutor`): each step is sent to them first."""
+    """`tp`: this process's tensor-parallel rank (default: the only one)."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path, max_model_len: int,
-                 tp: TensorParallel | None = None, workers=None):
+                 tp: TensorParallel | None = None):
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.tp = tp = tp or TensorParallel()
-        self.workers = workers
         self.device = platform.pick_device(config.device, tp.local_rank if tp.size > 1 else None)
         self.dtype = platform.pick_dtype(config.dtype, self.device)
         platform.setup_threads(self.device, tp.local_size)
@@ -79,7 +62,7 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
 
         self.num_blocks = self._allocate_kv_cache()
-        self.sampler = Sampler(self.device) if tp.is_first else None
+        self.sampler = Sampler(self.device, config.seed) if tp.is_first else None
 
     # ---- KV cache ------------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
@@ -110,23 +93,6 @@ class ModelRunner:
         return num_blocks
 
     # ---- one step ------------------------------------------------------------------------------
-    @staticmethod
-    def describe_step(sched: SchedulerOutput, requests: dict[str, Request],
-                      block_tables: dict[str, list[int]]) -> tuple[StepBatch, list[str]]:
-        """The step as plain lists, in batch order, and the ids of the requests that sample, in logits order."""
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
-        token_ids = [requests[s.request_id].token_ids[s.num_computed_tokens] for s in decodes]
-        for s in prefills:
-            token_ids += requests[s.request_id].token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
-        batch = StepBatch(num_decodes=len(decodes), token_ids=token_ids,
-                          num_computed_tokens=[s.num_computed_tokens for s in ordered],
-                          num_new_tokens=[s.num_new_tokens for s in ordered],
-                          block_tables=[block_tables[s.request_id] for s in ordered],
-                          samples=[s.samples for s in ordered])
-        return batch, [s.request_id for s in ordered if s.samples]
-
     def prepare_inputs(self, batch: StepBatch):
         bs = self.block_size
         positions: list[torch.Tensor] = []
@@ -176,16 +142,26 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logits_indices])
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, requests: dict[str, Request],
-                block_tables: dict[str, list[int]]) -> tuple[dict[str, int], dict[str, dict | None]]:
-        batch, sampling_ids = self.describe_step(sched, requests, block_tables)
-        if self.workers is None:
-            logits = self.forward(batch)
-        else:
-            logits = self.workers.run_step(batch, self.forward)
-        if not sampling_ids:
-            return {}, {}
-        reqs = [requests[r] for r in sampling_ids]
-        tokens, logprobs = self.sampler(logits, reqs)
-        lp = logprobs or [None] * len(tokens)
-        return dict(zip(sampling_ids, tokens)), dict(zip(sampling_ids, lp))
+    def execute(self, step: ModelStep) -> SampledTokens:
+        """Rank 0: the forward, then one sampled token per sampling row."""
+        logits = self.forward(step.batch)
+        if logits is None:
+            return SampledTokens([], [])
+        try:
+            return self.sampler(logits, step.sampling)
+        except Exception:  # noqa: BLE001 - find the rows at fault: they fail alone, the others get their token
+            log.exception("batched sampling failed; sampling row by row")
+            return self._sample_rows_alone(logits, step)
+
+    def _sample_rows_alone(self, logits: torch.Tensor, step: ModelStep) -> SampledTokens:
+        tokens, logprobs, errors = [], [], {}
+        for i, row in enumerate(step.sampling):
+            try:
+                one = self.sampler(logits[i:i + 1], [row])
+                tokens.append(one.token_ids[0])
+                logprobs.append(one.logprobs[0])
+            except Exception as e:  # noqa: BLE001
+                tokens.append(0)
+                logprobs.append(None)
+                errors[i] = f"sampling failed: {type(e).__name__}: {e}"
+        return SampledTokens(tokens, logprobs, errors)

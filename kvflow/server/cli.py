@@ -111,7 +111,7 @@ def run_serve(args) -> int:
     config = config_from_args(args)   # ValueError ("... not supported yet") -> clean error exit in kvflow.cli
     logger.info("kvflow serve: %s", ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(config).items()))
     if config.node_rank > 0:          # another machine's ranks of a multi-machine run: no server here
-        from kvflow.distributed.worker import run_worker_node
+        from kvflow.executor.worker import run_worker_node
         return run_worker_node(config)
     logger.info("server: host=%s port=%d api_key=%s max_queue_len=%s request_log=%s", args.host, args.port,
                 "set" if args.api_key else "none", args.max_queue_len, args.request_log)

@@ -1,70 +1,78 @@
-"""Sampler: from one row of logits per sampling request to one token each, in a batch.
+"""Sampler: from one row of logits per sampling row to one token each, in a batch.
 
 Greedy rows take the argmax. Other rows are tempered, cut by top-k / top-p / min-p, and drawn with the
-exponential race (argmax of p / E, E ~ Exp(1)), which equals sampling from p. A seeded request draws its
-noise from its own generator, so its tokens do not depend on what else is in the batch.
+exponential race (argmax of p / E, E ~ Exp(1)), which equals sampling from p. Unseeded rows draw their noise
+from the engine's generator (seeded by `--seed`). A seeded request draws from a generator seeded anew each
+step from its seed and position: its tokens depend on nothing else in the batch, and a preempted request
+recomputes the same ones.
 """
 from __future__ import annotations
 
 import torch
 
-from kvflow.request import Request
+from kvflow.runner.step import SampledTokens, SamplingRow
 
 NEG_INF = float("-inf")
 
 
 class Sampler:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]):
-        """logits: [N, V] float32, row i for requests[i]. Returns (token ids, logprobs per row or None)."""
-        params = [r.params for r in requests]
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+        """logits: [N, V] float32, row i for rows[i]."""
+        params = [r.params for r in rows]
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_penalties_and_limits(logits, requests)
+        logits = self._apply_penalties_and_limits(logits, rows)
 
         if all(p.temperature == 0.0 for p in params):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, requests)
+            tokens = self._sample(logits, rows)
         token_list = tokens.tolist()
-        return token_list, self._logprobs(raw_logprobs, token_list, params)
+        return SampledTokens(token_list, self._logprobs(raw_logprobs, token_list, params))
 
-    def _apply_penalties_and_limits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_penalties_and_limits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         cloned = False
-        for i, r in enumerate(requests):
+        vocab = logits.shape[-1]
+        for i, r in enumerate(rows):
             p = r.params
-            blocked = None
-            if r.num_output_tokens < p.min_tokens:      # EOS and stop ids may not end it yet
-                blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-            if not (p.has_penalties or blocked):
+            if not (p.has_penalties or r.blocked_token_ids or p.logit_bias):
                 continue
             if not cloned:
                 logits, cloned = logits.clone(), True
             row = logits[i]
-            if blocked:
+            if p.logit_bias:
+                ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long, device=row.device)
+                bias = torch.tensor([b for t, b in p.logit_bias.items() if t < vocab], dtype=row.dtype,
+                                    device=row.device)
+                row[ids] += bias
+            if r.blocked_token_ids:
+                blocked = [t for t in r.blocked_token_ids if t < vocab]
                 row[torch.tensor(blocked, dtype=torch.long, device=row.device)] = NEG_INF
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long, device=row.device)
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if p.presence_penalty or p.frequency_penalty:
-                out = torch.tensor(r.output_token_ids, dtype=torch.long, device=row.device)
+                out = torch.tensor(r.token_ids[r.num_prompt_tokens:], dtype=torch.long, device=row.device)
                 if out.numel():
                     counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
                     row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.params for r in requests]
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        params = [r.params for r in rows]
         greedy = torch.tensor([p.temperature == 0.0 for p in params], device=logits.device)
         temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
         scaled = logits / temps[:, None]
 
-        top_k = [p.top_k for p in params]
+        vocab = logits.shape[-1]
+        top_k = [min(p.top_k, vocab) for p in params]
         top_p = [p.top_p for p in params]
         if any(k > 0 for k in top_k) or any(tp < 1.0 for tp in top_p):
             scaled = self._top_k_top_p(scaled, top_k, top_p)
@@ -74,12 +82,10 @@ class Sampler:
             mp = torch.tensor(min_p, device=probs.device)[:, None]
             probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
 
-        noise = torch.empty_like(probs).exponential_()
-        for i, r in enumerate(requests):
-            if r.params.seed is not None and r.params.temperature > 0:
-                if r.generator is None:
-                    r.generator = torch.Generator(device=probs.device).manual_seed(r.params.seed)
-                noise[i].exponential_(generator=r.generator)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.seed is not None and r.params.temperature > 0:
+                noise[i].exponential_(generator=torch.Generator(device=probs.device).manual_seed(r.seed))
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
@@ -97,9 +103,9 @@ class Sampler:
         return torch.full_like(logits, NEG_INF).scatter(-1, order, sorted_logits)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, tokens: list[int], params) -> list | None:
+    def _logprobs(raw: torch.Tensor | None, tokens: list[int], params) -> list:
         if raw is None:
-            return None
+            return [None] * len(tokens)
         result = []
         for i, p in enumerate(params):
             if p.logprobs is None:

@@ -1,8 +1,8 @@
 """Rank 0's side of tensor parallelism (the process with the scheduler and the server).
 
 At start it spawns this machine's other ranks, joins the group, and sends every rank its settings. Each
-step it sends the step's description (`StepBatch`) over the control group, then runs its own share of the
-forward; the other ranks do the same, and the model's collectives tie the shares together.
+step it sends the step's `StepBatch` over the control group, then runs its own share of the forward and
+samples; the other ranks run their shares, and the model's collectives tie the shares together.
 
 Worker death must end the engine, not hang it: a collective with a dead peer fails at once (its connections
 close), the group's timeout catches a peer that hangs, a local worker's exit code is checked before every
@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
 
 import torch
 
 from kvflow import platform
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import free_local_port, join_process_group, leave_process_group
-from kvflow.distributed.worker import (PING, STEP, STOP, Placement, describe_exit, node_placements,
-                                       start_local_workers, stop_local_workers)
+from kvflow.executor.worker import (PING, STEP, STOP, Placement, describe_exit, node_placements,
+                                    start_local_workers, stop_local_workers)
+from kvflow.runner.model_runner import ModelRunner
+from kvflow.runner.step import ModelStep, SampledTokens
 
 log = logging.getLogger("kvflow.distributed")
 
@@ -31,7 +32,7 @@ class TensorParallelError(RuntimeError):
 
 
 class TensorParallelExecutor:
-    def __init__(self, config: EngineConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config, model_path, max_model_len: int):
         self.failed: str | None = None
         self._closed = False
         self.tp = None
@@ -50,6 +51,7 @@ class TensorParallelExecutor:
             self.tp = join_process_group(init_method, 0, config.tensor_parallel_size, 0, len(placements),
                                          device, self.check_alive)
             self.tp.broadcast_from_first((config, max_model_len))
+            self.runner = ModelRunner(config, model_config, model_path, max_model_len, tp=self.tp)
         except BaseException as e:
             self.failed = self.failed or f"tensor-parallel start failed: {e}"
             self.shutdown()
@@ -92,12 +94,12 @@ class TensorParallelExecutor:
         return TensorParallelError(self.failed)
 
     # ---- steps -------------------------------------------------------------------------------------
-    def run_step(self, batch, forward: Callable):
-        """Send the step to every rank, run rank 0's share (`forward(batch)`), return its result."""
+    def execute(self, step: ModelStep) -> SampledTokens:
+        """Send the step to every rank, run rank 0's share and sample."""
         self.check_alive()
         try:
-            self.tp.broadcast_from_first((STEP, batch))
-            return forward(batch)
+            self.tp.broadcast_from_first((STEP, step.batch))
+            return self.runner.execute(step)
         except Exception as e:
             raise self._failure(e) from e
 

@@ -1,0 +1,47 @@
+"""The one check of a request against the engine: its field values (SamplingParams), the token ids it names
+against the vocabulary, its length against the context, `n` against the server's cap. Frontends call it
+before queueing anything, so the caller gets the error at once; it raises InvalidRequestError with `param`
+and `code` set, which the server turns into a 400 without reading the message."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.errors import InvalidRequestError
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestValidator:
+    vocab_size: int
+    max_model_len: int
+    max_n: int | None = None
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise InvalidRequestError for anything the engine cannot run; return max_tokens, resolved."""
+        params.validate()
+        params.check_vocabulary(self.vocab_size)
+        if self.max_n is not None and params.n > self.max_n:
+            raise InvalidRequestError(f"n must be at most {self.max_n} (--max-n), got {params.n}", param="n",
+                                      code="invalid_value")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt",
+                                      code="invalid_value")
+        vocab = self.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt",
+                                      code="invalid_value")
+        limit = self.max_model_len
+        if n >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens, which leaves no room to generate within this model's maximum "
+                f"context length ({limit} tokens); shorten the prompt", param="prompt",
+                code="context_length_exceeded")
+        if params.max_tokens is None:
+            return limit - n
+        if n + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens} "
+                f"tokens, more than this model's maximum context length ({limit} tokens); shorten the prompt "
+                f"or lower max_tokens", param="prompt", code="context_length_exceeded")
+        return params.max_tokens

@@ -1,0 +1,200 @@
+"""OutputProcessor: the frontend's one path from the core's token ids to what a caller sees. Used by both the
+offline `LLM` and the serving `AsyncEngine` (on its event loop).
+
+Per request it keeps the choices (`n > 1` fans out into core requests `"{id}-{i}"`, seeded `seed + i`), each
+with its incremental detokenizer, stop strings, text, tokens, logprobs and timings. `process()` turns one
+step's `EngineOutput`s into per-request `CompletionDelta`s and says which core requests to abort (a stop
+string matched). An exception while handling one request's outputs fails that request only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from kvflow.core.outputs import EngineOutput
+from kvflow.detokenizer import IncrementalDetokenizer
+from kvflow.metrics import RequestTimings
+from kvflow.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvflow")
+
+
+@dataclass(frozen=True)
+class CompletionDelta:
+    """What one step added to one choice of a request, as text and tokens."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or string; the message when "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    core_id: str
+    timings: RequestTimings
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    choices: list[ChoiceState]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+
+@dataclass(frozen=True)
+class CoreRequest:
+    """One core request (one choice) to add."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class ProcessedOutputs:
+    deltas: dict[str, list[CompletionDelta]]    # request id -> this step's deltas, in output order
+    to_abort: list[str]                         # core ids the core should stop (stop strings, failures)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, keep_logprobs: bool = False):
+        self.tokenizer = tokenizer
+        self.keep_logprobs = keep_logprobs        # accumulate logprobs per choice (the offline API returns them)
+        self.requests: dict[str, RequestState] = {}
+        self._choice_of: dict[str, tuple[RequestState, ChoiceState]] = {}   # core id -> its request and choice
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float) -> list[CoreRequest]:
+        """Register a request; returns the core requests to add, one per choice."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        state = RequestState(request_id, list(prompt_token_ids), params, [])
+        core = []
+        for i in range(params.n):
+            core_id = request_id if params.n == 1 else f"{request_id}-{i}"
+            child = params if params.n == 1 else dataclasses.replace(params, n=1, seed=params.child_seed(i))
+            detok = None if self.tokenizer is None else IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=child.skip_special_tokens, stop=child.stop,
+                include_stop_str_in_output=child.include_stop_str_in_output)
+            choice = ChoiceState(i, core_id, RequestTimings(arrival=arrival_time), detok,
+                                 logprobs=[] if self.keep_logprobs and child.logprobs is not None else None)
+            state.choices.append(choice)
+            self._choice_of[core_id] = (state, choice)
+            core.append(CoreRequest(core_id, state.prompt_token_ids, child, arrival_time))
+        self.requests[request_id] = state
+        return core
+
+    def process(self, outputs: list[EngineOutput], step_start: float = 0.0,
+                step_end: float = 0.0) -> ProcessedOutputs:
+        result = ProcessedOutputs({}, [])
+        for out in outputs:
+            found = self._choice_of.get(out.request_id)
+            if found is None or found[1].finished:
+                continue          # aborted by us (stop string, disconnect): its last output is not needed
+            state, choice = found
+            try:
+                delta = self._process_one(state, choice, out, step_start, step_end, result.to_abort)
+            except Exception as e:  # noqa: BLE001 - one request's data must not take the others down
+                logger.exception("handling the output of %s failed", out.request_id)
+                delta = self._fail(choice, f"{type(e).__name__}: {e}", step_end)
+                if not out.finished:
+                    result.to_abort.append(choice.core_id)
+            if delta is not None:
+                result.deltas.setdefault(state.request_id, []).append(delta)
+        return result
+
+    def _process_one(self, state: RequestState, choice: ChoiceState, out: EngineOutput, t_start: float,
+                     t_end: float, to_abort: list[str]) -> CompletionDelta | None:
+        t = choice.timings
+        if t.scheduled is None and out.first_scheduled_time is not None:
+            t.scheduled = out.first_scheduled_time
+        if choice.index == 0 and (out.num_cached_tokens or not choice.token_ids):
+            state.num_cached_tokens = out.num_cached_tokens
+        if out.finish_reason == "error":
+            return self._fail(choice, str(out.stop_reason or "the engine failed on this request"), t_end)
+        new_ids = list(out.new_token_ids)
+        if new_ids:
+            if t.first_token is None:
+                t.first_token = t_end
+                if t.scheduled is None:
+                    t.scheduled = t_start
+            t.last_token = t_end
+            t.token_times.extend([t_end] * len(new_ids))
+            choice.token_ids += new_ids
+            if choice.logprobs is not None and out.new_logprobs:
+                choice.logprobs += out.new_logprobs
+        text = ""
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        detok = choice.detokenizer
+        if detok is not None:
+            if new_ids:
+                text = detok.add(new_ids)
+            if detok.stopped:
+                if finish_reason is None:     # end this choice here and free its KV blocks in the core
+                    to_abort.append(choice.core_id)
+                finish_reason, stop_reason = "stop", detok.stop_str
+            elif finish_reason is not None:
+                text += detok.flush()
+        choice.text += text
+        if finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = finish_reason, stop_reason
+            t.finished = t_end
+        if not text and not new_ids and finish_reason is None:
+            return None
+        return CompletionDelta(choice.index, text, new_ids, out.new_logprobs, finish_reason, stop_reason)
+
+    @staticmethod
+    def _fail(choice: ChoiceState, message: str, when: float) -> CompletionDelta:
+        choice.finish_reason, choice.stop_reason = "error", message
+        choice.timings.finished = when
+        return CompletionDelta(choice.index, "", [], None, "error", message)
+
+    def request_of(self, core_id: str) -> RequestState | None:
+        found = self._choice_of.get(core_id)
+        return None if found is None else found[0]
+
+    def finish(self, request_id: str, reason: str = "abort", when: float = 0.0) -> list[str]:
+        """Forget a request; its unfinished choices end with `reason`. Returns their core ids (to abort)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        unfinished = []
+        for c in state.choices:
+            self._choice_of.pop(c.core_id, None)
+            if not c.finished:
+                c.finish_reason = reason
+                c.timings.finished = when
+                unfinished.append(c.core_id)
+        return unfinished

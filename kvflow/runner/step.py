@@ -1,0 +1,46 @@
+"""The runner's whole input and output for one step. The scheduler builds a `ModelStep`; the runner turns it
+into tensors, runs the model and samples; nothing here refers to requests or the KV cache manager.
+
+Rows are in batch order: decodes first (one token each, attended in one batched call), then prefill chunks.
+`StepBatch` is what every tensor-parallel rank needs (plain lists, cheap to pickle); `sampling` is only for
+rank 0, one entry per row that samples, in the same order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    num_decodes: int
+    token_ids: list[int]                # the flat batch's input ids: this step's chunk of each row
+    num_computed_tokens: list[int]      # per row: tokens already in the KV cache (the chunk's first position)
+    num_new_tokens: list[int]
+    block_tables: list[list[int]]
+    samples: list[bool]                 # per row: does this chunk end at the last known token (sample one)?
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs of one sampling row."""
+    params: SamplingParams
+    token_ids: list[int]                # prompt + output so far (read only: for penalties)
+    num_prompt_tokens: int
+    blocked_token_ids: tuple[int, ...]  # may not be sampled yet (EOS and stop ids before min_tokens)
+    seed: int | None                    # this step's seed for a seeded request (derived from its position)
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    batch: StepBatch
+    sampling: list[SamplingRow]
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """One token per sampling row, in `ModelStep.sampling` order; logprobs per row when asked."""
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+    errors: dict[int, str] = field(default_factory=dict)   # row -> why sampling failed for it alone
