@@ -132,10 +132,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST: {}}}})
+    @app.get("/metrics", response_class=PrometheusText, responses={200: {"description": "Prometheus text format"}})
     async def metrics():
-        return PlainTextResponse(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return PrometheusText(engine.metrics.render())
 
     @app.post("/tokenize", response_model=None, responses={200: {"model": TokenizeResponse},
                                                            **_errors(400, 401, 404, 413)})
@@ -153,6 +152,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     return app
 
 
+class PrometheusText(PlainTextResponse):
+    media_type = CONTENT_TYPE_LATEST
+
+
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
 
@@ -166,8 +169,8 @@ def validation_param(loc) -> str | None:
 
 
 def openapi_document(app: FastAPI, max_n: int) -> dict:
-    """FastAPI's document, corrected: invalid requests are 400s in OpenAI's error shape (not 422s), and `n`
-    shows this server's --max-n."""
+    """FastAPI's document, corrected: invalid requests are 400s in OpenAI's error shape (not 422s), integer
+    limits stay exact, and `n` shows this server's --max-n."""
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for path in doc["paths"].values():
@@ -176,7 +179,11 @@ def openapi_document(app: FastAPI, max_n: int) -> dict:
         schemas = doc.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
-        for name in ("ChatCompletionRequest", "CompletionRequest"):
-            schemas[name]["properties"]["n"]["maximum"] = max_n
+        for model in (ChatCompletionRequest, CompletionRequest):
+            exact = model.model_json_schema()["properties"]
+            props = schemas[model.__name__]["properties"]
+            for name, prop in props.items():   # FastAPI's OpenAPI model makes limits floats: 2**63-1 read as 2**63
+                prop.update({k: v for k, v in exact[name].items() if k in ("minimum", "maximum")})
+            props["n"]["maximum"] = max_n
         app.openapi_schema = doc
     return app.openapi_schema
