@@ -196,13 +196,13 @@ class OpenAIServing:
             await run_unless_disconnected(collect(), raw, gen.streams)
         except RequestFailedError as e:
             raise self.failure(e) from None
-        usage = self.usage(gen)
+        head = dict(id=gen.request_id, created=gen.created, model=gen.model, usage=self.usage(gen))
         if gen.chat:
-            return ChatCompletionResponse(id=gen.request_id, created=gen.created, model=gen.model, usage=usage, choices=[
+            return ChatCompletionResponse(**head, choices=[
                 ChatCompletionChoice(index=i, message=ChatResponseMessage(content=r.text),
                                      logprobs=self.logprobs(gen, r.tokens)[0], finish_reason=r.finish_reason,
                                      stop_reason=r.stop_reason) for i, r in enumerate(results)])
-        return CompletionResponse(id=gen.request_id, created=gen.created, model=gen.model, usage=usage, choices=[
+        return CompletionResponse(**head, choices=[
             CompletionChoice(index=i, text=r.text, logprobs=self.logprobs(gen, r.tokens)[0],
                              finish_reason=r.finish_reason, stop_reason=r.stop_reason)
             for i, r in enumerate(results)])
