@@ -158,14 +158,14 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config, *, max_queue_len: int | None = None, request_log: str | None = None,
-                    log_stats_interval: float = 5.0, max_n: int | None = None) -> "AsyncEngine":
+                    log_stats_interval: float = 5.0) -> "AsyncEngine":
         from kvflow.core.engine_core import EngineCore
         from kvflow.models.loader import resolve_model_path
         from kvflow.tokenizer import Tokenizer
 
         t0 = time.perf_counter()
         tokenizer = Tokenizer.from_model(resolve_model_path(config.tokenizer or config.model))
-        core = EngineCore(config, eos_token_ids=tokenizer.eos_token_ids, max_n=max_n)  # logs weights, KV size
+        core = EngineCore(config, eos_token_ids=tokenizer.eos_token_ids)   # logs weights, load time, KV size
         load_s = time.perf_counter() - t0
         # as vLLM: the model argument as given; the embedded default by its name, without file suffixes
         name = config.served_model_name or config.model or core.model_path.name.split(".")[0]

@@ -37,7 +37,7 @@ def _run_generate(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: a continuous-batching LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(sub)
@@ -51,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         add_bench_parser(sub)
     except ImportError:
         pass
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError) as e:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-SCHEDULING_POLICIES = ("continuous", "fcfs", "static")
+SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = (None, "none", "fp8", "int8")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -31,29 +31,44 @@ def parse_init_method(init_method: str) -> tuple[str, int]:
     return m.group(1).strip("[]"), int(m.group(2))
 
 
+def _option(default, help: str, **cli):
+    """A field with its `kvflow serve` flag's help text (and optional aliases, metavar, argparse type)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None                   # HF folder or GGUF file; None: the embedded default
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"                        # auto: bfloat16 where the CPU/GPU does it fast, else float32
-    device: str = "auto"                       # auto: cuda when available, else cpu
-    max_model_len: int | None = None           # None: the model's own context length
-    block_size: int = 16
-    kv_cache_memory: int | None = None         # bytes for the KV cache; wins over gpu_memory_utilization
-    gpu_memory_utilization: float | None = None  # fraction of device memory (RAM on CPU) for weights + KV
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024
-    max_prefill_tokens_while_decoding: int = 0   # cap on a step's prompt tokens while others stream (0: off)
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "continuous"
-    quantization: str | None = None            # None/"none", "int8" or "fp8": weight-only, per-channel scales
-    kv_cache_dtype: str = "auto"               # "fp8": KV stored as float8 e4m3, half of bf16's bytes
-    tensor_parallel_size: int = 1              # ranks the model is split over (processes; machines with nnodes)
-    distributed_init_method: str | None = None  # tcp://HOST:PORT of node 0 (rank 0); None: one machine, any port
-    nnodes: int = 1                            # machines; each runs tensor_parallel_size // nnodes ranks
-    node_rank: int = 0                         # this machine's index; node 0 runs the scheduler and server
-    seed: int = 0
+    model: str | None = _option(None, "HF model folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    tokenizer: str | None = _option(None, "tokenizer folder (default: the model's)")
+    served_model_name: str | None = _option(None, "the model name the API answers to (default: the model argument)")
+    dtype: str = _option("auto", "auto, bfloat16, float16 or float32; auto: bfloat16 where the CPU/GPU does it fast, "
+                                 "else float32")
+    device: str = _option("auto", "auto, cpu or cuda[:N]; auto: cuda when available, else cpu")
+    max_model_len: int | None = _option(None, "context length in tokens (default: the model's own)")
+    block_size: int = _option(16, "tokens per KV cache block (a power of two)")
+    kv_cache_memory: int | None = _option(None, "bytes for the KV cache, e.g. 4GiB; wins over "
+                                                "gpu_memory_utilization", type=str)
+    gpu_memory_utilization: float | None = _option(None, "fraction of device memory (RAM on CPU) for weights "
+                                                         "+ KV cache")
+    max_num_seqs: int = _option(128, "most requests running in one step")
+    max_num_batched_tokens: int = _option(1024, "token budget of one step; longer prompts are prefilled in chunks")
+    max_prefill_tokens_while_decoding: int = _option(0, "while requests are generating, prefill at most this many "
+                                                        "prompt tokens per step, so their streams do not stall behind "
+                                                        "a long prompt (0: no cap; see docs/performance.md)")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of a shared prompt prefix")
+    scheduling_policy: str = _option("continuous", "continuous, or static (admit a batch, run it to the end) for A/B "
+                                                   "benchmarks")
+    quantization: str | None = _option(None, "none, int8 or fp8: weight-only, per-channel scales", aliases=("-q",))
+    kv_cache_dtype: str = _option("auto", "auto, or fp8: KV stored as float8 e4m3, half of bf16's bytes")
+    tensor_parallel_size: int = _option(1, "split the model over N processes (gloo on CPU, NCCL on CUDA, one GPU "
+                                           "each)", aliases=("-tp",))
+    distributed_init_method: str | None = _option(None, "rendezvous of a multi-machine run: tcp://HOST:PORT of node "
+                                                        "0, which every node can reach (default: one machine, a free "
+                                                        "local port)", metavar="tcp://HOST:PORT")
+    nnodes: int = _option(1, "machines; each runs tensor_parallel_size / nnodes ranks")
+    node_rank: int = _option(0, "this machine's index; node 0 runs the scheduler and serves HTTP, the others only run "
+                                "their ranks")
+    seed: int = _option(0, "seed of the engine's default random generator (requests without a seed)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))

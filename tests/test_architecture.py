@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kvflow"
 
 # bottom to top; a unit may import its own layer and those below it
 LAYERS = [
-    {"errors", "config", "platform", "sampling_params"},
+    {"__init__", "errors", "config", "platform", "sampling_params"},   # __init__: lazy re-exports, __version__
     {"distributed", "request"},
     {"layers", "models"},
     {"runner"},
@@ -19,7 +19,7 @@ LAYERS = [
     {"output_processor"},
     {"llm", "async_engine"},
     {"server", "bench"},
-    {"cli", "__init__"},
+    {"cli"},
 ]
 
 

@@ -19,6 +19,8 @@ import pytest
 from fastapi import FastAPI, Request   # module level: FastAPI resolves the string annotations here
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from kvflow.server.testing import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -122,13 +124,6 @@ def make_app(with_metrics: bool = True):
                 "# TYPE process_resident_memory_bytes gauge\n"
                 "process_resident_memory_bytes 1.048576e+08\n")
     return app
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StubServer:

@@ -361,3 +361,121 @@ def test_idle_engine_thread_does_not_spin(server):
     before = cpu_ticks()
     time.sleep(1.0)
     assert cpu_ticks() - before <= 2   # clock ticks (1/100 s): asleep on its condition variable
+
+
+# ---- the edge: validation by param, Unicode, limits, the published schema ---------------------------------------
+def test_core_side_invalid_request_is_400_with_its_param_and_code(server, client, monkeypatch):
+    from kvflow.errors import InvalidRequestError
+
+    def refuse(*_a, **_kw):
+        raise InvalidRequestError("the prompt is too long, in words no substring check would match",
+                                  param="prompt", code="context_length_exceeded")
+
+    monkeypatch.setattr(server.engine, "submit", refuse)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert e.value.body["param"] == "prompt" and e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client)
+    assert e.value.body["param"] == "messages"        # the chat API's name for the prompt
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+    ("/v1/completions", {"prompt": ["fine", "a\udfffb"]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": ["\ud800"]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+     "messages.0.content"),
+    ("/tokenize", {"prompt": "a\ud800b"}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "model": "\ud800"}, "model"),
+])
+def test_lone_surrogate_is_400_naming_the_field(http, route, body, param):
+    raw = json.dumps({"max_tokens": 2, **body}).encode()        # ensure_ascii: the surrogate as a \\ud800 escape
+    assert_openai_error(http.post(route, content=raw, headers={"content-type": "application/json"}), 400,
+                        param=param)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("stop_token_ids", [1000000]), ("stop_token_ids", [2 ** 70]), ("top_k", 10 ** 20), ("seed", 10 ** 30),
+    ("temperature", 1e-300), ("logit_bias", {"x": 1}), ("logit_bias", {"1000000": 1}), ("n", 129),
+    ("best_of", 3),
+])
+def test_values_the_engine_cannot_run_are_400(server, http, field, value):
+    """Each of these once ended the engine loop or slipped through (issue 14); now a 400 naming the field."""
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 3, "min_tokens": 2, "temperature": 0.8, field: value}
+    assert_openai_error(http.post("/v1/completions", json=body), 400, param=field)
+    assert http.get("/health").status_code == 200
+    assert server.engine.is_alive
+
+
+def test_n_times_prompts_over_max_n_is_400(http):
+    body = {"model": "tiny", "prompt": ["a"] * 65, "n": 2, "max_tokens": 2}
+    err = assert_openai_error(http.post("/v1/completions", json=body), 400, param="prompt")
+    assert "--max-n" in err["message"]
+
+
+def test_logit_bias_reaches_the_engine(client):
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0,
+                                  logit_bias={"42": 100, "7": -100})
+    assert r.choices[0].finish_reason is not None
+
+
+def test_body_over_the_limit_is_413_before_parsing(http):
+    big = b'{"prompt": "' + b"a" * (9 * 2 ** 20) + b'"}'
+    err = assert_openai_error(http.post("/v1/completions", content=big,
+                                        headers={"content-type": "application/json"}), 413)
+    assert err["code"] == "request_too_large"
+
+    def chunks():       # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(9):
+            yield b"a" * 2 ** 20
+        yield b'"}'
+
+    assert_openai_error(http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}),
+                        413)
+    assert http.get("/health").status_code == 200
+
+
+def test_deeply_nested_json_is_400(http):
+    assert_openai_error(http.post("/v1/completions", content=b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+                                  headers={"content-type": "application/json"}), 400)
+
+
+def test_huge_prompt_does_not_hold_the_event_loop(server, http):
+    """Tokenizing a 4 MB prompt runs in a worker thread: /health keeps answering meanwhile."""
+    result = {}
+
+    def big():
+        result["r"] = httpx.post(server.url + "/v1/completions", timeout=120,
+                                 json={"model": "tiny", "prompt": "lorem ipsum dolor " * 230000, "max_tokens": 2})
+
+    t = __import__("threading").Thread(target=big)
+    t.start()
+    worst = 0.0
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert http.get("/health").status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.05)
+    t.join()
+    assert_openai_error(result["r"], 400)      # far over max_model_len
+    assert worst < 1.0, worst
+
+
+def test_openapi_document_matches_the_server(http):
+    from kvflow import sampling_params as limits
+
+    doc = http.get("/openapi.json").json()
+    assert "422" not in json.dumps(doc["paths"])
+    chat_op = doc["paths"]["/v1/chat/completions"]["post"]
+    assert chat_op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert "text/event-stream" in chat_op["responses"]["200"]["content"]
+    assert "content" not in doc["paths"]["/health"]["get"]["responses"]["200"]
+    assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == \
+        [__import__("kvflow.metrics").metrics.CONTENT_TYPE_LATEST]
+    props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert props["temperature"]["maximum"] == limits.MAX_TEMPERATURE
+    assert props["seed"]["maximum"] == limits.MAX_SEED and props["n"]["maximum"] == 128
+    assert props["top_logprobs"]["maximum"] == limits.MAX_LOGPROBS

@@ -214,3 +214,80 @@ def test_flags_reach_the_config():
             cfg.gpu_memory_utilization, cfg.device) == \
         ("m", False, 7, 32, 64, 2 ** 30, "float32", "a", "static", 100, 0.5, "cpu")
     assert config_from_args(parser.parse_args(["serve"])).enable_prefix_caching is True
+
+
+def start_serve(model_path, *flags) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvflow.cli", "serve", str(model_path), "--port", str(port), "--host", "127.0.0.1",
+         "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "16MiB", "--served-model-name",
+         "tiny", *flags], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.2)
+
+
+def test_sigterm_past_the_grace_period_ends_every_stream_with_error_and_done(model_path):
+    """Streams still running when the grace period ends get an SSE error event and [DONE] (not a cut
+    connection); a collected request gets 503; the server exits 0 soon after the grace period."""
+    grace = 0.5
+    proc, base = start_serve(model_path, "--shutdown-grace-period", str(grace))
+    try:
+        body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 450, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        results: dict = {}
+        started = threading.Barrier(7)    # 5 streams, the collected request, this thread
+
+        def stream(i):
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+                lines = r.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))
+                started.wait(30)
+                results[i] = [first] + [line for line in lines if line.startswith("data: ")]
+
+        def collected():
+            started.wait(30)
+            r = httpx.post(base + "/v1/completions", json={**body, "stream": False}, timeout=60)
+            results["collected"] = r
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(5)] + [threading.Thread(target=collected)]
+        for t in threads:
+            t.start()
+        started.wait(60)
+        time.sleep(0.3)                         # the collected request is in flight too
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) == 0
+        exit_s = time.monotonic() - t0
+        assert exit_s < grace + 10, exit_s
+        errors = 0
+        for i in range(5):
+            events = results[i]
+            assert events[-1] == "data: [DONE]", events[-3:]
+            last = json.loads(events[-2][6:])
+            if "error" in last:
+                errors += 1
+                assert last["error"]["type"] == "service_unavailable" and "shutting down" in last["error"]["message"]
+            else:
+                assert last["choices"][0]["finish_reason"] == "length"
+        assert errors > 0, "every stream finished within the grace period: the test proves nothing"
+        r = results["collected"]
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            assert r.json()["error"]["code"] == "service_unavailable"
+        assert "Traceback" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -11,7 +11,6 @@ import itertools
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,13 +18,9 @@ from pathlib import Path
 
 import httpx
 
+from kvflow.server.testing import free_port
+
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def parse_vary(items: list[str] | None) -> list[tuple[str, list[str]]]:

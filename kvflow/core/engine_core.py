@@ -22,7 +22,7 @@ log = logging.getLogger("kvflow")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] | None = None, max_n: int | None = None):
+    def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] | None = None):
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.model_config = load_model_config(self.model_path)
@@ -33,7 +33,7 @@ class EngineCore:
         self.max_model_len = config.max_model_len or model_len
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None
                                        else self.model_config.eos_token_ids)
-        self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len, max_n)
+        self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len)
         self.executor = create_executor(config, self.model_config, self.model_path, self.max_model_len)
         self.runner = self.executor.runner            # rank 0's: weights, KV cache sizes, dtype
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,

@@ -1,5 +1,5 @@
 """The one check of a request against the engine: its field values (SamplingParams), the token ids it names
-against the vocabulary, its length against the context, `n` against the server's cap. Frontends call it
+against the vocabulary, its length against the context. Frontends call it
 before queueing anything, so the caller gets the error at once; it raises InvalidRequestError with `param`
 and `code` set, which the server turns into a 400 without reading the message."""
 from __future__ import annotations
@@ -14,15 +14,11 @@ from kvflow.sampling_params import SamplingParams
 class RequestValidator:
     vocab_size: int
     max_model_len: int
-    max_n: int | None = None
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise InvalidRequestError for anything the engine cannot run; return max_tokens, resolved."""
         params.validate()
         params.check_vocabulary(self.vocab_size)
-        if self.max_n is not None and params.n > self.max_n:
-            raise InvalidRequestError(f"n must be at most {self.max_n} (--max-n), got {params.n}", param="n",
-                                      code="invalid_value")
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt",

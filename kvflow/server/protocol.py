@@ -1,13 +1,38 @@
-"""OpenAI's request and response schema (plus vLLM's sampling extras), as pydantic models."""
+"""OpenAI's request and response schema (plus vLLM's sampling extras), as pydantic models.
+
+Values are checked once, by SamplingParams (kvflow/sampling_params.py); the limits shown here in the OpenAPI
+document (`json_schema_extra`) are its constants, published so that clients and fuzzers see them, not enforced
+a second time. What pydantic does check is shape: types, and that text is valid Unicode.
+"""
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from kvflow import sampling_params as limits
+from kvflow.errors import InvalidRequestError
 from kvflow.sampling_params import SamplingParams
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_unicode(text: str) -> str:
+    # JSON's "\ud800" escape parses to a lone surrogate, which no tokenizer or UTF-8 encoder accepts
+    if _LONE_SURROGATE.search(text):
+        raise ValueError("text must be valid Unicode: it holds a lone UTF-16 surrogate")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def documented(default=None, **schema):
+    """A field whose limits appear in the OpenAPI document only (SamplingParams enforces them)."""
+    return Field(default, json_schema_extra=schema)
 
 
 class OpenAIModel(BaseModel):
@@ -42,15 +67,12 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-
-SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
-
-
-def sampling_error(e: ValueError) -> APIError:
-    """SamplingParams raises 'FIELD why, got X': name the field as `param`."""
-    msg = str(e)
-    first = msg.split(" ", 1)[0]
-    return APIError(400, msg, param=first if first in SAMPLING_FIELDS else None)
+    @classmethod
+    def bad_request(cls, e: ValueError, rename: dict[str, str] | None = None) -> "APIError":
+        """400 for a request the engine refused: `param` and `code` from the error's fields, never its text
+        (`rename` maps SamplingParams' names to the API's where they differ)."""
+        param = getattr(e, "param", None)
+        return cls(400, str(e), param=(rename or {}).get(param, param), code=getattr(e, "code", None))
 
 
 # ---- requests ---------------------------------------------------------------------------------------------------
@@ -61,14 +83,14 @@ class StreamOptions(OpenAIModel):
 
 class ContentPart(OpenAIModel):
     model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart], None] = None
-    name: str | None = None
+    content: Union[Text, list[ContentPart], None] = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -85,32 +107,41 @@ class ChatMessage(OpenAIModel):
 
 
 class _SamplingRequest(OpenAIModel):
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stop: Union[str, list[str], None] = None
-    seed: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    model: Text | None = None
+    max_tokens: int | None = documented(minimum=1)
+    temperature: float | None = documented(minimum=0, maximum=limits.MAX_TEMPERATURE)
+    top_p: float | None = documented(exclusiveMinimum=0, maximum=1)
+    n: int = documented(1, minimum=1)                    # maximum: --max-n, filled in by openai_api
+    stop: Union[Text, list[Text], None] = documented(maxItems=limits.MAX_STOP_STRINGS,
+                                                     maxLength=limits.MAX_STOP_STRING_CHARS)
+    seed: int | None = documented(minimum=limits.MIN_SEED, maximum=limits.MAX_SEED)
+    presence_penalty: float | None = documented(0.0, minimum=-limits.MAX_PENALTY, maximum=limits.MAX_PENALTY)
+    frequency_penalty: float | None = documented(0.0, minimum=-limits.MAX_PENALTY, maximum=limits.MAX_PENALTY)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    user: Text | None = None
+    logit_bias: dict[Text, float] | None = documented(
+        maxProperties=limits.MAX_LOGIT_BIAS_ENTRIES, propertyNames={"pattern": "^[0-9]+$"},
+        additionalProperties={"type": "number", "minimum": -limits.MAX_LOGIT_BIAS, "maximum": limits.MAX_LOGIT_BIAS})
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = documented(minimum=-1, maximum=limits.MAX_TOP_K)
+    min_p: float | None = documented(minimum=0, maximum=1)
+    min_tokens: int = documented(0, minimum=0)
     ignore_eos: bool = False
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = documented(exclusiveMinimum=0, maximum=limits.MAX_REPETITION_PENALTY)
+    stop_token_ids: list[int] | None = documented(maxItems=limits.MAX_STOP_TOKEN_IDS, items={"minimum": 0})
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
+    # SamplingParams' field -> this request's name for it, where they differ
+    PARAM_NAMES: ClassVar[dict[str, str]] = {}
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported yet", param="logit_bias")
+        try:
+            logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)",
+                                      param="logit_bias", code="invalid_value") from None
         try:
             return SamplingParams(
                 n=self.n,
@@ -127,43 +158,51 @@ class _SamplingRequest(OpenAIModel):
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=logit_bias,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
             )
-        except ValueError as e:
-            raise sampling_error(e) from None
+        except InvalidRequestError as e:
+            raise APIError.bad_request(e, self.PARAM_NAMES) from None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = documented(minimum=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = documented(minimum=0, maximum=limits.MAX_LOGPROBS)
     add_generation_prompt: bool = True
+
+    PARAM_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs", "prompt": "messages"}
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs}",
-                           param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        lp = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, lp)
+        return self._sampling_params(max_tokens, self.num_logprobs)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top log-probabilities per token, None when not asked for."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Union[Text, list[Text], list[int], list[list[int]]]
+    max_tokens: int | None = documented(16, minimum=1)
+    logprobs: int | None = documented(minimum=0, maximum=limits.MAX_LOGPROBS)
     echo: bool | None = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: Text | None = None
+    best_of: int | None = documented(description="only equal to n (no best-of search)")
 
     def to_sampling_params(self) -> SamplingParams:
         if self.echo:
@@ -171,8 +210,12 @@ class CompletionRequest(_SamplingRequest):
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of is not supported yet (use n)", param="best_of")
+            raise APIError(400, "best_of is only supported equal to n (no best-of search)", param="best_of")
         return self._sampling_params(self.max_tokens, self.logprobs)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -186,15 +229,15 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(OpenAIModel):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 
@@ -237,6 +280,31 @@ class ChatCompletionChoice(OpenAIModel):
     stop_reason: int | str | None = None
 
 
+class DeltaMessage(OpenAIModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(OpenAIModel):
+    """One SSE event of a streamed chat completion (sent with exclude_unset: `stop_reason` only when finished,
+    `usage` only when asked for)."""
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
 class ChatCompletionResponse(OpenAIModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -272,6 +340,27 @@ class CompletionResponse(OpenAIModel):
     system_fingerprint: str | None = None
 
 
+class CompletionChunk(OpenAIModel):
+    """One SSE event of a streamed completion (sent with exclude_unset, as ChatCompletionChunk)."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
+
+
 class ModelCard(OpenAIModel):
     id: str
     object: Literal["model"] = "model"
@@ -288,9 +377,3 @@ class ModelList(OpenAIModel):
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -2,6 +2,8 @@
 
     with ServerThread(EngineConfig(model=path, dtype="float32")) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="x")
+
+Importing this module imports neither torch nor the engine (`free_port` serves `kvflow bench` too).
 """
 from __future__ import annotations
 
@@ -10,39 +12,41 @@ import socket
 import threading
 import time
 
-from kvflow.async_engine import AsyncEngine
+HOST = "127.0.0.1"
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((HOST, 0))
         return s.getsockname()[1]
 
 
 class ServerThread:
     def __init__(self, config, *, api_key: str | None = None, max_queue_len: int | None = None,
                  request_log: str | None = None, served_model_names: list[str] | None = None,
-                 shutdown_grace_period: float = 5.0, log_stats_interval: float = 5.0, port: int | None = None):
-        import uvicorn
+                 shutdown_grace_period: float = 5.0, log_stats_interval: float = 5.0, port: int | None = None,
+                 **server_config):
+        from kvflow.server.config import ServerConfig
+        from kvflow.server.openai_api import build_app, build_engine
+        from kvflow.server.uvicorn_server import EngineServer
 
-        from kvflow.server.openai_api import build_app
-
-        self.engine = AsyncEngine.from_config(config, max_queue_len=max_queue_len, request_log=request_log,
-                                              log_stats_interval=log_stats_interval)
-        self.app = build_app(self.engine, api_key=api_key, served_model_names=served_model_names,
-                             shutdown_grace_period=shutdown_grace_period)
         self.port = port or free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=int(shutdown_grace_period) or 1))
+        self.config = ServerConfig(host=HOST, port=self.port, api_key=api_key, max_queue_len=max_queue_len,
+                                   request_log=request_log, served_model_name=served_model_names,
+                                   shutdown_grace_period=shutdown_grace_period,
+                                   log_stats_interval=log_stats_interval, log_level="warning", **server_config)
+        self.engine = build_engine(config, self.config)
+        self.app = build_app(self.engine, self.config)
+        self.server = EngineServer(self.app, self.config)
         self._thread: threading.Thread | None = None
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"http://{HOST}:{self.port}/v1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{HOST}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> "ServerThread":
         def run():   # uvicorn installs no signal handlers outside the main thread

@@ -1,0 +1,50 @@
+"""ServerConfig: the HTTP server's own settings (the engine's are EngineConfig), built once, validated, frozen."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow.config import parse_bytes
+
+# OpenAI's API rejects n > 128, and 128 is the default max_num_seqs: one request can fill at most one batch.
+# (vLLM's VLLM_MAX_N_SEQUENCES defaults to 16384, sized for GPUs; on a CPU that is minutes of one request.)
+DEFAULT_MAX_N = 128
+# A full 128k-token context is ~0.5 MB of text, ~3 MB if every character is JSON-escaped, ~1 MB as token ids;
+# 8 MiB leaves room for that and bounds the JSON parsing that still runs on the event loop to ~0.1 s.
+DEFAULT_MAX_REQUEST_BODY_SIZE = 8 * 2**20
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _option(default, help: str, **cli):
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _option("0.0.0.0", "address to listen on")
+    port: int = _option(8000, "port to listen on")
+    api_key: str | None = _option(None, "require 'Authorization: Bearer KEY' on /v1 routes (default: env "
+                                        "KVFLOW_API_KEY or VLLM_API_KEY)")
+    served_model_name: tuple[str, ...] | None = _option(None, "model name(s) the API answers to (default: the "
+                                                              "model argument)")
+    max_queue_len: int | None = _option(None, "answer 429 when this many sequences are waiting (default: "
+                                              "unbounded)")
+    max_n: int = _option(DEFAULT_MAX_N, "most sequences one request may ask for (n times its number of prompts)")
+    max_request_body_size: int = _option(DEFAULT_MAX_REQUEST_BODY_SIZE, "larger request bodies get 413, e.g. 8MiB",
+                                         type=str)
+    request_log: str | None = _option(None, "write one JSON line per finished request to PATH ('-' for stdout)",
+                                      metavar="PATH")
+    log_level: str = _option("info", "log level", choices=LOG_LEVELS)
+    log_stats_interval: float = _option(5.0, "seconds between stats log lines")
+    shutdown_grace_period: float = _option(30.0, "seconds in-flight requests get to finish after SIGTERM")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_request_body_size", parse_bytes(self.max_request_body_size))
+        if self.served_model_name is not None:
+            object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+        for name, lo in (("port", 0), ("max_queue_len", 1), ("max_n", 1), ("max_request_body_size", 1),
+                         ("shutdown_grace_period", 0)):
+            value = getattr(self, name)
+            if value is not None and value < lo:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {value}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")

@@ -1,0 +1,67 @@
+"""Pure ASGI middleware at the edge, run before any route reads the body."""
+from __future__ import annotations
+
+import time
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from kvflow.server.protocol import APIError
+
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class AuthAndArrival:
+    """Stamp the arrival time; check the API key on the OpenAI routes (/health and /metrics stay open)."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrival_time"] = time.time()
+            if self.api_key is not None and scope["path"].startswith(PROTECTED_PREFIXES) \
+                    and scope.get("method") != "OPTIONS":
+                auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+                if auth != f"Bearer {self.api_key}":
+                    err = APIError(401, "Incorrect or missing API key: pass it as 'Authorization: Bearer <key>'",
+                                   code="invalid_api_key")
+                    await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimit:
+    """413 for a body over `max_bytes`: at once from Content-Length, else (chunked) as soon as the bytes read
+    so far pass the limit, so that neither the body nor its JSON parse ever exceed it."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def too_large(self) -> HTTPException:
+        return HTTPException(413, f"the request body is larger than {self.max_bytes} bytes "
+                                  f"(--max-request-body-size)")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            err = APIError(413, self.too_large().detail, code="request_too_large")
+            # the client may still be sending: tell it we will not read the rest
+            await JSONResponse(err.body(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self.too_large()     # raised inside the route's body read: the app answers 413
+            return message
+
+        await self.app(scope, limited_receive, send)

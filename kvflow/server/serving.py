@@ -1,0 +1,381 @@
+"""The OpenAI routes as plain methods over an AsyncEngine (openai_api.py only wires them into FastAPI).
+
+Chat and completions differ in how a request becomes prompt token ids and in the shape of a choice; from
+`Generation` on they share one path: submit, then stream (SSE) or collect, with the same logprobs, usage and
+error handling. Tokenization and chat templating run in a worker thread, so a huge prompt never holds the
+event loop (the Rust tokenizer releases the GIL) and other streams and /health keep going.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from kvflow.async_engine import (CompletionDelta, EngineDeadError, EngineOverloadedError, EngineShutdownError,
+                                 RequestFailedError, RequestStream)
+from kvflow.server.config import DEFAULT_MAX_N
+from kvflow.server.protocol import (APIError, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                    ChatCompletionResponse, ChatCompletionStreamChoice, ChatLogprobs,
+                                    ChatResponseMessage, CompletionChoice, CompletionChunk, CompletionLogprobs,
+                                    CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest,
+                                    DetokenizeResponse, ModelCard, ModelList, PromptTokensDetails, TokenizeRequest,
+                                    TokenizeResponse, TokenLogprob, TopLogprob, UsageInfo, random_id)
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass
+class Generation:
+    """One accepted request: its engine streams (one per prompt, each with n choices) and how to show them."""
+    request_id: str
+    model: str
+    chat: bool
+    streams: list[RequestStream]
+    num_logprobs: int | None           # top log-probabilities per token; None: no logprobs
+    include_usage: bool = False
+    continuous_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self) -> int:
+        return self.streams[0].params.n
+
+
+@dataclass
+class ChoiceResult:
+    """A collected choice."""
+    text: str = ""
+    tokens: list[tuple[int, dict[int, float]]] = field(default_factory=list)   # (token id, its logprobs)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServing:
+    def __init__(self, engine, *, served_model_names: list[str] | tuple[str, ...] | None = None,
+                 max_n: int = DEFAULT_MAX_N, shutdown_grace_period: float = 30.0) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.names = list(served_model_names or [engine.served_model_name])
+        self.max_n = max_n
+        self.shutdown_grace_period = shutdown_grace_period
+        self.vocab_size = getattr(engine, "vocab_size", None) or engine.core.model_config.vocab_size
+        self._shutdown: asyncio.Future | None = None
+
+    # ---- routes ------------------------------------------------------------------------------------------------
+    def models(self) -> ModelList:
+        root = str(getattr(self.engine.core, "model_path", self.names[0]))
+        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=self.engine.max_model_len)
+                               for name in self.names])
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request | None = None):
+        arrival = arrival_time(raw)
+        model = self.check_model(req.model)
+        params = self.sampling_params(req, num_prompts=1)
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, messages, req.add_generation_prompt)
+        request_id = random_id("chatcmpl")
+        streams = self.submit(request_id, [prompt_ids], params, arrival, req.PARAM_NAMES)
+        gen = Generation(request_id, model, True, streams, req.num_logprobs, req.include_usage, req.continuous_usage)
+        return await self.respond(gen, bool(req.stream), raw)
+
+    async def completions(self, req: CompletionRequest, raw: Request | None = None):
+        arrival = arrival_time(raw)
+        model = self.check_model(req.model)
+        prompts = req.prompts()
+        params = self.sampling_params(req, num_prompts=len(prompts))
+        prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, prompts)
+        request_id = random_id("cmpl")
+        streams = self.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES)
+        gen = Generation(request_id, model, False, streams, req.num_logprobs, req.include_usage,
+                         req.continuous_usage)
+        return await self.respond(gen, bool(req.stream), raw)
+
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if req.prompt is not None:
+            ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt, req.add_special_tokens)
+        else:
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = await asyncio.to_thread(self.chat_prompt_ids, msgs, req.add_generation_prompt)
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=list(ids))
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        self.check_token_ids(req.tokens, "tokens")
+        text = await asyncio.to_thread(self.tokenizer.decode, req.tokens, False)
+        return DetokenizeResponse(prompt=text)
+
+    async def shutdown_engine(self) -> None:
+        """The engine's shutdown, once (uvicorn's shutdown and the app's lifespan both ask for it)."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.ensure_future(self.engine.shutdown(self.shutdown_grace_period))
+        await asyncio.shield(self._shutdown)
+
+    # ---- request -> engine -------------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> str:
+        if not model:
+            return self.names[0]
+        if model not in self.names:
+            raise APIError(404, f"The model `{model}` does not exist. Served models: {', '.join(self.names)}",
+                           param="model", code="model_not_found")
+        return model
+
+    def sampling_params(self, req: ChatCompletionRequest | CompletionRequest, num_prompts: int) -> SamplingParams:
+        params = req.to_sampling_params()
+        if params.n * num_prompts > self.max_n:
+            what = f"n={params.n}" if num_prompts == 1 else f"n={params.n} times {num_prompts} prompts"
+            raise APIError(400, f"{what} asks for more than {self.max_n} sequences (--max-n)",
+                           param="n" if params.n > self.max_n else "prompt", code="invalid_value")
+        return params
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
+        except Exception as e:  # a template that rejects the conversation (roles out of order, ...)
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+    def completion_prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        return [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in prompts]
+
+    def check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range [0, {self.vocab_size})", param=param,
+                           code="invalid_value")
+        return list(ids)
+
+    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, arrival: float,
+               param_names: dict[str, str]) -> list[RequestStream]:
+        """One engine request per prompt; all or none (the ones already submitted are closed on failure)."""
+        streams: list[RequestStream] = []
+        try:
+            for k, ids in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-p{k}"
+                streams.append(self.engine.submit(rid, ids, params, arrival_time=arrival))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            if isinstance(e, EngineOverloadedError):
+                raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                               headers={"Retry-After": "1"}) from None
+            if isinstance(e, (EngineShutdownError, EngineDeadError)):
+                raise APIError(503, str(e), type="service_unavailable", code="service_unavailable") from None
+            if isinstance(e, ValueError):       # InvalidRequestError, or a plain ValueError of an older engine
+                raise APIError.bad_request(e, param_names) from None
+            raise
+        return streams
+
+    # ---- engine -> response: one path for chat and completions -------------------------------------------------
+    async def respond(self, gen: Generation, stream: bool, raw: Request | None):
+        if stream:
+            return EventStream(self.events(gen), gen.streams)
+        results = [ChoiceResult() for _ in range(len(gen.streams) * gen.n)]
+
+        async def collect():
+            async for index, d in merge(gen.streams):
+                r = results[index]
+                r.text += d.text
+                r.tokens.extend(zip(d.token_ids, d.logprobs or []))
+                if d.finish_reason is not None:
+                    r.finish_reason, r.stop_reason = d.finish_reason, d.stop_reason
+
+        try:
+            await run_unless_disconnected(collect(), raw, gen.streams)
+        except RequestFailedError as e:
+            raise self.failure(e) from None
+        head = dict(id=gen.request_id, created=gen.created, model=gen.model, usage=self.usage(gen))
+        if gen.chat:
+            return ChatCompletionResponse(**head, choices=[
+                ChatCompletionChoice(index=i, message=ChatResponseMessage(content=r.text),
+                                     logprobs=self.logprobs(gen, r.tokens)[0], finish_reason=r.finish_reason,
+                                     stop_reason=r.stop_reason) for i, r in enumerate(results)])
+        return CompletionResponse(**head, choices=[
+            CompletionChoice(index=i, text=r.text, logprobs=self.logprobs(gen, r.tokens)[0],
+                             finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+            for i, r in enumerate(results)])
+
+    async def events(self, gen: Generation) -> AsyncIterator[str]:
+        """Server-Sent Events: chunks as the engine produces them, an error event if it fails, then [DONE]."""
+        offsets = [0] * (len(gen.streams) * gen.n)        # completions' text_offset of the next token
+        try:
+            if gen.chat:
+                for i in range(gen.n):
+                    yield self.chunk(gen, [ChatCompletionStreamChoice(
+                        index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)])
+            async for index, d in merge(gen.streams):
+                if not d.text and d.finish_reason is None and not (gen.num_logprobs is not None and d.token_ids):
+                    continue
+                logprobs, offsets[index] = self.logprobs(gen, list(zip(d.token_ids, d.logprobs or [])), offsets[index])
+                end = {"stop_reason": d.stop_reason} if d.finish_reason is not None else {}
+                if gen.chat:
+                    choice = ChatCompletionStreamChoice(
+                        index=index, delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),
+                        logprobs=logprobs, finish_reason=d.finish_reason, **end)
+                else:
+                    choice = CompletionChoice(index=index, text=d.text, logprobs=logprobs,
+                                              finish_reason=d.finish_reason, **end)
+                yield self.chunk(gen, [choice], self.usage(gen) if gen.continuous_usage else None)
+            if gen.include_usage:
+                yield self.chunk(gen, [], self.usage(gen))
+        except RequestFailedError as e:
+            yield f"data: {json.dumps(self.failure(e).body())}\n\n"
+        finally:
+            for s in gen.streams:
+                s.close()
+        yield "data: [DONE]\n\n"
+
+    def chunk(self, gen: Generation, choices: list, usage: UsageInfo | None = None) -> str:
+        """One SSE event; `usage` is present (null until the end, unless continuous) only when asked for."""
+        cls = ChatCompletionChunk if gen.chat else CompletionChunk
+        extra = {"usage": usage} if gen.include_usage else {}
+        body = cls(id=gen.request_id, object=cls.model_fields["object"].default, created=gen.created,
+                   model=gen.model, system_fingerprint=None, choices=choices, **extra)
+        return f"data: {body.model_dump_json(exclude_unset=True)}\n\n"
+
+    def logprobs(self, gen: Generation, tokens: list[tuple[int, dict[int, float]]], offset: int = 0):
+        """(logprobs of these tokens in the API's format, or None when not asked; the next text offset)."""
+        top_n = gen.num_logprobs
+        if top_n is None:
+            return None, offset
+        piece = self.tokenizer.id_to_piece
+        if gen.chat:
+            def entry(tid: int, lp: float) -> TopLogprob:
+                s = piece(tid)
+                return TopLogprob(token=s, logprob=finite(lp), bytes=list(s.encode("utf-8")))
+
+            content = []
+            for tid, lps in tokens:
+                e = entry(tid, lps.get(tid, float("-inf")))
+                content.append(TokenLogprob(token=e.token, logprob=e.logprob, bytes=e.bytes,
+                                            top_logprobs=[entry(t, lp) for t, lp in top(lps, top_n)]))
+            return ChatLogprobs(content=content), offset
+        res = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for tid, lps in tokens:
+            s = piece(tid)
+            res.tokens.append(s)
+            res.token_logprobs.append(finite(lps.get(tid, float("-inf"))))
+            res.top_logprobs.append({piece(t): finite(lp) for t, lp in top(lps, top_n)} if top_n else None)
+            res.text_offset.append(offset)
+            offset += len(s)
+        return res, offset
+
+    @staticmethod
+    def usage(gen: Generation) -> UsageInfo:
+        prompt = sum(s.num_prompt_tokens for s in gen.streams)
+        completion = sum(s.num_completion_tokens for s in gen.streams)
+        cached = sum(s.num_cached_tokens for s in gen.streams)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    def failure(self, e: RequestFailedError) -> APIError:
+        if isinstance(e, EngineDeadError):
+            return APIError(503, str(e), type="service_unavailable", code="engine_dead")
+        if not self.engine.is_accepting:    # failed by the engine's shutdown after the grace period
+            return APIError(503, str(e), type="service_unavailable", code="service_unavailable")
+        return APIError(500, str(e), type="internal_error")
+
+
+class EventStream(StreamingResponse):
+    """SSE response that closes (aborts) its request streams however it ends, even if never iterated."""
+
+    def __init__(self, content, streams: list[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.close()
+
+
+def arrival_time(raw: Request | None) -> float:
+    """When the request arrived (stamped by the ASGI middleware, before the body was read)."""
+    return raw.scope.get("state", {}).get("arrival_time", time.time()) if raw is not None else time.time()
+
+
+def top(lps: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(lps.items(), key=lambda kv: -kv[1])[:n]
+
+
+def finite(x: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number
+    return max(float(x), -9999.0)
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, CompletionDelta]]:
+    """Interleave the streams of a request as (choice index, delta); choice k*n + i is stream k's i-th."""
+    n = streams[0].params.n
+    if len(streams) == 1:
+        async for d in streams[0]:
+            yield d.index, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(k: int, s: RequestStream):
+        try:
+            async for d in s:
+                await queue.put((k, d))
+        except BaseException as e:  # noqa: BLE001
+            await queue.put((k, e))
+            return
+        await queue.put((k, done))
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            k, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k * n + item.index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+async def run_unless_disconnected(coro, raw: Request | None, streams: list[RequestStream]):
+    """Await `coro`; if the HTTP client disconnects first, cancel it (which aborts the streams)."""
+    if raw is None:
+        return await coro
+    task = asyncio.ensure_future(coro)
+
+    async def wait_disconnect():
+        while True:
+            message = await raw.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        for s in streams:
+            s.close()
+        raise
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    for s in streams:
+        s.close()
+    with contextlib.suppress(BaseException):
+        await task
+    raise APIError(499, "client disconnected", type="client_closed_request")
