@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
 import threading
 import time
@@ -111,9 +110,6 @@ class RequestStream:
             self._closed = True
             self.engine._finish(self, "error" if self.error else "abort")
 
-    async def abort(self) -> None:
-        self.close()
-
 
 class AsyncEngine:
     """Runs `EngineCore` on its own thread and serves asyncio callers (on one event loop)."""
@@ -145,7 +141,6 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds = 0      # sent to the engine, not yet taken by the core
         self._core_waiting = 0      # num_waiting of the last step
-        self._ids = itertools.count()
         self.last_stats = StepStats()
         self.num_steps = 0
         self.max_batch_size = 0
@@ -173,7 +168,6 @@ class AsyncEngine:
                                 max_num_batched_tokens=config.max_num_batched_tokens, request_log=request_log,
                                 log_stats_interval=log_stats_interval)
         engine = cls(core, tokenizer, served_model_name=name, max_queue_len=max_queue_len, metrics=metrics)
-        engine.load_time_s = load_s
         logger.info("engine ready in %.2fs: serving %s, max_model_len %d", load_s, name, core.max_model_len)
         return engine
 
@@ -203,10 +197,6 @@ class AsyncEngine:
     def is_accepting(self) -> bool:
         return self._accepting and self.is_alive
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     async def shutdown(self, grace_period: float = 30.0) -> None:
         """Stop accepting, let in-flight requests finish within `grace_period`, fail the rest, stop the thread."""
         self._accepting = False
@@ -235,9 +225,6 @@ class AsyncEngine:
         self.metrics.close()
 
     # ---- event loop side ---------------------------------------------------------------------------------------
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}-{time.monotonic_ns() & 0xffffff:06x}"
-
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                arrival_time: float | None = None) -> RequestStream:
         """Hand a request to the engine; call from the event loop. Raises InvalidRequestError (bad request),
@@ -268,12 +255,6 @@ class AsyncEngine:
         self._pending_adds += len(adds)
         self._send(*adds)
         return stream
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[CompletionDelta]:
-        stream = self.submit(request_id, prompt_token_ids, params, arrival_time)
-        async for delta in stream:
-            yield delta
 
     def _send(self, *messages) -> None:
         with self._cond:

@@ -72,6 +72,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.quantization == "none":             # the one place "none" becomes None
+            object.__setattr__(self, "quantization", None)
         self.validate()
 
     def validate(self) -> None:

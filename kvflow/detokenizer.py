@@ -20,7 +20,7 @@ class IncrementalDetokenizer:
                  stop: Iterable[str] | None = (), include_stop_str_in_output: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.stop = [s for s in (stop or ()) if s]
+        self.stop = list(stop or ())
         self.include_stop_str_in_output = include_stop_str_in_output
         self.token_ids: list[int] = []
         self.text = ""                   # everything emitted so far

@@ -291,3 +291,88 @@ def test_sigterm_past_the_grace_period_ends_every_stream_with_error_and_done(mod
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- failure isolation: one request's fault ends that request, not the engine ------------------------------------
+def test_a_fault_in_one_requests_sampling_fails_it_alone(model_path, monkeypatch):
+    from kvflow.runner.sampler import Sampler
+
+    real = Sampler.__call__
+
+    def faulty(self, logits, rows):        # an injected bug that only this request's data triggers
+        if any(r.params.seed == 13 for r in rows):
+            raise RuntimeError("injected sampling fault")
+        return real(self, logits, rows)
+
+    monkeypatch.setattr(Sampler, "__call__", faulty)
+    with ServerThread(config(model_path)) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
+        results = {}
+
+        def run(name, **kw):
+            try:
+                r = client.completions.create(model="tiny", prompt=f"isolate {name}", max_tokens=24,
+                                              temperature=0.8, extra_body={"ignore_eos": True}, **kw)
+                results[name] = r.usage.completion_tokens
+            except openai.APIStatusError as e:
+                results[name] = e.status_code
+
+        threads = [threading.Thread(target=run, args=(f"ok{i}",), kwargs={"seed": i}) for i in range(4)]
+        threads.append(threading.Thread(target=run, args=("bad",), kwargs={"seed": 13}))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == {"ok0": 24, "ok1": 24, "ok2": 24, "ok3": 24, "bad": 500}
+        assert server.engine.is_alive and httpx.get(server.url + "/health").status_code == 200
+        server.wait_idle()
+        server.engine.core.kv_cache_manager.check()
+
+
+def test_a_fault_in_one_requests_detokenization_fails_it_alone(model_path, monkeypatch):
+    from kvflow.detokenizer import IncrementalDetokenizer
+
+    real = IncrementalDetokenizer.add
+
+    def faulty(self, token_ids):
+        if "!" in self.stop:               # only the request that asked for this stop string
+            raise UnicodeError("injected detokenizer fault")
+        return real(self, token_ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add", faulty)
+    with ServerThread(config(model_path)) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model="tiny", prompt="x", max_tokens=8, stop=["!"])
+        chunks = list(client.completions.create(model="tiny", prompt="x", max_tokens=8, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert server.engine.is_alive
+        server.wait_idle()
+        server.engine.core.kv_cache_manager.check()
+
+
+def test_offline_llm_with_tensor_parallel_exits_with_the_scripts_status(model_path, tmp_path):
+    """`del llm` before exit, or a `with` block: status 0, no worker processes left behind."""
+    script = tmp_path / "offline.py"
+    script.write_text(f"""
+from kvflow import LLM, SamplingParams
+
+if __name__ == "__main__":       # the workers are spawned: they import this file again
+    llm = LLM({str(model_path)!r}, dtype="float32", max_model_len=128, kv_cache_memory="8MiB",
+              tensor_parallel_size=2)
+    pids = [p.pid for _, p in llm.engine.executor.workers]
+    print(llm.generate("hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids)
+    del llm
+    with LLM({str(model_path)!r}, dtype="float32", max_model_len=128, kv_cache_memory="8MiB",
+             tensor_parallel_size=2) as llm2:
+        pids += [p.pid for _, p in llm2.engine.executor.workers]
+    print("PIDS", *pids)
+""")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pids = [int(p) for p in done.stdout.split("PIDS")[1].split()]
+    assert len(pids) == 2
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()

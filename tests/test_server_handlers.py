@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.async_engine import CompletionDelta, RequestFailedError
+from kvflow.core.request_validator import RequestValidator
 from kvflow.errors import InvalidRequestError
 from kvflow.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from kvflow.server.serving import OpenAIServing
@@ -70,6 +71,7 @@ class FakeEngine:
     def submit(self, request_id, prompt, params, arrival_time=None):
         if self.refuse:
             raise self.refuse
+        RequestValidator(self.vocab_size, self.max_model_len).validate(prompt, params)   # the engine's own check
         self.streams.append(FakeStream(params, prompt, self.fail))
         return self.streams[-1]
 
@@ -144,7 +146,7 @@ def test_engine_invalid_request_maps_by_param_and_code_never_text():
     assert (e.value.status_code, e.value.param) == (400, None)
 
 
-def test_max_n_and_vocabulary_at_the_edge():
+def test_max_n_at_the_edge_and_the_engines_vocabulary_check_by_param():
     serving = OpenAIServing(FakeEngine(), max_n=4)
     with pytest.raises(APIError) as e:
         run(serving.completions(CompletionRequest(prompt="x", n=5)))

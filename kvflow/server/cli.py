@@ -67,8 +67,6 @@ def configs_from_args(args) -> tuple[EngineConfig, ServerConfig]:
                              "api_key": args.api_key or os.environ.get("KVFLOW_API_KEY")
                              or os.environ.get("VLLM_API_KEY")})
     engine = values(EngineConfig, skip=ENGINE_FIELDS_NOT_FLAGS)
-    if engine["quantization"] == "none":
-        engine["quantization"] = None
     names = server.served_model_name
     return EngineConfig(**engine, model=model, served_model_name=names[0] if names else None), server
 
