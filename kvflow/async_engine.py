@@ -115,18 +115,21 @@ class AsyncEngine:
     """Runs `EngineCore` on its own thread and serves asyncio callers (on one event loop)."""
 
     def __init__(self, core, tokenizer=None, *, served_model_name: str | None = None,
-                 max_queue_len: int | None = None, metrics: EngineMetrics | None = None,
+                 max_queue_len: int | None = None, request_log: str | None = None,
                  log_stats_interval: float = 5.0) -> None:
         self.core = core
         self.tokenizer = tokenizer
         config = core.config
-        self.served_model_name = served_model_name or config.served_model_name or str(core.model_path)
+        # as vLLM: the model argument as given; the embedded default by its name, without file suffixes
+        self.served_model_name = (served_model_name or config.served_model_name or config.model
+                                  or core.model_path.name.split(".")[0])
         self.max_model_len: int = int(core.max_model_len)
         self.vocab_size: int = core.validator.vocab_size
         self.max_queue_len = max_queue_len
-        self.metrics = metrics or EngineMetrics(
+        self.metrics = EngineMetrics(
             self.served_model_name, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, log_stats_interval=log_stats_interval)
+            max_num_batched_tokens=config.max_num_batched_tokens, request_log=request_log,
+            log_stats_interval=log_stats_interval)
         self.metrics.set_memory(core.runner.weights_bytes, core.runner.kv_cache_bytes)
         self.processor = OutputProcessor(tokenizer)
 
@@ -161,14 +164,10 @@ class AsyncEngine:
         t0 = time.perf_counter()
         tokenizer = Tokenizer.from_model(resolve_model_path(config.tokenizer or config.model))
         core = EngineCore(config, eos_token_ids=tokenizer.eos_token_ids)   # logs weights, load time, KV size
-        load_s = time.perf_counter() - t0
-        # as vLLM: the model argument as given; the embedded default by its name, without file suffixes
-        name = config.served_model_name or config.model or core.model_path.name.split(".")[0]
-        metrics = EngineMetrics(name, max_model_len=int(core.max_model_len), max_num_seqs=config.max_num_seqs,
-                                max_num_batched_tokens=config.max_num_batched_tokens, request_log=request_log,
-                                log_stats_interval=log_stats_interval)
-        engine = cls(core, tokenizer, served_model_name=name, max_queue_len=max_queue_len, metrics=metrics)
-        logger.info("engine ready in %.2fs: serving %s, max_model_len %d", load_s, name, core.max_model_len)
+        engine = cls(core, tokenizer, max_queue_len=max_queue_len, request_log=request_log,
+                     log_stats_interval=log_stats_interval)
+        logger.info("engine ready in %.2fs: serving %s, max_model_len %d", time.perf_counter() - t0,
+                    engine.served_model_name, core.max_model_len)
         return engine
 
     def start(self) -> "AsyncEngine":

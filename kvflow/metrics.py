@@ -58,12 +58,9 @@ def process_resident_memory_bytes() -> float:
     try:
         with open("/proc/self/statm") as f:
             return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
-    except (OSError, ValueError, IndexError):
-        try:
-            import resource
-            return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        except Exception:  # pragma: no cover
-            return 0.0
+    except OSError:    # no /proc (not Linux): the peak, which is what the OS offers
+        import resource
+        return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 @dataclass
@@ -123,14 +120,19 @@ class EngineMetrics:
         r, L = self.registry, ["model_name"]
         self.log_stats_interval = log_stats_interval
 
+        series = []     # labelled once below, so the page lists every series from the start, as vLLM's does
+
         def gauge(name, doc, labels=L):
-            return Gauge(name, doc, labels, registry=r)
+            series.append(Gauge(name, doc, labels, registry=r))
+            return series[-1]
 
         def counter(name, doc, labels=L):
-            return Counter(name, doc, labels, registry=r)
+            series.append(Counter(name, doc, labels, registry=r))
+            return series[-1]
 
         def histogram(name, doc, buckets, labels=L):
-            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+            series.append(Histogram(name, doc, labels, buckets=buckets, registry=r))
+            return series[-1]
 
         self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
@@ -182,15 +184,9 @@ class EngineMetrics:
         self.engine_alive = gauge("kvflow:engine_alive", "1 while the engine loop is alive.")
         self.max_step_batch_size = gauge("kvflow:max_step_batch_size", "Largest batch run in one step so far.")
 
-        # label every series once so the page lists them from the start, as vLLM's does
-        for m in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage, self.gpu_cache_usage,
-                  self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions, self.prompt_tokens,
-                  self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time,
-                  self.decode_time, self.request_prompt_tokens, self.request_generation_tokens,
-                  self.iteration_tokens, self.step_batch_size, self.step_duration, self.prompt_tokens_computed,
-                  self.num_requests_aborted, self.weights_bytes, self.kv_cache_bytes, self.engine_alive,
-                  self.max_step_batch_size):
-            m.labels(model_name)
+        for m in series:
+            if m is not self.request_success:
+                m.labels(model_name)
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(model_name, reason)
 

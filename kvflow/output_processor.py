@@ -30,10 +30,6 @@ class CompletionDelta:
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or string; the message when "error"
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass
 class ChoiceState:
