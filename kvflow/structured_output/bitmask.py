@@ -10,12 +10,15 @@ tokens accepted so far) and apply_bitmask() once the logits are there; apply_str
 """
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import llguidance
 import torch
 
 from kvflow.structured_output.matcher import Matcher
+
+assert sys.byteorder == "little", "unpack_bitmask reads int32 words as little-endian bytes"
 
 _executor: llguidance.LLExecutor | None = None
 _bit_index: dict[torch.device, torch.Tensor] = {}
@@ -43,10 +46,11 @@ def fill_bitmask(matchers: Sequence[Matcher], bitmask: torch.Tensor) -> None:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 [R, W] -> bool [R, min(vocab_size, 32 W)], True = allowed."""
+    # Read the words as bytes (little-endian: byte j holds tokens 8j..8j+7), 4x less shifting than int32.
     shifts = _bit_index.get(bitmask.device)
     if shifts is None:
-        shifts = _bit_index[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1   # bit k of word w is token 32 w + k
+        shifts = _bit_index[bitmask.device] = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    bits = (bitmask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
@@ -54,12 +58,18 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     """In place: logits[rows[i]] gets -inf wherever bitmask[i] forbids the token. Other rows untouched."""
     if not len(rows):
         return
-    idx = torch.as_tensor(rows, dtype=torch.long).to(logits.device)
     allowed = unpack_bitmask(bitmask[: len(rows)].to(logits.device, non_blocking=True), logits.shape[1])
-    sub = logits.index_select(0, idx)
-    sub[:, : allowed.shape[1]].masked_fill_(~allowed, float("-inf"))
-    sub[:, allowed.shape[1]:] = float("-inf")   # padded model vocabulary: never a grammar token
-    logits.index_copy_(0, idx, sub)
+    width = allowed.shape[1]
+    whole = len(rows) == logits.shape[0] and all(r == i for i, r in enumerate(rows))
+    if whole:   # every row constrained: no gather
+        logits[:, :width].masked_fill_(~allowed, float("-inf"))
+        logits[:, width:] = float("-inf")   # padded model vocabulary: never a grammar token
+        return
+    idx = torch.as_tensor(rows, dtype=torch.long).to(logits.device)
+    sub = logits[idx]
+    sub[:, :width].masked_fill_(~allowed, float("-inf"))
+    sub[:, width:] = float("-inf")
+    logits[idx] = sub
 
 
 def apply_structured_masks(logits: torch.Tensor, matchers: Sequence[Matcher | None],
