@@ -311,3 +311,52 @@ def test_compile_runs_beside_a_busy_thread(compiler):
     stop.set()
     t.join()
     assert ticks[0] > 0
+
+
+def test_pydantic_schema_as_the_openai_client_sends_it(compiler, smollm2_tokenizer):
+    """client.chat.completions.parse(response_format=Model) sends pydantic's schema made strict by the client:
+    $defs, $ref, titles, anyOf for Optional, additionalProperties false, every property required."""
+    from typing import Literal, Optional
+
+    from openai.lib._pydantic import to_strict_json_schema
+    from pydantic import BaseModel, Field
+
+    class Step(BaseModel):
+        explanation: str = Field(max_length=8)
+        done: bool
+
+    class Answer(BaseModel):
+        kind: Literal["math", "other"]
+        steps: list[Step] = Field(max_length=2)
+        score: Optional[int] = Field(default=None, ge=0, le=10)
+
+    schema = to_strict_json_schema(Answer)
+    assert "$defs" in schema and schema["additionalProperties"] is False
+    body = {"response_format": {"type": "json_schema",
+                                "json_schema": {"name": "Answer", "schema": schema, "strict": True}}}
+    compiled = compiler.compile(spec_from_request(body))
+    matchers = [compiled.matcher() for _ in range(8)]
+    for m, out in zip(matchers, sample_constrained(smollm2_tokenizer, matchers, seed=5)):
+        assert m.is_terminated()
+        Answer.model_validate_json(smollm2_tokenizer.decode(out))
+
+
+def test_matchers_of_one_grammar_work_from_many_threads(compiler, smollm2_tokenizer):
+    compiled = compiler.compile(StructuredSpec("regex", "[a-z]{2,5}[0-9]"))
+    text_ids = smollm2_tokenizer.encode("abc7", add_special_tokens=False)
+    errors = []
+
+    def work():
+        try:
+            for _ in range(50):
+                m = compiled.matcher()
+                mask = allocate_bitmask(1, compiler.vocab_size)
+                m.fill_mask(mask)
+                assert m.accept_tokens(text_ids) and m.is_terminated()
+        except Exception as e:   # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors
