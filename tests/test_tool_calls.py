@@ -4,7 +4,6 @@ import random
 
 import jsonschema
 import pytest
-import torch
 
 from kvflow.errors import InvalidRequestError
 from kvflow.structured_output import GrammarCompiler
