@@ -169,6 +169,8 @@ class HermesToolParser:
             content.append(text[pos: m.start()])
             calls.append(call)
             pos = m.end()
+        if not calls:         # the model's text as it wrote it, as a stream sends it
+            return ExtractedToolCalls(text or None)
         content.append(text[pos:])
         joined = "".join(content).strip()
         return ExtractedToolCalls(joined or None, calls)
@@ -196,10 +198,10 @@ class JsonToolParser:
         try:
             obj = json.loads(self._unfence(text))
         except json.JSONDecodeError:
-            return ExtractedToolCalls(text.strip() or None)
+            return ExtractedToolCalls(text or None)
         calls = [_call_from_json(o) for o in (obj if isinstance(obj, list) else [obj])]
         if not calls or None in calls:
-            return ExtractedToolCalls(text.strip() or None)
+            return ExtractedToolCalls(text or None)
         return ExtractedToolCalls(None, calls)
 
     def partial(self, text: str) -> tuple[str, list[PartialCall]]:
