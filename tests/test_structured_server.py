@@ -125,7 +125,7 @@ def test_named_tool_then_the_conversation_goes_on_with_a_tool_message(client):
     (call,) = choice.message.tool_calls
     assert choice.finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
-    follow = client.chat.completions.create(model="smol", max_tokens=8, tools=TOOLS, messages=[
+    follow = client.chat.completions.create(model="smol", max_tokens=8, tools=TOOLS, tool_choice="none", messages=[
         {"role": "user", "content": "Weather in Oslo?"},
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 3}'}])
