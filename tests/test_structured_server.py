@@ -239,6 +239,21 @@ def test_auto_tool_choice_with_a_parser(tiny_path):
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
 
 
+def test_offline_llm_compiles_structured_outputs(tiny_path):
+    from kvflow import LLM
+    from kvflow.errors import InvalidRequestError
+
+    with LLM(str(tiny_path), dtype="float32", max_model_len=256, kv_cache_memory="8MiB") as llm:
+        params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=40,
+                                structured_outputs={"regex": r"[a-c]{2}-\d{2}"})
+        (out,) = llm.generate(["x"], params)
+        assert [c.finish_reason for c in out.outputs] == ["stop"] * 3
+        assert all(len(c.text) == 5 and c.text[2] == "-" for c in out.outputs), [c.text for c in out.outputs]
+        with pytest.raises(InvalidRequestError) as e:     # the core never compiles: a frontend must
+            llm.engine.add_request("raw", [1, 2], SamplingParams(structured_outputs={"regex": "a"}))
+        assert e.value.param == "structured_outputs"
+
+
 # ---------------------------------------------------------------------------------------------- pieces
 def test_sampler_masks_constrained_rows_only(smollm2_tokenizer):
     compiler = GrammarCompiler(smollm2_tokenizer)
