@@ -181,11 +181,11 @@ def test_invalid_constraints_are_400_naming_the_field(client, kw, param):
 
 def test_one_compiler_per_server_caches_each_schema(client, smol_server):
     schema = {"type": "object", "properties": {"cached": {"type": "boolean"}}, "required": ["cached"]}
+    serving, sizes = smol_server.app.state.serving, []
     for _ in range(2):
         ask(client, max_tokens=20, extra_body={"guided_json": schema})
-    compiler = smol_server.app.state.serving._grammar_compiler
-    spec = StructuredSpec("json_schema", json.dumps(schema))
-    assert compiler.compile(spec) is compiler.compile(spec)
+        sizes.append(serving._grammar_compiler.cache_info()["size"])
+    assert sizes[0] == sizes[1] and StructuredSpec("json_schema", json.dumps(schema)) in serving._grammar_compiler._cache
 
 
 # ---------------------------------------------------------------------------------------------- tiny model
