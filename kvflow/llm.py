@@ -1,7 +1,9 @@
 """LLM: the offline API. Encodes prompts, drives EngineCore in-process until all are done, decodes text
-through the same OutputProcessor the server uses."""
+through the same OutputProcessor the server uses. `SamplingParams(structured_outputs={"json": schema})` is
+compiled here, before the engine sees it (the grammar compiler is built on first use, ~0.5 s)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import weakref
@@ -13,6 +15,7 @@ from kvflow.models.loader import load_model_config, resolve_model_path
 from kvflow.output_processor import OutputProcessor, RequestState
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.structured_output import GrammarCompiler, spec_from_request
 from kvflow.tokenizer import Tokenizer
 
 Prompt = str | list[int] | dict
@@ -30,6 +33,13 @@ class LLM:
         self.engine = EngineCore(self.config, eos_token_ids=self.tokenizer.eos_token_ids)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self._ids = itertools.count()
+        self._grammar_compiler: GrammarCompiler | None = None
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer)
+        return self._grammar_compiler
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -66,6 +76,14 @@ class LLM:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         return None, list(prompt)
 
+    def _compile(self, params: SamplingParams) -> SamplingParams:
+        if not params.structured_outputs or params.structured is not None:
+            return params
+        spec = spec_from_request({"structured_outputs": params.structured_outputs})
+        if spec is None:    # e.g. {"json": None}: nothing to constrain
+            return dataclasses.replace(params, structured_outputs=None)
+        return dataclasses.replace(params, structured=self.grammar_compiler.compile(spec))
+
     def _run(self, encoded: list[tuple[str | None, list[int]]], sampling_params) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -73,6 +91,8 @@ class LLM:
             sampling_params = [sampling_params] * len(encoded)
         if len(sampling_params) != len(encoded):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(encoded)} prompts")
+        compiled = {id(p): self._compile(p) for p in sampling_params}     # once per distinct params object
+        sampling_params = [compiled[id(p)] for p in sampling_params]
         for (_, ids), params in zip(encoded, sampling_params):      # reject a bad prompt before running any
             self.engine.validator.validate(ids, params)
 

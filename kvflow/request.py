@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from kvflow.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvflow.structured_output import Matcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -46,6 +50,9 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_scheduled_time: float | None = None
         self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine from the tokenizer/model
+        # the grammar state of a constrained request, fed every sampled token. Preemption keeps the generated
+        # tokens (recompute rebuilds only their KV), so it never needs rewinding.
+        self.matcher: Matcher | None = (params.structured.matcher() if params.structured is not None else None)
 
     @property
     def num_tokens(self) -> int:

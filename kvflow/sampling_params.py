@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvflow.errors import InvalidRequestError
+
+if TYPE_CHECKING:   # llguidance is imported only where grammars are compiled or applied
+    from kvflow.structured_output import CompiledGrammar
 
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1      # torch.Generator takes a signed/unsigned 64-bit seed
 MAX_TOP_K = 2**31 - 1                          # larger means "all of the vocabulary" anyway
@@ -42,6 +46,12 @@ class SamplingParams:
     logprobs: int | None = None       # number of top log-probabilities per sampled token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's structured outputs: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
+    # {"json_object": True}; the offline LLM compiles it into `structured`
+    structured_outputs: dict | None = None
+    # the compiled constraint. Set by the frontend (LLM, the server) before the engine sees the request, so a
+    # compile never runs on the step loop; n > 1 children share it, each gets its own matcher in the core.
+    structured: CompiledGrammar | None = field(default=None, compare=False, repr=False)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -107,6 +117,8 @@ class SamplingParams:
                 bad("logit_bias", "keys must be token ids (non-negative integers)", t)
             if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                 bad("logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", b)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, dict):
+            bad("structured_outputs", "must be a dict such as {'json': schema} or {'regex': pattern}")
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Token ids named by the request must exist in the model's vocabulary."""

@@ -9,13 +9,13 @@ ROOT = Path(__file__).resolve().parent.parent / "kvflow"
 
 # bottom to top; a unit may import its own layer and those below it
 LAYERS = [
-    {"__init__", "errors", "config", "platform", "sampling_params"},   # __init__: lazy re-exports, __version__
+    {"__init__", "errors", "config", "platform", "sampling_params", "structured_output"},   # __init__: lazy re-exports
     {"distributed", "request"},
     {"layers", "models"},
     {"runner"},
     {"executor"},
     {"core"},
-    {"tokenizer", "detokenizer", "metrics", "outputs"},
+    {"tokenizer", "detokenizer", "metrics", "outputs", "tool_calls"},
     {"output_processor"},
     {"llm", "async_engine"},
     {"server", "bench"},

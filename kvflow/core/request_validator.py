@@ -19,6 +19,9 @@ class RequestValidator:
         """Raise InvalidRequestError for anything the engine cannot run; return max_tokens, resolved."""
         params.validate()
         params.check_vocabulary(self.vocab_size)
+        if params.structured_outputs and params.structured is None:
+            raise InvalidRequestError("structured_outputs must be compiled before the engine sees the request "
+                                      "(LLM and the server do it)", param="structured_outputs")
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt",

@@ -132,7 +132,7 @@ class Scheduler:
         seed = None
         if p.seed is not None:     # a fresh, reproducible seed per position (see Sampler)
             seed = (p.seed * 6364136223846793005 + req.num_output_tokens * 1442695040888963407) % 2**64
-        return SamplingRow(p, req.token_ids, req.num_prompt_tokens, blocked, seed)
+        return SamplingRow(p, req.token_ids, req.num_prompt_tokens, blocked, seed, req.matcher)
 
     @staticmethod
     def _scheduled(req: Request, num_new: int) -> ScheduledRequest:
@@ -166,7 +166,7 @@ class Scheduler:
                 new_tokens = []
             else:
                 req.token_ids.append(token)
-                req.status = self._check_stop(req, token) or req.status
+                req.status = self._check_grammar(req, token) or self._check_stop(req, token) or req.status
                 new_tokens = [token]
             if req.status.finished:
                 finished.append(req)
@@ -193,6 +193,18 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED         # stop_reason stays None, as vLLM
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _check_grammar(req: Request, token: int) -> RequestStatus | None:
+        """Feed a constrained request's token to its matcher; done once the grammar is complete."""
+        if req.matcher is None:
+            return None
+        if not req.matcher.accept(token):   # the mask allowed it, so this is a bug: fail loudly, this request only
+            req.stop_reason = f"the grammar rejected sampled token {token}: {req.matcher.error}"
+            return RequestStatus.FINISHED_ERROR
+        if req.matcher.is_terminated():     # EOS taken, or nothing but EOS may follow: stop without that step
+            return RequestStatus.FINISHED_STOPPED
         return None
 
     def abort(self, request_ids) -> list[EngineOutput]:

@@ -5,12 +5,17 @@ exponential race (argmax of p / E, E ~ Exp(1)), which equals sampling from p. Un
 from the engine's generator (seeded by `--seed`). A seeded request draws from a generator seeded anew each
 step from its seed and position: its tokens depend on nothing else in the batch, and a preempted request
 recomputes the same ones.
+
+Rows with a grammar matcher (structured outputs) first get every token the grammar forbids set to -inf, in one
+batched call for all of them, before penalties and temperature; the other rows are not touched, and a batch
+without a constrained row pays one Python check. Log-probabilities are the model's, before any of this.
 """
 from __future__ import annotations
 
 import torch
 
 from kvflow.runner.step import SampledTokens, SamplingRow
+from kvflow.structured_output import allocate_bitmask, apply_structured_masks
 
 NEG_INF = float("-inf")
 
@@ -19,6 +24,7 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._bitmask: torch.Tensor | None = None     # reused across steps: [rows, words] int32 on the CPU
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
@@ -27,6 +33,7 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        self._apply_grammars(logits, rows)
         logits = self._apply_penalties_and_limits(logits, rows)
 
         if all(p.temperature == 0.0 for p in params):
@@ -35,6 +42,17 @@ class Sampler:
             tokens = self._sample(logits, rows)
         token_list = tokens.tolist()
         return SampledTokens(token_list, self._logprobs(raw_logprobs, token_list, params))
+
+    def _apply_grammars(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """In place: constrained rows may only take what their grammar allows next (idempotent)."""
+        matchers = [r.matcher for r in rows]
+        active = [m for m in matchers if m is not None]
+        if not active:
+            return
+        words = (active[0].vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < len(active) or self._bitmask.shape[1] != words:
+            self._bitmask = allocate_bitmask(max(len(active), 64), active[0].vocab_size)
+        apply_structured_masks(logits, matchers, self._bitmask)
 
     def _apply_penalties_and_limits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         cloned = False

@@ -3,13 +3,17 @@ into tensors, runs the model and samples; nothing here refers to requests or the
 
 Rows are in batch order: decodes first (one token each, attended in one batched call), then prefill chunks.
 `StepBatch` is what every tensor-parallel rank needs (plain lists, cheap to pickle); `sampling` is only for
-rank 0, one entry per row that samples, in the same order.
+rank 0, one entry per row that samples, in the same order (it holds live grammar matchers: never pickled).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvflow.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvflow.structured_output import Matcher
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class SamplingRow:
     num_prompt_tokens: int
     blocked_token_ids: tuple[int, ...]  # may not be sampled yet (EOS and stop ids before min_tokens)
     seed: int | None                    # this step's seed for a seeded request (derived from its position)
+    matcher: Matcher | None = None      # the request's grammar state (a reference): masks this row's logits
 
 
 @dataclass(frozen=True)

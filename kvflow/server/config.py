@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvflow.config import parse_bytes
+from kvflow.tool_calls import TOOL_PARSERS
 
 # OpenAI's API rejects n > 128, and 128 is the default max_num_seqs: one request can fill at most one batch.
 # (vLLM's VLLM_MAX_N_SEQUENCES defaults to 16384, sized for GPUs; on a CPU that is minutes of one request.)
@@ -36,6 +37,10 @@ class ServerConfig:
     log_level: str = _option("info", "log level", choices=LOG_LEVELS)
     log_stats_interval: float = _option(5.0, "seconds between stats log lines")
     shutdown_grace_period: float = _option(30.0, "seconds in-flight requests get to finish after SIGTERM")
+    enable_auto_tool_choice: bool = _option(False, 'allow tool_choice "auto" (needs --tool-call-parser)')
+    tool_call_parser: str | None = _option(None, "how to read the model's own tool calls under tool_choice "
+                                                 '"auto": hermes (<tool_call>{...}</tool_call>, Qwen2.5/3) or json',
+                                           choices=tuple(TOOL_PARSERS))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_request_body_size", parse_bytes(self.max_request_body_size))
@@ -46,5 +51,11 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < lo:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {value}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME "
+                             f"({', '.join(TOOL_PARSERS)})")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")

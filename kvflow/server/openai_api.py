@@ -54,7 +54,8 @@ def build_engine(config, server: ServerConfig) -> AsyncEngine:
 def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     serving = OpenAIServing(engine, served_model_names=config.served_model_name, max_n=config.max_n,
-                            shutdown_grace_period=config.shutdown_grace_period)
+                            shutdown_grace_period=config.shutdown_grace_period,
+                            tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Annotated, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -87,10 +87,23 @@ class ContentPart(OpenAIModel):
     text: Text | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: Text
+    arguments: Text                     # a JSON string, as OpenAI sends it
+
+
+class ToolCall(OpenAIModel):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[ContentPart], None] = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None     # an assistant's earlier calls
+    tool_call_id: Text | None = None             # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -132,6 +145,18 @@ class _SamplingRequest(OpenAIModel):
     stop_token_ids: list[int] | None = documented(maxItems=limits.MAX_STOP_TOKEN_IDS, items={"minimum": 0})
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs (kvflow.structured_output.spec_from_request checks their shape and names the field)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], Text, None] = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_json_object: bool | None = None
+
+    STRUCTURED_FIELDS: ClassVar[tuple[str, ...]] = ("response_format", "structured_outputs", "guided_json",
+                                                    "guided_regex", "guided_choice", "guided_grammar",
+                                                    "guided_json_object")
 
     # SamplingParams' field -> this request's name for it, where they differ
     PARAM_NAMES: ClassVar[dict[str, str]] = {}
@@ -166,6 +191,10 @@ class _SamplingRequest(OpenAIModel):
         except InvalidRequestError as e:
             raise APIError.bad_request(e, self.PARAM_NAMES) from None
 
+    def structured_request(self) -> dict[str, Any]:
+        """The structured-output fields as spec_from_request reads them."""
+        return {k: getattr(self, k) for k in self.STRUCTURED_FIELDS if getattr(self, k) is not None}
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -181,6 +210,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = documented(minimum=0, maximum=limits.MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # tool calling (kvflow.tool_calls.parse_tool_request checks them and names the field)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[Text, dict[str, Any], None] = None   # "none" | "auto" | "required" | a named function
+    parallel_tool_calls: bool | None = None      # accepted; "required" allows one or more calls either way
 
     PARAM_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs", "prompt": "messages"}
 
@@ -270,6 +303,7 @@ class ChatLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -283,6 +317,9 @@ class ChatCompletionChoice(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    # OpenAI's tool-call chunks: {"index", "id", "type", "function": {"name", "arguments": ""}} when a call
+    # starts, then {"index", "function": {"arguments": <fragment>}}
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIModel):

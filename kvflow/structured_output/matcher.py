@@ -1,0 +1,65 @@
+"""Per-request grammar state: which tokens may come next, fed the tokens actually sampled.
+
+A thin wrapper over llguidance's LLMatcher. EOS is in the grammar's vocabulary: the mask allows it only
+once the grammar is complete, and once nothing but EOS can follow (or EOS was taken) the matcher is
+terminated. A rejected token puts the matcher in an error state that it never leaves; its mask then
+allows only EOS, so a request that somehow went wrong ends instead of sampling from an empty set.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import llguidance
+import torch
+
+
+class Matcher:
+    __slots__ = ("_m", "vocab_size")
+
+    def __init__(self, ll_matcher: llguidance.LLMatcher, vocab_size: int):
+        self._m = ll_matcher
+        self.vocab_size = vocab_size   # the grammar's vocabulary: bits per mask row
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (and the error state) if the grammar forbids it."""
+        return self._m.consume_token(int(token_id))
+
+    def accept_tokens(self, token_ids: Iterable[int]) -> bool:
+        return self._m.consume_tokens([int(t) for t in token_ids])
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
+        """Write the allowed-next-token bits into bitmask[row] (int32, CPU, 32 tokens per word)."""
+        v = bitmask[row]
+        assert bitmask.dtype == torch.int32 and bitmask.device.type == "cpu" and v.is_contiguous()
+        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
+
+    def is_terminated(self) -> bool:
+        """True when the request can finish: EOS was taken, or nothing but EOS may follow."""
+        return self._m.is_stopped()
+
+    def is_complete(self) -> bool:
+        """The text so far satisfies the grammar (EOS would be allowed now)."""
+        return self._m.is_accepting()
+
+    @property
+    def error(self) -> str | None:
+        return (self._m.get_error() or "error") if self._m.is_error() else None
+
+    # ---- preemption, speculative decoding, n > 1
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last num_tokens accepted tokens."""
+        if num_tokens and not self._m.rollback(num_tokens):
+            raise RuntimeError(f"grammar rollback of {num_tokens} tokens failed: {self._m.get_error()}")
+
+    def reset(self) -> None:
+        """Back to the initial state (no tokens accepted)."""
+        self._m.reset()
+
+    def rebuild(self, output_token_ids: Iterable[int]) -> bool:
+        """The state after exactly these generated tokens, e.g. when a preempted request is recomputed."""
+        self._m.reset()
+        return self.accept_tokens(output_token_ids)
+
+    def fork(self) -> "Matcher":
+        """An independent copy in the same state (n > 1 sequences share a prompt, not a future)."""
+        return Matcher(self._m.deep_copy(), self.vocab_size)

@@ -1,0 +1,309 @@
+"""OpenAI tool calling: request validation, the grammar for forced calls, and parsers for "auto".
+
+tool_choice "required" and a named function are enforced by the grammar (`ToolRequest.spec()`): the
+model writes `[{"name": ..., "arguments": {...}}, ...]`, or just the named function's arguments, so the
+arguments always validate against the function's parameter schema. "auto" leaves the model free and
+parses its own tool-call syntax with a parser chosen by name, as vLLM's `--tool-call-parser`:
+  hermes  <tool_call>{"name": ..., "arguments": {...}}</tool_call>  (Hermes, Qwen2.5, Qwen3 templates)
+  json    a bare JSON object {"name", "arguments"} or a list of them (optionally in a ``` fence)
+Every mode yields OpenAI `tool_calls` entries, whole (`extract_tool_calls`) or as stream deltas
+(`ToolCallStreamer`: a first chunk with index, id, type, name and arguments "", then argument fragments).
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from kvflow.errors import InvalidRequestError
+from kvflow.structured_output.spec import StructuredSpec, json_schema_spec
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")   # OpenAI's rule for function names
+_DECODER = json.JSONDecoder()
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call(name: str, arguments: Any, call_id: str | None = None) -> dict:
+    """One OpenAI tool_calls entry; arguments as a JSON string."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": call_id or tool_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+
+
+# ---------------------------------------------------------------------------------------------- request
+@dataclass(frozen=True)
+class ToolRequest:
+    functions: Mapping[str, dict]     # name -> {"name", "description"?, "parameters"}
+    mode: str                         # "none" | "auto" | "required" | "function"
+    name: str | None = None           # the forced function when mode == "function"
+    parser: str | None = None         # the auto-mode parser name
+
+    def spec(self) -> StructuredSpec | None:
+        """The grammar constraint for this tool choice (None for "none" and "auto")."""
+        if self.mode == "function":
+            return json_schema_spec(self.functions[self.name]["parameters"], "tool_choice")
+        if self.mode == "required":
+            calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                      "required": ["name", "arguments"], "additionalProperties": False}
+                     for f in self.functions.values()]
+            return json_schema_spec({"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "tools")
+        return None
+
+
+def parse_tool_request(tools: Any, tool_choice: Any = None, *, tool_parser: str | None = None) -> ToolRequest | None:
+    """Validate OpenAI `tools` / `tool_choice`; None when the request uses no tools.
+
+    tool_parser: the server's --tool-call-parser; "auto" is refused without one (as vLLM does).
+    """
+    if tools is None or tools == []:
+        if tool_choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice is only allowed when tools are given", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools must be a list", param="tools")
+    functions: dict[str, dict] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) and tool.get("type", "function") == "function" else None
+        if not isinstance(fn, Mapping):
+            raise InvalidRequestError("each tool must be {'type': 'function', 'function': {...}}", param=f"tools[{i}]")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise InvalidRequestError(f"invalid function name {name!r}: 1-64 of a-z, A-Z, 0-9, _ and -",
+                                      param=f"tools[{i}].function.name")
+        if name in functions:
+            raise InvalidRequestError(f"duplicate function name {name!r}", param=f"tools[{i}].function.name")
+        # no parameters: the function takes none, so its arguments are exactly {}
+        params = fn.get("parameters", {"type": "object", "properties": {}, "additionalProperties": False})
+        if not isinstance(params, Mapping):
+            raise InvalidRequestError("parameters must be a JSON schema object", param=f"tools[{i}].function.parameters")
+        functions[name] = {**fn, "parameters": dict(params)}
+
+    if tool_choice is None:
+        tool_choice = "auto"
+    if isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required' or "
+                                      "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+        if name not in functions:
+            raise InvalidRequestError(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
+        return ToolRequest(functions, "function", name)
+    if tool_choice not in ("none", "auto", "required"):
+        raise InvalidRequestError(f"unknown tool_choice {tool_choice!r}", param="tool_choice")
+    if tool_choice == "auto":
+        if tool_parser is None:
+            raise InvalidRequestError('"auto" tool choice needs a server started with --enable-auto-tool-choice '
+                                      '--tool-call-parser NAME', param="tool_choice")
+        get_tool_parser(tool_parser)
+    return ToolRequest(functions, tool_choice, parser=tool_parser if tool_choice == "auto" else None)
+
+
+def template_supports_tools(chat_template: str | None) -> bool:
+    """Whether a chat template reads `tools` at all (if not, tools cannot reach the model's prompt)."""
+    return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+@dataclass
+class PartialCall:
+    name: str | None      # known once its JSON string is complete
+    arguments: str        # the raw JSON text of the arguments so far
+    done: bool            # the arguments value is complete
+
+
+@dataclass
+class ExtractedToolCalls:
+    content: str | None
+    tool_calls: list[dict] = field(default_factory=list)
+
+
+def _scan_call(body: str) -> PartialCall:
+    """Name and raw arguments of a (possibly unfinished) {"name": ..., "arguments": ...} object.
+
+    Until the arguments value parses, everything after `"arguments":` belongs to it: a JSON value's
+    prefix never holds its own end. raw_decode finds the end once it is there.
+    """
+    args = re.search(r'"(?:arguments|parameters)"\s*:\s*', body)
+    head = body[: args.start()] if args else body
+    arguments, done, end = "", False, len(body)
+    if args:
+        try:
+            _, end = _DECODER.raw_decode(body, args.end())
+            arguments, done = body[args.end():end], True
+        except json.JSONDecodeError:
+            arguments = body[args.end():]
+    name = re.search(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")', head) or (done and re.search(
+        r'"name"\s*:\s*("(?:[^"\\]|\\.)*")', body[end:]))
+    return PartialCall(json.loads(name.group(1)) if name else None, arguments, done)
+
+
+def _call_from_json(obj: Any) -> dict | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    return tool_call(obj["name"], obj.get("arguments", obj.get("parameters", {})))
+
+
+def _held_back(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that could be the start of tag."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+
+
+class HermesToolParser:
+    """<tool_call>{"name": "f", "arguments": {...}}</tool_call>, any number of them, text around them."""
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        calls, content, pos = [], [], 0
+        for m in self._BLOCK.finditer(text):
+            try:
+                call = _call_from_json(json.loads(m.group(1)))
+            except json.JSONDecodeError:
+                call = None
+            if call is None:   # not a call after all: leave the text as the model wrote it
+                continue
+            content.append(text[pos: m.start()])
+            calls.append(call)
+            pos = m.end()
+        if not calls:         # the model's text as it wrote it, as a stream sends it
+            return ExtractedToolCalls(text or None)
+        content.append(text[pos:])
+        joined = "".join(content).strip()
+        return ExtractedToolCalls(joined or None, calls)
+
+    def partial(self, text: str) -> tuple[str, list[PartialCall]]:
+        content, calls, pos = [], [], 0
+        for m in self._BLOCK.finditer(text):
+            content.append(text[pos: m.start()])
+            calls.append(_scan_call(m.group(1)))
+            pos = m.end()
+        tail = text[pos:]
+        content.append(tail[: len(tail) - _held_back(tail, self.OPEN)])
+        return "".join(content), calls
+
+
+class JsonToolParser:
+    """A bare {"name", "arguments"} object or a list of them, possibly in a ```json fence."""
+    _FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*(?:```\s*)?$", re.S)
+
+    def _unfence(self, text: str) -> str:
+        m = self._FENCE.match(text)
+        return m.group(1) if m else text.strip()
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        try:
+            obj = json.loads(self._unfence(text))
+        except json.JSONDecodeError:
+            return ExtractedToolCalls(text or None)
+        calls = [_call_from_json(o) for o in (obj if isinstance(obj, list) else [obj])]
+        if not calls or None in calls:
+            return ExtractedToolCalls(text or None)
+        return ExtractedToolCalls(None, calls)
+
+    def partial(self, text: str) -> tuple[str, list[PartialCall]]:
+        start = text.lstrip()
+        if "```".startswith(start) or (start.startswith("```") and "\n" not in start):
+            return "", []            # nothing yet, or a fence whose first line is still coming
+        body = self._unfence(text)
+        if not body:
+            return "", []
+        if body[0] not in "{[":
+            return text, []          # prose: stream it as content
+        if body[0] == "{":
+            return "", [_scan_call(body)]
+        calls, pos = [], 1
+        while True:
+            while pos < len(body) and body[pos] in " \t\r\n,":
+                pos += 1
+            if pos >= len(body) or body[pos] == "]":
+                return "", calls
+            try:
+                _, end = _DECODER.raw_decode(body, pos)
+            except json.JSONDecodeError:
+                return "", calls + [_scan_call(body[pos:])]
+            calls.append(_scan_call(body[pos:end]))
+            pos = end
+
+
+TOOL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "json": JsonToolParser}
+
+
+def get_tool_parser(name: str):
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        raise InvalidRequestError(f"unknown tool call parser {name!r}; known: {', '.join(TOOL_PARSERS)}",
+                                  param="tool_call_parser") from None
+
+
+def extract_tool_calls(request: ToolRequest, text: str) -> ExtractedToolCalls:
+    """The whole generated text -> content and tool_calls (finish_reason "tool_calls" if any)."""
+    if request.mode == "function":
+        return ExtractedToolCalls(None, [tool_call(request.name, json.loads(text))])
+    if request.mode == "required":
+        return JsonToolParser().extract(text)
+    if request.mode == "auto":
+        return get_tool_parser(request.parser).extract(text)
+    return ExtractedToolCalls(text)
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+class ToolCallStreamer:
+    """Growing generated text -> OpenAI chat-completion-chunk deltas, content and tool calls.
+
+    push(new_text) returns the deltas to send now, in order: {"content": ...} or {"tool_calls": [...]}.
+    A call is announced (index, id, type, name, arguments "") once its name is complete; its arguments then
+    follow as fragments of the raw JSON text the model writes. finish() flushes held-back text.
+    """
+
+    def __init__(self, request: ToolRequest):
+        self._partial: Callable[[str], tuple[str, list[PartialCall]]]
+        if request.mode == "function":
+            self._partial = lambda text: ("", [PartialCall(request.name, text, False)])
+        elif request.mode == "required":
+            self._partial = JsonToolParser().partial
+        elif request.mode == "auto":
+            self._partial = get_tool_parser(request.parser).partial
+        else:
+            self._partial = lambda text: (text, [])
+        self.text = ""
+        self._content_sent = 0
+        self._args_sent: list[int] = []   # per announced call: characters of arguments sent
+        self.ids: list[str] = []
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return bool(self.ids)
+
+    def push(self, new_text: str) -> list[dict]:
+        self.text += new_text
+        content, calls = self._partial(self.text)
+        deltas = []
+        if len(content) > self._content_sent and not self.ids:   # no prose between or after calls
+            deltas.append({"content": content[self._content_sent:]})
+            self._content_sent = len(content)
+        for i, call in enumerate(calls):
+            if call.name is None:
+                break                  # announce calls in order, each once its name is known
+            if i == len(self.ids):
+                self.ids.append(tool_call_id())
+                self._args_sent.append(0)
+                deltas.append({"tool_calls": [{"index": i, "id": self.ids[i], "type": "function",
+                                               "function": {"name": call.name, "arguments": ""}}]})
+            if len(call.arguments) > self._args_sent[i]:
+                deltas.append({"tool_calls": [{"index": i, "function": {
+                    "arguments": call.arguments[self._args_sent[i]:]}}]})
+                self._args_sent[i] = len(call.arguments)
+        return deltas
+
+    def finish(self) -> list[dict]:
+        """At the end of generation: prose that was held back (a partial tag, JSON that was no call)."""
+        if self.ids or len(self.text) <= self._content_sent:
+            return []
+        rest = self.text[self._content_sent:]
+        self._content_sent = len(self.text)
+        return [{"content": rest}]
