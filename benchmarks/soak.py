@@ -120,7 +120,7 @@ def main() -> None:
     request_log = out / "requests.jsonl"
     request_log.unlink(missing_ok=True)
     launch = f"kvflow serve --request-log {request_log} --log-stats-interval 60 {args.kvflow_args}"
-    with LaunchedServer(launch, {}, out / "server.log").start() as server:
+    with LaunchedServer(launch, {}, out / "server.log") as server:
         result = asyncio.run(soak(server, args))
         time.sleep(2)                                          # let the last aborts reach the log
         metrics_text = httpx.get(server.root_url + "/metrics").text
