@@ -15,7 +15,7 @@ LAYERS = [
     {"runner"},
     {"executor"},
     {"core"},
-    {"tokenizer", "detokenizer", "metrics", "outputs", "tool_calls"},
+    {"tokenizer", "detokenizer", "metrics", "outputs"},
     {"output_processor"},
     {"llm", "async_engine"},
     {"server", "bench"},

@@ -1,4 +1,4 @@
-"""Tool calling helpers (kvflow.tool_calls): validation, forced calls through the real grammar, parsers."""
+"""Tool calling helpers (kvflow.server.tool_calls): validation, forced calls through the real grammar, parsers."""
 import json
 import random
 
@@ -7,7 +7,7 @@ import pytest
 
 from kvflow.errors import InvalidRequestError
 from kvflow.structured_output import GrammarCompiler
-from kvflow.tool_calls import (ToolCallStreamer, extract_tool_calls, get_tool_parser, parse_tool_request,
+from kvflow.server.tool_calls import (ToolCallStreamer, extract_tool_calls, get_tool_parser, parse_tool_request,
                                template_supports_tools)
 from test_structured_output import gen_object_schema, one_torch_thread, sample_constrained  # noqa: F401
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvflow.config import parse_bytes
-from kvflow.tool_calls import TOOL_PARSERS
+from kvflow.server.tool_calls import TOOL_PARSERS
 
 # OpenAI's API rejects n > 128, and 128 is the default max_num_seqs: one request can fill at most one batch.
 # (vLLM's VLLM_MAX_N_SEQUENCES defaults to 16384, sized for GPUs; on a CPU that is minutes of one request.)

@@ -210,7 +210,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = documented(minimum=0, maximum=limits.MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    # tool calling (kvflow.tool_calls.parse_tool_request checks them and names the field)
+    # tool calling (kvflow.server.tool_calls.parse_tool_request checks them and names the field)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[Text, dict[str, Any], None] = None   # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool | None = None      # accepted; "required" allows one or more calls either way

@@ -33,7 +33,7 @@ from kvflow.server.protocol import (APIError, ChatCompletionChoice, ChatCompleti
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.tool_prompt import chat_messages
 from kvflow.structured_output import GrammarCompiler, spec_from_request
-from kvflow.tool_calls import ExtractedToolCalls, ToolCallStreamer, ToolRequest, extract_tool_calls, parse_tool_request
+from kvflow.server.tool_calls import ExtractedToolCalls, ToolCallStreamer, ToolRequest, extract_tool_calls, parse_tool_request
 
 
 @dataclass

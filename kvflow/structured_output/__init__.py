@@ -7,7 +7,7 @@
     matcher.accept(token_id)                         # after sampling; is_terminated() -> finish
     matcher.rebuild(output_token_ids)                # after preemption / recompute
 
-The names load on first use: the request side (spec, and kvflow.tool_calls / the server's config that use
+The names load on first use: the request side (spec, and kvflow.server.tool_calls / the server's config that use
 it) must not import torch and llguidance, so that `kvflow --help` stays light.
 """
 from __future__ import annotations
