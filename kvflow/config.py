@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 SCHEDULING_POLICIES = ("continuous", "fcfs", "static")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-QUANTIZATIONS = (None, "none", "fp8", "int8")
+QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -75,7 +75,7 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of none, fp8, int8; got {self.quantization!r}")
+            raise ValueError(f"quantization must be one of none, fp8, int8, int4; got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.tensor_parallel_size < 1:

@@ -149,3 +149,22 @@ def iter_weights(files: ModelFiles | Path, keep_quantized: bool = False) -> Iter
     if files.format == "hf":
         return _iter_safetensors(files.path)
     return _iter_gguf(files.gguf, files.config, keep_quantized)
+
+
+def weight_quantization(files: ModelFiles, quantization: str | None, dtype_setting: str, tp_size: int = 1,
+                        device_type: str = "cpu") -> str | None:
+    """What `quantize_model` is asked to do with these files (None: nothing, the weights stay float).
+
+    An explicit `quantization` wins ("none": float). Unset, a GGUF whose matrices are quantized stays quantized
+    ("gguf": the file's own codes, 4-8x fewer bytes per step than floats) unless the user asked for a float
+    dtype (`dtype=float32` stays bit-exact with transformers' float load of the same file), the model is split
+    over tensor-parallel ranks, or it runs on a GPU (the int4 kernel used here is torch's CPU one)."""
+    if quantization is not None:
+        return None if quantization == "none" else quantization
+    if files.format != "gguf" or dtype_setting != "auto" or tp_size > 1 or device_type != "cpu":
+        return None
+    from gguf import GGMLQuantizationType
+
+    quantized = any(len(t.shape) == 2 and GGMLQuantizationType(t.qtype).name not in _FLOAT_TYPES
+                    for t in files.gguf.tensors.values())
+    return "gguf" if quantized else None
