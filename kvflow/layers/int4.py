@@ -9,7 +9,7 @@ also avoids the packer's partial-block layouts). Other shapes, or a torch withou
 in a plain nibble layout and always dequantize: never a crash.
 
 Which of the two runs a step is chosen by its number of rows, from a measurement at load
-(`choose_kernel_rows`): the kernel reads 4-bit weights and wins small steps everywhere, while a large prefill
+(`choose_kernel_rows`, ~0.1 s when the kernel wins outright): the kernel reads 4-bit weights and wins small steps everywhere, while a large prefill
 chunk may run faster as one float GEMM over a dequantized copy, depending on the CPU (docs/performance.md).
 The dequantizing path unpacks torch's own packed layout, which differs between AVX-512 and AVX2 builds: it is
 learned at start-up by packing known codes, and checked, so no second copy of the codes is kept.
@@ -133,24 +133,25 @@ class Int4Linear(nn.Module):
 
 
 def choose_kernel_rows(layers: list[Int4Linear], dtype: torch.dtype) -> tuple[int, dict[int, tuple[float, float]]]:
-    """Time the kernel against dequantize + float matmul (in `dtype`) on a few of the model's own matrices at
-    MEASURED_ROWS rows; steps up to the last size before the dequantizing path wins take the kernel.
-    Returns (rows, {rows: (kernel ms, dequantized ms)}); ALWAYS when the kernel won every size measured."""
-    sample = [m for m in layers if m.uses_kernel][:8]
+    """Time the kernel against dequantize + float matmul (in `dtype`) on a few of the model's own matrices, from
+    the largest of MEASURED_ROWS down until the kernel wins: the kernel's time grows with the rows, the
+    dequantizing path's is mostly the conversion, so steps up to that size take the kernel. Costs two timings
+    where the kernel wins at the largest size. Returns (rows, {rows: (kernel ms, dequantized ms)}); ALWAYS when
+    the kernel won at the largest size, 0 when it lost at every size."""
+    sample = [m for m in layers if m.uses_kernel][:4]
     if not sample:
         return 0, {}
     table: dict[int, tuple[float, float]] = {}
-    best = lambda fn: min(_timed(fn) for _ in range(3))                 # noqa: E731  (least disturbed run)
+    best = lambda fn: min(_timed(fn) for _ in range(2))                 # noqa: E731  (the less disturbed run)
     with torch.inference_mode():
-        for rows in MEASURED_ROWS:
+        for rows in sorted(MEASURED_ROWS, reverse=True):
             xs = [torch.randn(rows, m.in_features, dtype=dtype) for m in sample]
             kernel = best(lambda: [m._kernel(x) for m, x in zip(sample, xs)])
             dequantized = best(lambda: [F.linear(x, m.dequantize(dtype)) for m, x in zip(sample, xs)])
             table[rows] = (kernel * 1e3, dequantized * 1e3)
-            if dequantized < kernel:
-                previous = [r for r in MEASURED_ROWS if r < rows]
-                return (previous[-1] if previous else 0), table
-    return ALWAYS, table
+            if kernel <= dequantized:
+                return (ALWAYS if rows == max(MEASURED_ROWS) else rows), dict(sorted(table.items()))
+    return 0, dict(sorted(table.items()))
 
 
 def _timed(fn) -> float:

@@ -275,7 +275,7 @@ def _choose_int4_kernel(layers: list[Int4Linear], dtype: torch.dtype) -> str:
             m.kernel_rows = rows
     measured = ", ".join(f"{r}: {k:.2f}/{d:.2f}" for r, (k, d) in table.items())
     log.info("int4 kernel vs dequantized %s matmul, ms on %d matrices by rows: %s",
-             str(dtype).removeprefix("torch."), min(8, len(layers)), measured)
+             str(dtype).removeprefix("torch."), min(4, len(layers)), measured)
     steps = "every step" if rows == int4.ALWAYS else f"steps of <= {rows} rows (dequantized above)"
     return f"int4 matrices use torch's int4 CPU kernel (bf16 activations) for {steps}"
 
