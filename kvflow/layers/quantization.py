@@ -226,13 +226,15 @@ class GGUFVocabulary(nn.Module):
         self.group, self.offset, self.dtype = codes.group, codes.offset, dtype
         self.register_buffer("codes", codes.codes)
         self.register_buffer("scale", codes.scale)
-        self.register_buffer("zero", codes.zero if codes.zero is not None else torch.zeros_like(codes.scale))
+        self.register_buffer("zero", codes.zero)          # None for symmetric codes (Q4_0, Q8_0)
         self.head = head
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         q = self.codes[ids].to(torch.float32)
         q = q.view(*ids.shape, -1, self.group) - self.offset
-        rows = q * self.scale[ids][..., None] + self.zero[ids][..., None]
+        rows = q * self.scale[ids][..., None]
+        if self.zero is not None:
+            rows += self.zero[ids][..., None]
         return rows.flatten(-2).to(self.dtype)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
