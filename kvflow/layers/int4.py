@@ -8,9 +8,10 @@ K a multiple of it; N a multiple of 16 for the packing (rows are padded here to 
 also avoids the packer's partial-block layouts). Other shapes, or a torch without the kernel, keep their codes
 in a plain nibble layout and always dequantize: never a crash.
 
-Which of the two runs a step is chosen by its number of rows, from a measurement at load
-(`choose_kernel_rows`, ~0.1 s when the kernel wins outright): the kernel reads 4-bit weights and wins small steps everywhere, while a large prefill
-chunk may run faster as one float GEMM over a dequantized copy, depending on the CPU (docs/performance.md).
+Which of the two runs a step is chosen by its number of rows, from a measurement at load (`choose_kernel_rows`,
+~0.1 s when the kernel wins outright): the kernel reads 4-bit weights and wins small steps everywhere, while a
+large prefill chunk may run faster as one float GEMM over a dequantized copy, depending on the CPU
+(docs/performance.md).
 The dequantizing path unpacks torch's own packed layout, which differs between AVX-512 and AVX2 builds: it is
 learned at start-up by packing known codes, and checked, so no second copy of the codes is kept.
 """

@@ -248,9 +248,10 @@ def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype
     codes = _gguf_codes(table) if method == "gguf" else None
     if codes is None:
         return QuantizedEmbedding(table, "int8", dtype) if method == "int4" else table
+    device = table.weight.device
     if isinstance(table, nn.Linear):
-        return Int4Linear(codes).to(table.weight.device) if codes.bits == 4 else QuantizedEmbedding(table, "int8", dtype)
-    return GGUFVocabulary(codes, QuantizedEmbedding(table, "int8", dtype) if tied else None, dtype).to(table.weight.device)
+        return Int4Linear(codes).to(device) if codes.bits == 4 else QuantizedEmbedding(table, "int8", dtype)
+    return GGUFVocabulary(codes, QuantizedEmbedding(table, "int8", dtype) if tied else None, dtype).to(device)
 
 
 def _choose_matmul(model: nn.Module, method: str, dtype: torch.dtype) -> str:
