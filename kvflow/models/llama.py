@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.layers.group_quant import GroupQuantized
 from kvflow.layers.attention import PagedAttention
+from kvflow.layers.group_quant import GroupQuantized
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.model_config import ModelConfig
