@@ -1,6 +1,7 @@
-"""Weight quantization side by side: none / int8 / fp8 on the embedded SmolLM2, in one run.
+"""Weight quantization side by side on the embedded SmolLM2, in one run: none (float weights: the default before
+the GGUF was kept quantized), default (no flag: the GGUF's own 4-bit codes), int8, int4, fp8.
 
-    python benchmarks/quantization.py [--reps 3] [--batch 1 32] [--max-tokens 32] [--dtype auto]
+    python benchmarks/quantization.py [--reps 3] [--batch 1 32] [--max-tokens 32] [--dtype auto] [--modes none default]
 
 For each mode: the engine's weight memory, and output tokens per second of LLM.generate at each batch
 size (exactly --max-tokens per prompt), median of --reps, modes interleaved within each rep.
@@ -13,7 +14,7 @@ import time
 
 from kvflow import LLM, SamplingParams
 
-MODES = ("none", "int8", "fp8")
+MODES = ("none", "default", "int8", "int4", "fp8")
 
 
 def main() -> None:
@@ -22,13 +23,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     args = ap.parse_args()
-    llms = {m: LLM(dtype=args.dtype, quantization=m, max_model_len=512, kv_cache_memory="256MiB") for m in MODES}
+    modes = args.modes if "none" in args.modes else ["none", *args.modes]       # the reference for the ratios
+    llms = {m: LLM(dtype=args.dtype, quantization=None if m == "default" else m, max_model_len=512,
+                   kv_cache_memory="256MiB") for m in modes}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = {b: [f"Q{i}: write a short story about the number {i}." for i in range(b)] for b in args.batch}
     for llm in llms.values():
         llm.generate(prompts[args.batch[0]][:1], SamplingParams(max_tokens=2))     # warm-up
-    runs = {(m, b): [] for m in MODES for b in args.batch}
+    runs = {(m, b): [] for m in modes for b in args.batch}
     for _ in range(args.reps):
         for b in args.batch:
             for m, llm in llms.items():
@@ -43,7 +47,7 @@ def main() -> None:
         row = f"{m:<8}{llm.engine.runner.weights_bytes / 2**20:>12.0f}"
         row += "".join(f"{statistics.median(runs[(m, b)]):>12.1f}" for b in args.batch)
         print(row)
-    for m in MODES[1:]:
+    for m in modes[1:]:
         print(f"{m} / none: " + ", ".join(
             f"batch {b} {statistics.median(runs[(m, b)]) / statistics.median(runs[('none', b)]):.2f}x" for b in args.batch))
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-QUANTIZATIONS = (None, "none", "fp8", "int8")
+QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -58,7 +58,8 @@ class EngineConfig:
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of a shared prompt prefix")
     scheduling_policy: str = _option("continuous", "continuous, or static (admit a batch, run it to the end) for A/B "
                                                    "benchmarks")
-    quantization: str | None = _option(None, "none, int8 or fp8: weight-only, per-channel scales", aliases=("-q",))
+    quantization: str | None = _option(None, "weights: unset keeps a quantized GGUF's own codes on CPU; none (float), int4 (group 32), "
+                                          "int8 or fp8 (per-channel scales)", aliases=("-q",))
     kv_cache_dtype: str = _option("auto", "auto, or fp8: KV stored as float8 e4m3, half of bf16's bytes")
     tensor_parallel_size: int = _option(1, "split the model over N processes (gloo on CPU, NCCL on CUDA, one GPU "
                                            "each)", aliases=("-tp",))
@@ -72,8 +73,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
-        if self.quantization == "none":             # the one place "none" becomes None
-            object.__setattr__(self, "quantization", None)
         self.validate()
 
     def validate(self) -> None:
@@ -100,7 +99,7 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of none, fp8, int8; got {self.quantization!r}")
+            raise ValueError(f"quantization must be one of none, fp8, int8, int4; got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.tensor_parallel_size < 1:

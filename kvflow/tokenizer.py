@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from kvflow.models.loader import read_gguf
+from kvflow.models.gguf_reader import GGUFFile, read_gguf
+from kvflow.models.model_files import ModelFiles, locate_tokenizer
 
 
 def flatten_content(content: Any) -> str:
@@ -35,14 +36,14 @@ def flatten_content(content: Any) -> str:
     raise ValueError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
 
 
-def _hf_from_gguf(path: Path):
+def _hf_from_gguf(gguf: GGUFFile):
     """A PreTrainedTokenizerFast equivalent to AutoTokenizer.from_pretrained(dir, gguf_file=name)."""
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
-    md = read_gguf(path).metadata
+    md = gguf.metadata
     if "tokenizer.ggml.tokens" not in md:
-        raise ValueError(f"{path} has no tokenizer in its metadata (tokenizer.ggml.tokens)")
+        raise ValueError(f"{gguf.path} has no tokenizer in its metadata (tokenizer.ggml.tokens)")
     # same grouping as transformers.integrations.gguf.get_gguf_tokenizer
     grouped = {group: {name: md[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in md}
                for group, renames in GGUF_TOKENIZER_MAPPING.items()}
@@ -73,15 +74,21 @@ class Tokenizer:
         self.vocab_size: int = len(hf)
 
     @classmethod
+    def from_files(cls, files: ModelFiles) -> "Tokenizer":
+        """The tokenizer `resolve_model_files` found: a GGUF's metadata (already parsed) or an HF folder."""
+        return cls._load(files.tokenizer_path, files.tokenizer_gguf)
+
+    @classmethod
     def from_model(cls, path: str | Path) -> "Tokenizer":
         """HF folder -> AutoTokenizer (offline); .gguf file -> built from the file's metadata."""
-        path = Path(path)
-        if path.is_dir() and not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-            ggufs = sorted(path.glob("*.gguf"))
-            if len(ggufs) == 1:   # a folder holding just a GGUF
-                path = ggufs[0]
-        if path.is_file() and path.suffix.lower() == ".gguf":
-            hf, extra = _hf_from_gguf(path)
+        path = locate_tokenizer(path)
+        gguf = read_gguf(path) if path.is_file() and path.suffix.lower() == ".gguf" else None
+        return cls._load(path, gguf)
+
+    @classmethod
+    def _load(cls, path: Path, gguf: GGUFFile | None) -> "Tokenizer":
+        if gguf is not None:
+            hf, extra = _hf_from_gguf(gguf)
             return cls(hf, extra)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer path does not exist or is not a folder / .gguf file: {path}")

@@ -203,3 +203,52 @@ def test_folder_without_config_or_weights(tmp_path):
         load_model_config(tmp_path)
     with pytest.raises(ValueError, match="safetensors"):
         list(iter_weights(tmp_path))
+
+
+# --------------------------------------------------------------------------- ModelFiles: resolved once
+
+def test_model_files_parse_the_gguf_once(smollm2_path, monkeypatch):
+    import kvflow.models.model_files as model_files
+    from kvflow.models.loader import resolve_model_files
+    from kvflow.tokenizer import Tokenizer
+
+    reads = []
+    real = model_files.read_gguf
+    monkeypatch.setattr(model_files, "read_gguf", lambda p: reads.append(p) or real(p))
+    files = resolve_model_files(None)
+    assert reads == [smollm2_path]
+    assert (files.path, files.format, files.hf_config) == (smollm2_path, "gguf", None)
+    assert files.config == load_model_config(smollm2_path)
+    assert files.tokenizer_path == smollm2_path and files.tokenizer_gguf is files.gguf
+    assert resolve_model_files(str(smollm2_path.parent)).path == smollm2_path     # folder holding one .gguf
+    tok = Tokenizer.from_files(files)
+    assert tok.encode("Hello") == Tokenizer.from_model(smollm2_path).encode("Hello")
+    names = [n for n, _ in iter_weights(files)]
+    assert len(names) == 2 + 30 * 9
+
+
+def test_model_files_of_an_hf_folder(tiny):
+    from kvflow.models.loader import resolve_model_files
+    from kvflow.tokenizer import Tokenizer
+
+    hf_dir, gguf_path = tiny("qwen2")
+    files = resolve_model_files(hf_dir)
+    assert files.format == "hf" and files.gguf is None and files.hf_config["architectures"] == ["Qwen2ForCausalLM"]
+    assert files.config == load_model_config(hf_dir) and files.tokenizer_path == hf_dir
+    assert sorted(n for n, _ in iter_weights(files)) == sorted(n for n, _ in iter_weights(hf_dir))
+    assert Tokenizer.from_files(files).vocab_size > 0
+    other = resolve_model_files(hf_dir, tokenizer=gguf_path)               # a tokenizer from elsewhere
+    assert other.tokenizer_path == gguf_path and other.tokenizer_gguf.path == gguf_path
+
+
+def test_model_files_errors_name_the_path(tmp_path):
+    from kvflow.models.loader import resolve_model_files
+
+    with pytest.raises(FileNotFoundError, match="nothing-here"):
+        resolve_model_files(tmp_path / "nothing-here")
+    with pytest.raises(ValueError, match="config.json"):
+        resolve_model_files(tmp_path)
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(b"GGUF" + bytes(100))
+    with pytest.raises(ValueError, match="corrupt.gguf"):
+        resolve_model_files(bad)

@@ -17,7 +17,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
 
 @pytest.fixture(scope="module")
 def auto_llm():
-    return LLM(dtype="auto", max_model_len=512, kv_cache_memory="64MiB")
+    # float weights: without quantization="none" a quantized GGUF is served from its own codes
+    return LLM(dtype="auto", quantization="none", max_model_len=512, kv_cache_memory="64MiB")
 
 
 def test_auto_adds_bf16_copies_and_float32_does_not(auto_llm, smol_llm):

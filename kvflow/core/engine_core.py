@@ -51,7 +51,7 @@ class EngineCore:
         log.info("model %s (%s) on %s, %s", self.model_path, self.model_config.family, r.device,
                  str(r.dtype).removeprefix("torch."))
         log.info("weights loaded in %.1f s (%.0f MiB, %s)", r.load_seconds, r.weights_bytes / 2**20,
-                 self.config.quantization or "not quantized")
+                 r.quantization or "not quantized")
         if self.config.tensor_parallel_size > 1:
             log.info("tensor parallel: %d ranks; rank 0 holds %d of %d KV heads and %d of %d vocabulary rows "
                      "(sizes below are rank 0's)", self.config.tensor_parallel_size, r.model.sizes.num_kv_heads,

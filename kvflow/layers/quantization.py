@@ -1,4 +1,6 @@
-"""Weight-only quantization: int8 or float8 (e4m3) weights with one scale per output channel.
+"""Weight-only quantization: int8 or float8 (e4m3) weights with one scale per output channel; int4 weights with a
+scale and zero per group of 32 (`layers/int4.py`), rounded from float weights (`int4`) or kept as a GGUF stores
+them (`gguf`, the default for a quantized GGUF: see `quantize_model`).
 
 Computed at load from the checkpoint's weights. The matmul dequantizes one matrix at a time just before
 use (the full-precision copy lives only in cache) and applies the scale to the output, which equals
@@ -27,11 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow import platform
+from kvflow.layers import int4
+from kvflow.layers.group_quant import GroupQuantized
+from kvflow.layers.int4 import Int4Linear
 from kvflow.layers.swap import swap_matrices
 
 log = logging.getLogger("kvflow")
 
 QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+METHODS = (*QUANT_DTYPES, "int4", "gguf")
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 HEAD_CHUNK_ROWS = 4096     # the LM head is dequantized in slices that fit in cache
 INT8_KERNEL_MAX_ROWS = 32  # float32 compute: steps up to this many rows use the int8 kernel (crossover 32-64)
@@ -167,16 +173,85 @@ def _probe_fp8_matmul(layer: QuantizedLinear, dtype: torch.dtype) -> str | None:
 
 def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
     """Swap the model's linear layers, embedding and LM head for quantized ones, in place.
-    Returns how the quantized linear layers multiply (for the boot log)."""
-    if method not in QUANT_DTYPES:
-        raise ValueError(f"quantization must be one of {', '.join(QUANT_DTYPES)}, got {method!r}")
-    # the embedding and LM head are int8 in both modes: e4m3's 3-bit mantissa costs the small embedded model
-    # >3% perplexity there, where vLLM would keep them unquantized
-    swap_matrices(model, linear=lambda layer: QuantizedLinear(layer, method),
-                  table=lambda table: QuantizedEmbedding(table, "int8", dtype))
+    Returns how the quantized linear layers multiply (for the boot log).
+
+    int8 / fp8: per-channel codes rounded from the float weights. int4: group-32 codes rounded to nearest from the
+    float weights (layers whose K is not a multiple of 32 take int8). gguf: the file's own codes, as
+    `iter_weights(keep_quantized=True)` attached them to the layers they were loaded into (`gguf_pieces`):
+    4-bit ones run as int4, 8-bit ones (Q8_0, re-rounded K-quants) as per-channel int8, float ones stay float."""
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
+    if method in QUANT_DTYPES:
+        # the embedding and LM head are int8 in both modes: e4m3's 3-bit mantissa costs the small embedded model
+        # >3% perplexity there, where vLLM would keep them unquantized
+        swap_matrices(model, linear=lambda layer: QuantizedLinear(layer, method),
+                      table=lambda table: QuantizedEmbedding(table, "int8", dtype))
+    else:
+        tied = getattr(model, "lm_head", True) is None
+        swap_matrices(model, linear=lambda layer: _int4_linear(layer, method),
+                      table=lambda table: _vocabulary(table, method, dtype, tied))
     how = _choose_matmul(model, method, dtype)
     log.info("quantization: %s", how)
     return how
+
+
+def _gguf_codes(module: nn.Module) -> GroupQuantized | None:
+    """The file's codes for every piece this (possibly fused) matrix was loaded from, stacked; None if any piece
+    came as floats."""
+    pieces = getattr(module, "gguf_pieces", None)
+    if not pieces or any(p is None for p in pieces):
+        return None
+    if len({(p.bits, p.group) for p in pieces}) > 1:      # e.g. Q4_1 q/k with a Q8_0 v: the finer format for all
+        return GroupQuantized.round_to_nearest(torch.cat([p.dequantize() for p in pieces]), bits=8)
+    return GroupQuantized.cat(pieces)
+
+
+def _int4_linear(layer: nn.Linear, method: str) -> nn.Module:
+    if method == "int4":
+        if layer.in_features % 32:
+            return QuantizedLinear(layer, "int8")
+        return Int4Linear(GroupQuantized.round_to_nearest(layer.weight, bits=4, group=32), layer.bias)
+    codes = _gguf_codes(layer)
+    if codes is None:
+        return layer
+    return Int4Linear(codes, layer.bias).to(layer.weight.device) if codes.bits == 4 else QuantizedLinear(layer, "int8")
+
+
+class GGUFVocabulary(nn.Module):
+    """The vocabulary table kept as the file stores it: lookups dequantize the rows they need from the file's own
+    codes (exact values); the LM head, when tied, is a separate matrix (`head`) quantized for matmuls."""
+
+    def __init__(self, codes: GroupQuantized, head: nn.Module | None, dtype: torch.dtype):
+        super().__init__()
+        self.group, self.offset, self.dtype = codes.group, codes.offset, dtype
+        self.register_buffer("codes", codes.codes)
+        self.register_buffer("scale", codes.scale)
+        self.register_buffer("zero", codes.zero)          # None for symmetric codes (Q4_0, Q8_0)
+        self.head = head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.codes[ids].to(torch.float32)
+        q = q.view(*ids.shape, -1, self.group) - self.offset
+        rows = q * self.scale[ids][..., None]
+        if self.zero is not None:
+            rows += self.zero[ids][..., None]
+        return rows.flatten(-2).to(self.dtype)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.project(hidden)
+
+
+def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype, tied: bool) -> nn.Module:
+    """int4: int8 rows shared by lookups and the head, as the int8 mode. gguf: an untied LM head from 4-bit codes
+    runs as int4, from anything else as int8; the embedding keeps the file's codes for its lookups, and when it
+    doubles as the head, the head is its own int8 matrix (the int8 kernel; 8-bit keeps the logits closest)."""
+    codes = _gguf_codes(table) if method == "gguf" else None
+    if codes is None:
+        return QuantizedEmbedding(table, "int8", dtype) if method == "int4" else table
+    device = table.weight.device
+    if isinstance(table, nn.Linear):
+        return Int4Linear(codes).to(device) if codes.bits == 4 else QuantizedEmbedding(table, "int8", dtype)
+    return GGUFVocabulary(codes, QuantizedEmbedding(table, "int8", dtype) if tied else None, dtype).to(device)
 
 
 def _choose_matmul(model: nn.Module, method: str, dtype: torch.dtype) -> str:
@@ -185,9 +260,27 @@ def _choose_matmul(model: nn.Module, method: str, dtype: torch.dtype) -> str:
     kernel = _choose_int8_kernel([m for m in matrices if m.qweight.dtype == torch.int8], dtype)
     if method == "fp8" and linears:
         how = _choose_fp8_matmul(linears, dtype)
+    elif method in ("int4", "gguf"):
+        how = _choose_int4_kernel([m for m in model.modules() if isinstance(m, Int4Linear)], dtype)
     else:
         how = f"{method} weights" + ("" if kernel else ", dequantized per matrix before each matmul")
     return f"{how}; {kernel}" if kernel else how
+
+
+def _choose_int4_kernel(layers: list[Int4Linear], dtype: torch.dtype) -> str:
+    if not layers:
+        return "no int4 matrices"
+    if not any(m.uses_kernel for m in layers):
+        return "int4 matrices dequantized per matrix before each matmul (no usable torch int4 CPU kernel here)"
+    rows, table = int4.choose_kernel_rows(layers, dtype)
+    for m in layers:
+        if m.uses_kernel:
+            m.kernel_rows = rows
+    measured = ", ".join(f"{r}: {k:.2f}/{d:.2f}" for r, (k, d) in table.items())
+    log.info("int4 kernel vs dequantized %s matmul, ms on %d matrices by rows: %s",
+             str(dtype).removeprefix("torch."), min(4, len(layers)), measured)
+    steps = "every step" if rows == int4.ALWAYS else f"steps of <= {rows} rows (dequantized above)"
+    return f"int4 matrices use torch's int4 CPU kernel (bf16 activations) for {steps}"
 
 
 def _choose_fp8_matmul(linears: list[QuantizedLinear], dtype: torch.dtype) -> str:

@@ -22,6 +22,7 @@ from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.attention import PagedAttention
+from kvflow.layers.group_quant import GroupQuantized
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.model_config import ModelConfig
@@ -170,7 +171,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in (this rank's slice of each), fusing q/k/v and gate/up on the way."""
+        """Copy Hugging Face-named tensors in (this rank's slice of each), fusing q/k/v and gate/up on the way.
+        A `GroupQuantized` tensor (a GGUF loaded with keep_quantized, one rank only) fills the parameter with its
+        float values and is kept on the parameter's module, as `gguf_pieces[shard]`, for quantize_model."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
@@ -179,6 +182,11 @@ class LlamaForCausalLM(nn.Module):
                 continue        # tied: the embedding serves as the head
             if "rotary_emb" in name:
                 continue
+            codes = None
+            if isinstance(tensor, GroupQuantized):
+                if self.tp.size > 1:
+                    raise ValueError("quantized GGUF codes cannot be split over tensor-parallel ranks; load floats")
+                codes, tensor = tensor, tensor.dequantize()
             tensor = self._rank_slice(name, tensor)
             target = name
             for piece, (fused, shard) in _FUSED.items():
@@ -189,6 +197,7 @@ class LlamaForCausalLM(nn.Module):
                     start = sum(sizes[:shard])
                     param[start:start + sizes[shard]].copy_(tensor)
                     loaded.add((target, shard))
+                    self._keep_codes(target, shard, len(sizes), codes)
                     break
             else:
                 if target not in params:
@@ -199,10 +208,19 @@ class LlamaForCausalLM(nn.Module):
                                      f"the model expects {tuple(param.shape)}")
                 param.copy_(tensor)
                 loaded.add((target, 0))
+                self._keep_codes(target, 0, 1, codes)
         expected = {(n, s) for n in params for s in range(len(self._shard_sizes(n)))}
         missing = sorted({n for n, _ in expected - loaded})
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {missing[:8]}")
+
+    def _keep_codes(self, target: str, shard: int, shards: int, codes: GroupQuantized | None) -> None:
+        if codes is None or not target.endswith(".weight"):
+            return
+        module = self.get_submodule(target.removesuffix(".weight"))
+        if not hasattr(module, "gguf_pieces"):
+            module.gguf_pieces = [None] * shards
+        module.gguf_pieces[shard] = codes
 
     def _rank_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows or columns of a checkpoint tensor (all of it at size 1; biases slice with their rows)."""

