@@ -158,12 +158,13 @@ class AsyncEngine:
     def from_config(cls, config, *, max_queue_len: int | None = None, request_log: str | None = None,
                     log_stats_interval: float = 5.0) -> "AsyncEngine":
         from kvflow.core.engine_core import EngineCore
-        from kvflow.models.loader import resolve_model_path
+        from kvflow.models.model_files import resolve_model_files
         from kvflow.tokenizer import Tokenizer
 
         t0 = time.perf_counter()
-        tokenizer = Tokenizer.from_model(resolve_model_path(config.tokenizer or config.model))
-        core = EngineCore(config, eos_token_ids=tokenizer.eos_token_ids)   # logs weights, load time, KV size
+        files = resolve_model_files(config.model, config.tokenizer)
+        tokenizer = Tokenizer.from_files(files)
+        core = EngineCore(config, tokenizer.eos_token_ids, files)   # logs weights, load time, KV size
         engine = cls(core, tokenizer, max_queue_len=max_queue_len, request_log=request_log,
                      log_stats_interval=log_stats_interval)
         logger.info("engine ready in %.2fs: serving %s, max_model_len %d", time.perf_counter() - t0,

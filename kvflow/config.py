@@ -58,8 +58,9 @@ class EngineConfig:
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of a shared prompt prefix")
     scheduling_policy: str = _option("continuous", "continuous, or static (admit a batch, run it to the end) for A/B "
                                                    "benchmarks")
-    quantization: str | None = _option(None, "weights: unset keeps a quantized GGUF's own codes on CPU; none (float), int4 (group 32), "
-                                          "int8 or fp8 (per-channel scales)", aliases=("-q",))
+    quantization: str | None = _option(
+        None, "weights: unset keeps a quantized GGUF's own codes on CPU; none (float), int4 (group 32), int8 or "
+              "fp8 (per-channel scales)", aliases=("-q",))
     kv_cache_dtype: str = _option("auto", "auto, or fp8: KV stored as float8 e4m3, half of bf16's bytes")
     tensor_parallel_size: int = _option(1, "split the model over N processes (gloo on CPU, NCCL on CUDA, one GPU "
                                            "each)", aliases=("-tp",))

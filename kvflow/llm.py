@@ -11,7 +11,7 @@ from typing import Sequence
 
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
-from kvflow.models.loader import load_model_config, resolve_model_path
+from kvflow.models.model_files import resolve_model_files
 from kvflow.output_processor import OutputProcessor, RequestState
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -28,9 +28,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         self.config = EngineConfig(model=model, **engine_args)
-        load_model_config(resolve_model_path(self.config.model))   # fail on the architecture first
-        self.tokenizer = Tokenizer.from_model(resolve_model_path(self.config.tokenizer or self.config.model))
-        self.engine = EngineCore(self.config, eos_token_ids=self.tokenizer.eos_token_ids)
+        files = resolve_model_files(self.config.model, self.config.tokenizer)   # fails on the architecture
+        self.tokenizer = Tokenizer.from_files(files)
+        self.engine = EngineCore(self.config, eos_token_ids=self.tokenizer.eos_token_ids, files=files)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None

@@ -14,7 +14,7 @@ from kvflow.core.outputs import EngineOutput, StepStats
 from kvflow.core.request_validator import RequestValidator
 from kvflow.core.scheduler import Scheduler
 from kvflow.executor import create_executor
-from kvflow.models.loader import load_model_config, resolve_model_path
+from kvflow.models.model_files import ModelFiles, resolve_model_files
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -22,10 +22,13 @@ log = logging.getLogger("kvflow")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] | None = None):
+    def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] | None = None,
+                 files: ModelFiles | None = None):
+        """`files`: the model resolved once by the caller (its tokenizer came from the same parse)."""
         self.config = config
-        self.model_path = resolve_model_path(config.model)
-        self.model_config = load_model_config(self.model_path)
+        files = files or resolve_model_files(config.model, config.tokenizer)
+        self.model_path = files.path
+        self.model_config = files.config
         model_len = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(f"max_model_len={config.max_model_len} is larger than the model's context "
@@ -34,7 +37,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None
                                        else self.model_config.eos_token_ids)
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len)
-        self.executor = create_executor(config, self.model_config, self.model_path, self.max_model_len)
+        self.executor = create_executor(config, self.model_config, files, self.max_model_len)
         self.runner = self.executor.runner            # rank 0's: weights, KV cache sizes, dtype
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)

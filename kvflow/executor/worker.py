@@ -41,7 +41,7 @@ def node_placements(config: EngineConfig, init_method: str) -> list[Placement]:
 
 def run_worker(config: EngineConfig, placement: Placement, check_local_workers=None) -> None:
     """One rank > 0, in the calling process, until rank 0 says stop (returns) or the group breaks (raises)."""
-    from kvflow.models.loader import load_model_config, resolve_model_path
+    from kvflow.models.model_files import resolve_model_files
     from kvflow.runner.model_runner import ModelRunner
 
     device = platform.pick_device(config.device, placement.local_rank)
@@ -50,8 +50,8 @@ def run_worker(config: EngineConfig, placement: Placement, check_local_workers=N
     try:
         # rank 0's settings, not this node's command line: every rank must build the same model and cache
         config, max_model_len = tp.broadcast_from_first()
-        path = resolve_model_path(config.model)
-        runner = ModelRunner(config, load_model_config(path), path, max_model_len, tp=tp)
+        files = resolve_model_files(config.model)
+        runner = ModelRunner(config, files.config, files, max_model_len, tp=tp)
         log.info("rank %d of %d ready: %d of %d KV heads, %d KV blocks", tp.rank, tp.size,
                  runner.model.sizes.num_kv_heads, runner.model_config.num_key_value_heads, runner.num_blocks)
         while True:
