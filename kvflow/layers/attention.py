@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.layers.quantization import to_float
-from kvflow.layers.forward_context import AttentionMetadata, PrefillBatch, get_attn_metadata
+from kvflow.layers.forward_context import AttentionMetadata, PrefillBatch
 
 FP8_MAX = 448.0
 
@@ -33,9 +33,8 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq*D]."""
-        meta = get_attn_metadata()
         self._store(self.k_cache, meta.slot_mapping, k)
         self._store(self.v_cache, meta.slot_mapping, v)
 

@@ -15,12 +15,13 @@ import torch
 from kvflow import platform
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.layers.forward_context import AttentionMetadata, PrefillBatch, forward_context
+from kvflow.layers.forward_context import AttentionMetadata, PrefillBatch
 from kvflow.layers.quantization import QUANT_DTYPES, quantize_model
 from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.loader import iter_weights
 from kvflow.models.model_config import ModelConfig
+from kvflow.runner.compiled_decode import CompiledDecode
 from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
 from kvflow.runner.sampler import Sampler
 
@@ -63,7 +64,29 @@ class ModelRunner:
 
         self.num_blocks = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, config.seed) if tp.is_first else None
-        self.compiled_decode = None
+        self.compiled_decode = self._start_compiled_decode()
+
+    # ---- compiled decode steps ---------------------------------------------------------------------
+    def _start_compiled_decode(self) -> CompiledDecode | None:
+        """CPU, one rank: compile decode steps in the background (runner/compiled_decode.py). On CUDA the eager
+        step stays (CUDA graphs are their own piece of work); under tensor parallelism the all-reduces stay
+        outside any graph."""
+        if self.config.enforce_eager or self.device.type != "cpu" or self.tp.size > 1:
+            return None
+        compiled = CompiledDecode(self.model, self.config.compile_batch_sizes)
+        compiled.start(self._padding_step)
+        return compiled
+
+    def _padding_step(self, bucket: int) -> tuple:
+        """A decode step of `bucket` padding rows only (the warm-up of a compiled bucket)."""
+        batch = StepBatch(num_decodes=0, token_ids=[], num_computed_tokens=[], num_new_tokens=[], block_tables=[],
+                          samples=[])
+        ids, pos, meta, _ = self.prepare_inputs(batch, pad_to=bucket)
+        return ids, pos, meta
+
+    def shutdown(self) -> None:
+        if self.compiled_decode is not None:
+            self.compiled_decode.stop()
 
     # ---- KV cache ------------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
@@ -108,20 +131,21 @@ class ModelRunner:
         ids = batch.token_ids
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        if nd:
+        if nd or pad_to:
             rows = pad_to or nd
             tables = batch.block_tables[:nd] + [[self.scratch_block]] * (rows - nd)
             width = max(max(len(t) for t in tables), 2 if pad_to else 1)
             bt = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables], dtype=torch.long)
-            pos = torch.tensor(batch.num_computed_tokens[:nd] + [0] * (rows - nd), dtype=torch.long)
+            computed = batch.num_computed_tokens[:nd] + [0] * (rows - nd)
+            pos = torch.tensor(computed, dtype=torch.long)
             positions.append(pos)
-            slots.append(bt[torch.arange(rows), pos // bs] * bs + pos % bs)
+            slots.append(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, computed)], dtype=torch.long))
             ids = ids[:nd] + [0] * (rows - nd) + ids[nd:]
             meta.decode_block_tables = bt.to(self.device)
             meta.decode_mask = self._causal_mask(torch.arange(width * bs), pos[:, None])[:, None, None, :]
             if pad_to:
-                torch._dynamo.mark_dynamic(meta.decode_block_tables, 1)
-                torch._dynamo.mark_dynamic(meta.decode_mask, 3)
+                torch._dynamo.maybe_mark_dynamic(meta.decode_block_tables, 1)
+                torch._dynamo.maybe_mark_dynamic(meta.decode_mask, 3)
         if nd < len(batch.num_new_tokens):
             meta.prefill = self._prefill_batch(batch, positions, slots)
         logits_indices, row = [], 0
@@ -177,12 +201,10 @@ class ModelRunner:
         hidden = None
         if bucket:
             ids, pos, meta, logits_indices = self.prepare_inputs(batch, pad_to=bucket)
-            with forward_context(meta):
-                hidden = self.compiled_decode(ids, pos)
+            hidden = self.compiled_decode(ids, pos, meta)
         if hidden is None:
             ids, pos, meta, logits_indices = self.prepare_inputs(batch)
-            with forward_context(meta):
-                hidden = self.model(ids, pos)
+            hidden = self.model(ids, pos, meta)
         if not len(logits_indices):
             return None
         return self.model.compute_logits(hidden[logits_indices])
