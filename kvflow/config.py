@@ -76,11 +76,11 @@ class EngineConfig:
                                   "size bucket is ready; environment KVFLOW_ENFORCE_EAGER=1 flips the default)")
     compile_batch_sizes: tuple[int, ...] = _option((1, 2, 4, 8, 16, 32), "batch-size buckets of the compiled decode "
                                                    "step, compiled smallest first; a decode step is padded to the next "
-                                                   "bucket, larger steps run eagerly", type=int)
+                                                   "bucket, larger steps run eagerly", type=int, nargs="+")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
-        object.__setattr__(self, "compile_batch_sizes", tuple(sorted(set(self.compile_batch_sizes))))
+        object.__setattr__(self, "compile_batch_sizes", tuple(sorted({int(b) for b in self.compile_batch_sizes})))
         if self.quantization == "none":             # the one place "none" becomes None
             object.__setattr__(self, "quantization", None)
         self.validate()

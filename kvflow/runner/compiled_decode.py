@@ -43,6 +43,9 @@ class CompiledDecode:
         self.steps = 0                      # decode steps run compiled
         # the decode graphs differ per bucket by their static batch size only; give dynamo room for all of them
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets) + 4)
+        # round to the activation dtype between fused ops where eager does: bf16 greedy tokens then match eager's
+        # (without it a tiny random model's greedy run flipped a near-tie one step early)
+        torch._inductor.config.emulate_precision_casts = True
         self._graph = torch.compile(model, fullgraph=True, dynamic=False)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
