@@ -1,8 +1,10 @@
-"""The per-step attention metadata, reachable from every attention layer without threading it through
-every forward signature. The only module-level mutable state in kvflow (DESIGN rule).
+"""The per-step attention metadata. Everything here is built once per step by the model runner
+(`prepare_inputs`) so that the 30-odd attention layers do no per-sequence Python: decodes are one padded batch,
+prefill chunks another.
 
-Everything here is built once per step by the model runner (`prepare_inputs`) so that the 30-odd attention
-layers do no per-sequence Python: decodes are one padded batch, prefill chunks another.
+The runner passes the metadata to the model explicitly (a compiled graph must read no module state, and the
+background compile thread runs its own steps). `forward_context` remains for code that calls the model directly
+(tests): the only module-level mutable state in kvflow (DESIGN rule).
 """
 from __future__ import annotations
 
