@@ -73,7 +73,11 @@ class ModelRunner:
         outside any graph."""
         if self.config.enforce_eager or self.device.type != "cpu" or self.tp.size > 1:
             return None
-        compiled = CompiledDecode(self.model, self.config.compile_batch_sizes)
+        # no bucket beyond the first that holds max_num_seqs rows: no step could use it
+        sizes = self.config.compile_batch_sizes
+        fits = [b for b in sizes if b >= self.config.max_num_seqs]
+        buckets = tuple(b for b in sizes if b < self.config.max_num_seqs) + tuple(fits[:1])
+        compiled = CompiledDecode(self.model, buckets)
         compiled.start(self._padding_step)
         return compiled
 
