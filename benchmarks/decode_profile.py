@@ -1,11 +1,11 @@
 """Where a decode step's time goes, and how close the matmuls run to this machine's peak.
 
-    python benchmarks/decode_profile.py [--batch 1 32] [--dtype float32 auto] [--steps 16]
+    python benchmarks/decode_profile.py [--batch 1 32] [--dtype float32 auto] [--steps 16] [--mode eager compiled]
 
 For each dtype setting and batch size: the embedded SmolLM2 decodes `--steps` tokens for `batch` requests
 under torch.profiler. A step's wall time is split into matrix multiplication (aten::mm / addmm / linear's
 own kernels), attention (scaled_dot_product_attention and what it calls), the KV gather (aten::index),
-sampling, the other tensor ops, and what no operator accounts for (Python, the scheduler, building the
+sampling, the other tensor ops (a compiled step's fused C++ kernels land here), and what no operator accounts for (Python, the scheduler, building the
 step's metadata). Matmul FLOP/s are the linears' FLOPs (2 x rows x weights per step) over the matmul time,
 next to the peak that a torch microbenchmark reaches here in float32 and bfloat16 (2048^3 F.linear).
 """
@@ -53,11 +53,15 @@ def profile_decode(llm: LLM, batch: int, steps: int) -> dict:
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate(prompts, warm)
     # prefill outside the profile: profile only decode steps of this batch
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + steps // 2 + 1, ignore_eos=True)
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(f"prof-{batch}-{i}", llm.tokenizer.encode(p), params)
     engine.step()                                      # the prefill step (and the first token)
+    t = time.perf_counter()
+    for _ in range(steps // 2):                        # unprofiled steps: the profiler's own overhead
+        engine.step()
+    plain_ms = (time.perf_counter() - t) / (steps // 2) * 1e3
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         for _ in range(steps):
@@ -83,7 +87,7 @@ def profile_decode(llm: LLM, batch: int, steps: int) -> dict:
     buckets["outside operators"] = max(0.0, (wall - total_ops) / steps * 1e3)
     step_ms = wall / steps * 1e3
     flops = 2 * batch * linear_weights(llm)
-    return {"step_ms": step_ms, "buckets": buckets, "matmul_gflops": flops / (buckets["matmul"] / 1e3) / 1e9}
+    return {"step_ms": step_ms, "plain_ms": plain_ms, "buckets": buckets, "matmul_gflops": flops / (buckets["matmul"] / 1e3) / 1e9}
 
 
 def main() -> None:
@@ -91,17 +95,25 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--dtype", nargs="+", default=["float32", "auto"])
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--mode", nargs="+", default=["eager", "compiled"],
+                    help="eager (--enforce-eager), compiled (waits until every compiled decode bucket is ready)")
     args = ap.parse_args()
     print(f"peak (2048^3 F.linear, {torch.get_num_threads()} threads): float32 {peak_gflops(torch.float32):.0f} "
           f"GFLOP/s, bfloat16 {peak_gflops(torch.bfloat16):.0f} GFLOP/s")
     for dtype in args.dtype:
-        llm = LLM(dtype=dtype, max_model_len=512, kv_cache_memory="256MiB")
-        for batch in args.batch:
-            r = profile_decode(llm, batch, args.steps)
-            parts = ", ".join(f"{k} {v:.1f} ms ({v / r['step_ms']:.0%})" for k, v in r["buckets"].items())
-            print(f"dtype={dtype} batch {batch}: {r['step_ms']:.1f} ms per decode step; {parts}; "
-                  f"matmul {r['matmul_gflops']:.0f} GFLOP/s")
-        del llm
+        for mode in args.mode:
+            llm = LLM(dtype=dtype, max_model_len=512, kv_cache_memory="256MiB", enforce_eager=mode == "eager",
+                      compile_batch_sizes=tuple(args.batch))
+            compiled = llm.engine.runner.compiled_decode
+            if compiled is not None:
+                compiled.wait()
+                print(f"compiled buckets {compiled.compile_seconds} (seconds), failed: {compiled.failed}")
+            for batch in args.batch:
+                r = profile_decode(llm, batch, args.steps)
+                parts = ", ".join(f"{k} {v:.1f} ms ({v / r['step_ms']:.0%})" for k, v in r["buckets"].items())
+                print(f"dtype={dtype} {mode} batch {batch}: {r['step_ms']:.1f} ms per decode step under the profiler ({r['plain_ms']:.1f} ms without); {parts}; "
+                      f"matmul {r['matmul_gflops']:.0f} GFLOP/s")
+            del llm
 
 
 if __name__ == "__main__":

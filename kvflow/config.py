@@ -1,6 +1,7 @@
 """EngineConfig: every engine setting, built once, validated, frozen."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -71,9 +72,17 @@ class EngineConfig:
     node_rank: int = _option(0, "this machine's index; node 0 runs the scheduler and serves HTTP, the others only run "
                                 "their ranks")
     seed: int = _option(0, "seed of the engine's default random generator (requests without a seed)")
+    enforce_eager: bool = _option(os.environ.get("KVFLOW_ENFORCE_EAGER", "") == "1",
+                                  "run every step eagerly: no torch.compile'd decode steps (the default compiles "
+                                  "decode-only steps on CPU in the background and serves eagerly until each batch "
+                                  "size bucket is ready; environment KVFLOW_ENFORCE_EAGER=1 flips the default)")
+    compile_batch_sizes: tuple[int, ...] = _option((1, 2, 4, 8, 16, 32), "batch-size buckets of the compiled decode "
+                                                   "step, compiled smallest first; a decode step is padded to the next "
+                                                   "bucket, larger steps run eagerly", type=int, nargs="+")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        object.__setattr__(self, "compile_batch_sizes", tuple(sorted({int(b) for b in self.compile_batch_sizes})))
         self.validate()
 
     def validate(self) -> None:
@@ -103,6 +112,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of none, fp8, int8, int4; got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if any(b < 1 for b in self.compile_batch_sizes):
+            raise ValueError(f"compile_batch_sizes must be >= 1, got {self.compile_batch_sizes}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.nnodes < 1:

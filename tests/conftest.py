@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")           # tests never touch the hub
+# engines run eagerly unless a test asks for compiled decode steps (tests/test_compiled_decode.py): background
+# compiles in every engine of the suite would take the CI machine's two cores from the tests
+os.environ.setdefault("KVFLOW_ENFORCE_EAGER", "1")
 sys.path.insert(0, str(Path(__file__).parent))          # `from tiny_models import ...`
 
 

@@ -27,7 +27,7 @@ class LocalExecutor:
         """Nothing can die apart from this process."""
 
     def shutdown(self) -> None:
-        pass
+        self.runner.shutdown()
 
 
 def create_executor(config: EngineConfig, model_config: ModelConfig, model_path: Path, max_model_len: int):

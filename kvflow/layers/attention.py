@@ -1,8 +1,14 @@
 """Paged attention in pure PyTorch.
 
-New K/V are written into the cache by slot. Decodes (one query token each) are batched into one
-scaled-dot-product call over their gathered blocks, padded and masked; each prefill chunk attends
-to its past through its block table (or, with no past, directly to its own K/V).
+New K/V are written into the cache by slot. Decodes (one query token each) are one scaled-dot-product call
+over their blocks, gathered with one `index_select` per layer and padded to the longest (masked). All prefill
+chunks of the step are one more call: their queries and their keys (read back from the cache, so a chunk with a
+past is no special case) padded into a [chunks, length] batch under an offset-causal mask. The runner builds
+the index tensors and masks once per step (`AttentionMetadata`); no layer loops over sequences.
+
+Gathers use `index_select`, not `cache[block_tables]`: advanced indexing enters an OpenMP parallel region even
+for a few KiB, which cost ~15 ms per call on this project's 2-core machine when other processes held the cores
+(index_select stays serial at this size: 2.5 us). See docs/performance.md.
 """
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.layers.quantization import to_float
-from kvflow.layers.forward_context import get_attn_metadata
+from kvflow.layers.forward_context import AttentionMetadata, PrefillBatch
 
 FP8_MAX = 448.0
 
@@ -27,20 +33,19 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq*D]."""
-        meta = get_attn_metadata()
         self._store(self.k_cache, meta.slot_mapping, k)
         self._store(self.v_cache, meta.slot_mapping, v)
 
-        out = torch.empty_like(q)
         nd = meta.num_decode_tokens
-        if nd:
-            out[:nd] = self._decode(q[:nd], meta)
-        for p in meta.prefills:
-            rows = slice(p.q_start, p.q_start + p.q_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], p)
-        return out.view(q.shape[0], -1)
+        if meta.prefill is None:
+            out = self._decode(q, meta)
+        elif nd == 0:
+            out = self._prefill(q, k, v, meta.prefill)
+        else:
+            out = torch.cat([self._decode(q[:nd], meta), self._prefill(q[nd:], k[nd:], v[nd:], meta.prefill)])
+        return out.reshape(q.shape[0], -1)
 
     # A float8 cache (kv_cache_dtype="fp8") is written and gathered through a uint8 view: CPU torch has no
     # float8 index kernels. Values are stored unscaled (scale 1.0, as vLLM without calibration), clamped to
@@ -54,35 +59,34 @@ class PagedAttention(nn.Module):
             flat.index_copy_(0, slots, x)
 
     @staticmethod
-    def _load(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _load(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, per: str) -> torch.Tensor:
+        """Rows of the cache by block id (per="block": [n, block_size, Hkv, D]) or by slot ([n, Hkv, D])."""
+        rows = cache if per == "block" else cache.view(-1, *cache.shape[2:])
         if cache.dtype == torch.float8_e4m3fn:
-            return to_float(cache.view(torch.uint8)[blocks].view(cache.dtype), dtype)
-        return cache[blocks]
+            return to_float(rows.view(torch.uint8).index_select(0, index).view(cache.dtype), dtype)
+        return rows.index_select(0, index)
 
-    def _decode(self, q: torch.Tensor, meta) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         B, Hq, D = q.shape
         Hkv = self.num_kv_heads
-        # [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
-        keys = self._load(self.k_cache, meta.decode_block_tables, q.dtype).flatten(1, 2).transpose(1, 2)
-        values = self._load(self.v_cache, meta.decode_block_tables, q.dtype).flatten(1, 2).transpose(1, 2)
+        blocks = meta.decode_block_tables.flatten()
+        # [B * max_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
+        keys = self._load(self.k_cache, blocks, q.dtype, "block").view(B, -1, Hkv, D).transpose(1, 2)
+        values = self._load(self.v_cache, blocks, q.dtype, "block").view(B, -1, Hkv, D).transpose(1, 2)
         # grouped-query attention without repeating K/V: the group's heads act as query rows
         q = q.view(B, Hkv, Hq // Hkv, D)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_key_mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
         return o.reshape(B, Hq, D)
 
-    def _prefill(self, q, k, v, p) -> torch.Tensor:
-        past = p.context_len - p.q_len
-        if past == 0:
-            keys, values, mask, causal = k, v, None, True
-        else:
-            n_blocks = -(-p.context_len // self.k_cache.shape[1])
-            keys = self._load(self.k_cache, p.block_table[:n_blocks], q.dtype).flatten(0, 1)[:p.context_len]
-            values = self._load(self.v_cache, p.block_table[:n_blocks], q.dtype).flatten(0, 1)[:p.context_len]
-            q_pos = torch.arange(past, p.context_len, device=q.device)
-            mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos[:, None]
-            causal = False
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, is_causal=causal, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads)
-        return o.transpose(0, 1)
+    def _prefill(self, q, k, v, p: PrefillBatch) -> torch.Tensor:
+        gqa = self.num_heads != self.num_kv_heads
+        if p.mask is None:      # one chunk and no past: its own K/V, causal (no mask to build or read)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               is_causal=True, scale=self.scale, enable_gqa=gqa)
+            return o.transpose(0, 1)
+        P, Lq, Lk, D = p.num_seqs, p.max_q_len, p.max_context_len, self.head_dim
+        queries = q.index_select(0, p.query_rows).view(P, Lq, self.num_heads, D).transpose(1, 2)
+        keys = self._load(self.k_cache, p.key_slots, q.dtype, "slot").view(P, Lk, -1, D).transpose(1, 2)
+        values = self._load(self.v_cache, p.key_slots, q.dtype, "slot").view(P, Lk, -1, D).transpose(1, 2)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=p.mask, scale=self.scale, enable_gqa=gqa)
+        return o.transpose(1, 2).reshape(P * Lq, self.num_heads, D).index_select(0, p.output_rows)

@@ -1,29 +1,41 @@
-"""The per-step attention metadata, reachable from every attention layer without threading it through
-every forward signature. The only module-level mutable state in kvflow (DESIGN rule)."""
+"""The per-step attention metadata. Everything here is built once per step by the model runner
+(`prepare_inputs`) so that the 30-odd attention layers do no per-sequence Python: decodes are one padded batch,
+prefill chunks another.
+
+The runner passes the metadata to the model explicitly (a compiled graph must read no module state, and the
+background compile thread runs its own steps). `forward_context` remains for code that calls the model directly
+(tests): the only module-level mutable state in kvflow (DESIGN rule).
+"""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 
 @dataclass
-class PrefillSeq:
-    """One sequence computing more than one token this step (a prompt or a prompt chunk)."""
-    q_start: int          # first row of its tokens in the flat batch
-    q_len: int
-    context_len: int      # tokens in the cache after this step (past + new)
-    block_table: torch.Tensor
+class PrefillBatch:
+    """Every prefill chunk of the step, padded to the longest chunk (queries) and the longest context (keys) and
+    attended in one masked call. Keys are read back from the cache, so a chunk with a past (a later chunk, a
+    prefix-cache hit) is no special case. Padding sits at the end of each sequence's keys, so a sequence's
+    attention sums are the same whatever else shares the step."""
+    num_seqs: int
+    max_q_len: int
+    max_context_len: int
+    query_rows: torch.Tensor      # [P * max_q_len] row of the flat prefill rows behind each padded query (pads: 0)
+    output_rows: torch.Tensor     # [prefill rows] where each real row sits in the padded [P * max_q_len] layout
+    key_slots: torch.Tensor       # [P * max_context_len] cache slot of each padded key (pads: the scratch slot)
+    mask: torch.Tensor | None     # [P, 1, max_q_len, max_context_len] additive 0 / -inf; None: one chunk, no past
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor            # [num_tokens] flat cache slot of each new token
     num_decode_tokens: int                # the first rows of the batch are decodes, one token each
-    decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks]
-    decode_key_mask: torch.Tensor | None = None       # [num_decodes, 1, 1, max_blocks*block_size] bool
-    prefills: list[PrefillSeq] = field(default_factory=list)
+    decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks] (pads: the scratch block)
+    decode_mask: torch.Tensor | None = None           # [num_decodes, 1, 1, max_blocks*block_size] additive 0 / -inf
+    prefill: PrefillBatch | None = None
 
 
 _attn_metadata: AttentionMetadata | None = None

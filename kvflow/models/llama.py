@@ -1,8 +1,8 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral) and its Qwen2 (QKV bias) / Qwen3 (Q/K norm) variants.
 
 Q, K and V are one fused projection, and so are gate and up: one matmul each instead of three or two.
-`forward(input_ids, positions)` takes the flat batch of every scheduled token; attention finds the
-step's metadata in the forward context.
+`forward(input_ids, positions, attn_meta)` takes the flat batch of every scheduled token and the step's
+attention metadata (or finds it in the forward context).
 
 Tensor parallelism (`tp`, one rank of N): every layer keeps plain `nn.Linear`s of this rank's size, so
 quantization swaps them as usual. Attention is split by KV-head groups (a rank gets whole KV heads and
@@ -22,6 +22,7 @@ from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.attention import PagedAttention
+from kvflow.layers.forward_context import AttentionMetadata, get_attn_metadata
 from kvflow.layers.group_quant import GroupQuantized
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
@@ -82,7 +83,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k heads sit side by side in qkv's rows: rotate them as one [T, Hq + Hkv, D] tensor
@@ -91,7 +92,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:      # Qwen3: per-head norms, with their own weights for q and k
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         q, k = self.rotary.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
-        return self.tp.all_reduce(self.o_proj(self.attn(q, k, v)))
+        return self.tp.all_reduce(self.o_proj(self.attn(q, k, v, meta)))
 
 
 class MLP(nn.Module):
@@ -115,8 +116,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp, sizes)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h), meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -141,11 +142,15 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """`attn_meta`: the step's attention metadata (default: the forward context's). The runner passes it, so a
+        compiled graph reads no module state and a background compile cannot see another thread's step."""
+        meta = attn_meta or get_attn_metadata()
         h = self.embed(input_ids)
         rope = self.rotary.lookup(positions)
         for layer in self.layers:
-            h = layer(rope, h)
+            h = layer(rope, h, meta)
         return self.norm(h)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

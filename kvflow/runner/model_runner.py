@@ -15,12 +15,13 @@ import torch
 from kvflow import platform
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.layers.forward_context import AttentionMetadata, PrefillSeq, forward_context
+from kvflow.layers.forward_context import AttentionMetadata, PrefillBatch
 from kvflow.layers.quantization import quantize_model
 from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.loader import ModelFiles, iter_weights, resolve_model_files, weight_quantization
 from kvflow.models.model_config import ModelConfig
+from kvflow.runner.compiled_decode import CompiledDecode
 from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
 from kvflow.runner.sampler import Sampler
 
@@ -65,6 +66,33 @@ class ModelRunner:
 
         self.num_blocks = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, config.seed) if tp.is_first else None
+        self.compiled_decode = self._start_compiled_decode()
+
+    # ---- compiled decode steps ---------------------------------------------------------------------
+    def _start_compiled_decode(self) -> CompiledDecode | None:
+        """CPU, one rank: compile decode steps in the background (runner/compiled_decode.py). On CUDA the eager
+        step stays (CUDA graphs are their own piece of work); under tensor parallelism the all-reduces stay
+        outside any graph."""
+        if self.config.enforce_eager or self.device.type != "cpu" or self.tp.size > 1:
+            return None
+        # no bucket beyond the first that holds max_num_seqs rows: no step could use it
+        sizes = self.config.compile_batch_sizes
+        fits = [b for b in sizes if b >= self.config.max_num_seqs]
+        buckets = tuple(b for b in sizes if b < self.config.max_num_seqs) + tuple(fits[:1])
+        compiled = CompiledDecode(self.model, buckets)
+        compiled.start(self._padding_step)
+        return compiled
+
+    def _padding_step(self, bucket: int) -> tuple:
+        """A decode step of `bucket` padding rows only (the warm-up of a compiled bucket)."""
+        batch = StepBatch(num_decodes=0, token_ids=[], num_computed_tokens=[], num_new_tokens=[], block_tables=[],
+                          samples=[])
+        ids, pos, meta, _ = self.prepare_inputs(batch, pad_to=bucket)
+        return ids, pos, meta
+
+    def shutdown(self) -> None:
+        if self.compiled_decode is not None:
+            self.compiled_decode.stop()
 
     # ---- KV cache ------------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
@@ -84,7 +112,10 @@ class ModelRunner:
                 f"the KV cache budget ({budget / 2**20:.1f} MiB = {max(num_blocks, 0)} blocks of {self.block_size} "
                 f"tokens) cannot hold one request of max_model_len={self.max_model_len} ({need} blocks); "
                 f"raise kv_cache_memory / gpu_memory_utilization or lower max_model_len")
-        shape = (num_blocks, self.block_size, num_kv_heads, cfg.head_dim)
+        # one block more than the manager hands out: the scratch block, where padding rows (compiled decode
+        # buckets, padded prefill keys) write and read, so they never touch a request's K/V
+        self.scratch_block = num_blocks
+        shape = (num_blocks + 1, self.block_size, num_kv_heads, cfg.head_dim)
         # zeroed, not empty: batched decode reads padded slots under a mask, and a NaN bit pattern
         # there would still poison the output (0 * NaN)
         storage = torch.uint8 if elem == 1 else self.kv_dtype     # CPU torch cannot fill float8 tensors
@@ -95,50 +126,91 @@ class ModelRunner:
         return num_blocks
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare_inputs(self, batch: StepBatch):
+    def prepare_inputs(self, batch: StepBatch, pad_to: int | None = None):
+        """The step's tensors: ids, positions, attention metadata, the rows whose logits are needed. `pad_to`
+        (decode-only steps run by a compiled bucket): append decode rows that write their K/V to the scratch
+        block and read only it, and give the block tables at least 2 columns (the compiled graph treats the
+        width as dynamic; torch specializes sizes 0 and 1)."""
         bs = self.block_size
+        nd = batch.num_decodes
+        meta = AttentionMetadata(slot_mapping=None, num_decode_tokens=pad_to or nd)
+        ids = batch.token_ids
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        logits_indices: list[int] = []
-
-        nd = batch.num_decodes
-        meta = AttentionMetadata(slot_mapping=None, num_decode_tokens=nd)
-        if nd:
-            tables = batch.block_tables[:nd]
-            width = max(len(t) for t in tables)
-            bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-            pos = torch.tensor(batch.num_computed_tokens[:nd], dtype=torch.long)
+        if nd or pad_to:
+            rows = pad_to or nd
+            tables = batch.block_tables[:nd] + [[self.scratch_block]] * (rows - nd)
+            width = max(max(len(t) for t in tables), 2 if pad_to else 1)
+            bt = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables], dtype=torch.long)
+            computed = batch.num_computed_tokens[:nd] + [0] * (rows - nd)
+            pos = torch.tensor(computed, dtype=torch.long)
             positions.append(pos)
-            slots.append(bt[torch.arange(nd), pos // bs] * bs + pos % bs)
+            slots.append(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, computed)], dtype=torch.long))
+            ids = ids[:nd] + [0] * (rows - nd) + ids[nd:]
             meta.decode_block_tables = bt.to(self.device)
-            key_pos = torch.arange(width * bs)
-            meta.decode_key_mask = (key_pos[None, :] <= pos[:, None])[:, None, None, :].to(self.device)
-        row = nd
-        for i in range(nd, len(batch.num_new_tokens)):
-            start, n = batch.num_computed_tokens[i], batch.num_new_tokens[i]
-            table = torch.tensor(batch.block_tables[i], dtype=torch.long)
-            pos = torch.arange(start, start + n, dtype=torch.long)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            meta.prefills.append(PrefillSeq(row, n, start + n, table.to(self.device)))
-            row += n
-        row = 0
+            meta.decode_mask = self._causal_mask(torch.arange(width * bs), pos[:, None])[:, None, None, :]
+            if pad_to:
+                torch._dynamo.maybe_mark_dynamic(meta.decode_block_tables, 1)
+                torch._dynamo.maybe_mark_dynamic(meta.decode_mask, 3)
+        if nd < len(batch.num_new_tokens):
+            meta.prefill = self._prefill_batch(batch, positions, slots)
+        logits_indices, row = [], 0
         for n, samples in zip(batch.num_new_tokens, batch.samples):
             row += n
             if samples:
                 logits_indices.append(row - 1)
         meta.slot_mapping = torch.cat(slots).to(self.device)
-        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+        ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.cat(positions).to(self.device)
         return ids, pos, meta, torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+
+    def _prefill_batch(self, batch: StepBatch, positions: list, slots: list) -> PrefillBatch:
+        """Index tensors and the offset-causal mask that let every prefill chunk attend in one padded call."""
+        bs, nd = self.block_size, batch.num_decodes
+        starts, lens = batch.num_computed_tokens[nd:], batch.num_new_tokens[nd:]
+        tables = [torch.tensor(t, dtype=torch.long) for t in batch.block_tables[nd:]]
+        for table, start, n in zip(tables, starts, lens):
+            pos = torch.arange(start, start + n)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        P, Lq, Lk = len(lens), max(lens), max(s + n for s, n in zip(starts, lens))
+        empty = torch.empty(0, dtype=torch.long, device=self.device)
+        if P == 1 and starts[0] == 0:
+            return PrefillBatch(1, Lq, Lk, empty, empty, empty, None)
+        query_rows = torch.zeros(P, Lq, dtype=torch.long)
+        key_slots = torch.full((P, Lk), self.scratch_block * bs, dtype=torch.long)
+        query_pos = torch.zeros(P, Lq, dtype=torch.long)
+        output_rows, row = [], 0
+        for i, (table, start, n) in enumerate(zip(tables, starts, lens)):
+            query_rows[i, :n] = torch.arange(row, row + n)
+            output_rows.append(torch.arange(i * Lq, i * Lq + n))
+            query_pos[i] = torch.arange(start, start + Lq)     # pad rows see keys 0..start+r: never all masked
+            key_pos = torch.arange(start + n)
+            key_slots[i, :start + n] = table[key_pos // bs] * bs + key_pos % bs
+            row += n
+        mask = self._causal_mask(torch.arange(Lk), query_pos[:, :, None])[:, None]
+        return PrefillBatch(P, Lq, Lk, query_rows.flatten().to(self.device), torch.cat(output_rows).to(self.device),
+                            key_slots.flatten().to(self.device), mask)
+
+    def _causal_mask(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+        """Additive mask (0 where key_pos <= query_pos, else -inf) in the compute dtype: SDPA would otherwise turn a
+        boolean mask into this once per layer."""
+        allowed = key_pos <= query_pos
+        return torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf")).to(self.device)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
         """Every rank's part of a step: the forward, then the logits of the sampling rows (rank 0 gets the whole
-        vocabulary's; other ranks, and steps where no request samples, get None)."""
-        ids, pos, meta, logits_indices = self.prepare_inputs(batch)
-        with forward_context(meta):
-            hidden = self.model(ids, pos)
+        vocabulary's; other ranks, and steps where no request samples, get None). A decode-only step whose padded
+        size has a compiled graph ready runs that graph (eagerly if the graph fails)."""
+        bucket = self.compiled_decode.bucket_for(batch) if self.compiled_decode else None
+        hidden = None
+        if bucket:
+            ids, pos, meta, logits_indices = self.prepare_inputs(batch, pad_to=bucket)
+            hidden = self.compiled_decode(ids, pos, meta)
+        if hidden is None:
+            ids, pos, meta, logits_indices = self.prepare_inputs(batch)
+            hidden = self.model(ids, pos, meta)
         if not len(logits_indices):
             return None
         return self.model.compute_logits(hidden[logits_indices])
