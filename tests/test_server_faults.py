@@ -183,7 +183,7 @@ def test_sigterm_lets_in_flight_finish_then_exits_0(model_path, tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--quantization", "int4"], "quantization must be one of"),
+    (["--quantization", "int3"], "quantization must be one of"),
     (["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1"),
     (["--tensor-parallel-size", "2", "--nnodes", "2"], "needs distributed_init_method"),
     (["--kv-cache-dtype", "fp16"], "kv_cache_dtype must be"),

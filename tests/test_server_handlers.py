@@ -193,7 +193,8 @@ def test_server_flags_reach_the_server_config():
                                       "--served-model-name", "a", "b", "-tp", "1", "-q", "none", "--seed", "7"])
     engine, server = configs_from_args(args)
     assert (server.max_n, server.max_request_body_size, server.served_model_name) == (4, 2 ** 20, ("a", "b"))
-    assert (engine.model, engine.served_model_name, engine.quantization, engine.seed) == ("m", "a", None, 7)
+    # "-q none" stays "none": float weights asked for explicitly (unset keeps a GGUF quantized)
+    assert (engine.model, engine.served_model_name, engine.quantization, engine.seed) == ("m", "a", "none", 7)
     with pytest.raises(ValueError, match="scheduling_policy"):
         configs_from_args(serve_parser().parse_args(["serve", "--scheduling-policy", "fcfs"]))
 
