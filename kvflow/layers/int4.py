@@ -114,7 +114,9 @@ class Int4Linear(nn.Module):
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if not rows.is_contiguous() or rows.data_ptr() % 64:
+        if torch.compiler.is_compiling():       # data_ptr cannot be traced: a fresh (64-byte aligned) copy
+            rows = rows.clone(memory_format=torch.contiguous_format)
+        elif not rows.is_contiguous() or rows.data_ptr() % 64:
             rows = rows.clone(memory_format=torch.contiguous_format)    # vector loads: contiguous and aligned
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scale_zero)
         if self.padded_out != self.out_features:

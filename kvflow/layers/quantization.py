@@ -80,7 +80,9 @@ def to_float(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _int8_kernel_matmul(x: torch.Tensor, q: torch.Tensor, scale_bf16: torch.Tensor) -> torch.Tensor:
     """y = x @ (q * scale).T by torch's CPU int8 weight-only kernel: bf16 activations, fp32 accumulation."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    if not rows.is_contiguous() or rows.data_ptr() % 64:
+    if torch.compiler.is_compiling():           # data_ptr cannot be traced: a fresh (64-byte aligned) copy
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    elif not rows.is_contiguous() or rows.data_ptr() % 64:
         rows = rows.clone(memory_format=torch.contiguous_format)   # its AVX-512 loop uses aligned loads
     y = torch._weight_int8pack_mm(rows, q, scale_bf16)
     return y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
