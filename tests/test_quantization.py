@@ -14,7 +14,6 @@ from kvflow import LLM, SamplingParams
 from kvflow.runner.step import StepBatch
 from kvflow.layers.quantization import (QuantizedEmbedding, QuantizedLinear, QuantizedRows, fp8_matmul_supported,
                                         int8_kernel_supported, to_float)
-from kvflow.layers.forward_context import forward_context
 from kvflow.request import Request
 
 TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
@@ -40,8 +39,8 @@ def perplexity(llm: LLM, text: str, chunk: int = 32) -> float:
             batch = StepBatch(num_decodes=int(n == 1), token_ids=ids[start:start + n], num_computed_tokens=[start],
                               num_new_tokens=[n], block_tables=[kv.block_tables["ppl"]], samples=[False])
             input_ids, positions, meta, _ = engine.runner.prepare_inputs(batch)
-            with torch.inference_mode(), forward_context(meta):
-                logits.append(engine.runner.model.compute_logits(engine.runner.model(input_ids, positions)))
+            with torch.inference_mode():
+                logits.append(engine.runner.model.compute_logits(engine.runner.model(input_ids, positions, meta)))
     finally:
         kv.free(req)
     logits = torch.cat(logits)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.layers.quantization import to_float
-from kvflow.layers.forward_context import AttentionMetadata, PrefillBatch
+from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
 
 FP8_MAX = 448.0
 

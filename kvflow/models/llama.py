@@ -1,8 +1,8 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral) and its Qwen2 (QKV bias) / Qwen3 (Q/K norm) variants.
 
 Q, K and V are one fused projection, and so are gate and up: one matmul each instead of three or two.
-`forward(input_ids, positions, attn_meta)` takes the flat batch of every scheduled token and the step's
-attention metadata (or finds it in the forward context).
+`forward(input_ids, positions, meta)` takes the flat batch of every scheduled token and the step's
+attention metadata.
 
 Tensor parallelism (`tp`, one rank of N): every layer keeps plain `nn.Linear`s of this rank's size, so
 quantization swaps them as usual. Attention is split by KV-head groups (a rank gets whole KV heads and
@@ -22,7 +22,7 @@ from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.attention import PagedAttention
-from kvflow.layers.forward_context import AttentionMetadata, get_attn_metadata
+from kvflow.layers.attention_metadata import AttentionMetadata
 from kvflow.layers.group_quant import GroupQuantized
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
@@ -142,11 +142,9 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_meta: AttentionMetadata | None = None) -> torch.Tensor:
-        """`attn_meta`: the step's attention metadata (default: the forward context's). The runner passes it, so a
-        compiled graph reads no module state and a background compile cannot see another thread's step."""
-        meta = attn_meta or get_attn_metadata()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`meta`: the step's attention metadata, passed explicitly, so a compiled graph reads no module state
+        and a background compile cannot see another thread's step."""
         h = self.embed(input_ids)
         rope = self.rotary.lookup(positions)
         for layer in self.layers:

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from kvflow.layers.forward_context import AttentionMetadata
+from kvflow.layers.attention_metadata import AttentionMetadata
 from kvflow.runner.step import StepBatch
 
 log = logging.getLogger("kvflow")

@@ -15,7 +15,7 @@ import torch
 from kvflow import platform
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.layers.forward_context import AttentionMetadata, PrefillBatch
+from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
 from kvflow.layers.quantization import quantize_model
 from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
 from kvflow.models.llama import LlamaForCausalLM

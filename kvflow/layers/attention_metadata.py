@@ -2,13 +2,12 @@
 (`prepare_inputs`) so that the 30-odd attention layers do no per-sequence Python: decodes are one padded batch,
 prefill chunks another.
 
-The runner passes the metadata to the model explicitly (a compiled graph must read no module state, and the
-background compile thread runs its own steps). `forward_context` remains for code that calls the model directly
-(tests): the only module-level mutable state in kvflow (DESIGN rule).
+The runner passes the metadata to the model explicitly: a compiled graph must read no module state, and the
+background compile thread runs its own steps. So there is no forward context (DESIGN's one piece of
+module-level mutable state) any more.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -36,22 +35,3 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks] (pads: the scratch block)
     decode_mask: torch.Tensor | None = None           # [num_decodes, 1, 1, max_blocks*block_size] additive 0 / -inf
     prefill: PrefillBatch | None = None
-
-
-_attn_metadata: AttentionMetadata | None = None
-
-
-def get_attn_metadata() -> AttentionMetadata:
-    if _attn_metadata is None:
-        raise RuntimeError("attention ran outside a forward context")
-    return _attn_metadata
-
-
-@contextmanager
-def forward_context(metadata: AttentionMetadata):
-    global _attn_metadata
-    _attn_metadata = metadata
-    try:
-        yield
-    finally:
-        _attn_metadata = None
