@@ -123,7 +123,6 @@ def test_no_request_can_hurt_the_server(server, data):
 
 def test_after_the_fuzzer_the_server_serves_and_holds_nothing(server):
     """Runs after the fuzzer (file order) on the same server."""
-    print("fuzzer answers:", dict(STATUS))
     generated = sum(n for (status, route), n in STATUS.items() if status == 200 and route.startswith("/v1/"))
     assert not STATUS or generated >= 10, f"the fuzzer hardly reached the engine: {STATUS}"
     with httpx.Client(base_url=server.url, timeout=60) as http:
