@@ -1,7 +1,8 @@
 """kvflow serve versus llama.cpp's llama-server on the same GGUF and the same workloads, in one run.
 
-    python benchmarks/serve_compare.py [--llama-server PATH] [--model GGUF] [--concurrency 1 8 32 64]
-                                       [--waves 1] [--reps 2] [--no-long] [--kvflow-args "..."]
+    python benchmarks/serve_compare.py [--llama-server PATH] [--vllm "LAUNCH COMMAND"] [--model GGUF]
+                                       [--concurrency 1 8 32 64] [--waves 1] [--reps 2] [--no-long]
+                                       [--kvflow-args "..."]
 
 Workloads (the performance issue's): streamed chat completions, temperature 0, ignore_eos, 64 output tokens,
 a ~60-token system prompt shared by every request plus a short question, at each concurrency; and a long one,
@@ -11,6 +12,13 @@ max(4, concurrency * waves) requests (closed loop), after one warm-up request, w
 llama-server runs with `-t <cores> -np 32` (`-np 64` for concurrency 64) and 1,024 tokens of context per slot.
 The servers run one at a time, started fresh for each level and alternating, so slow drifts of the machine hit both; each
 (server, level) is the median of --reps. Results: a table on stdout and `serve_compare.json` in --output-dir.
+
+`--vllm` adds vLLM's CPU build as a third server: the whole launch command up to its host and port, e.g.
+`"env VLLM_CPU_KVCACHE_SPACE=2 ... /path/to/venv/bin/vllm serve HF_FOLDER --max-model-len 2048 --dtype bfloat16"`
+(vLLM does not serve this GGUF: give it a Hugging Face folder of the same weights; ../shared/reference/peers.md
+says how to install and start it). Its boot is minutes of torch.compile, so it is started once per repetition and
+serves every level of that repetition (after a warm-up request per level, as the others get); it is never a
+project dependency.
 Never run this while anything else loads the machine.
 """
 from __future__ import annotations
@@ -60,10 +68,12 @@ def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
 
-def print_table(levels, results: dict, have_llama: bool) -> None:
+def print_table(levels, results: dict) -> None:
+    peers = [name for name in results if name != "kvflow"]
     head = f"{'level':>6} | {'kvflow tok/s':>12} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9}"
-    if have_llama:
-        head += f" | {'llama tok/s':>11} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} | {'tok/s x':>7} {'TPOT x':>7}"
+    for name in peers:
+        head += (f" | {name[:11] + ' tok/s':>17} {'TTFT p50':>9} {'p95':>8} {'TPOT p50':>9} | {'tok/s x':>7} "
+                 f"{'TPOT x':>7} {'p95 x':>6}")
     print(head)
     print("-" * len(head))
     for level in levels:
@@ -73,18 +83,22 @@ def print_table(levels, results: dict, have_llama: bool) -> None:
         k = median_of(k)
         row = (f"{str(level):>6} | {fmt(k['output_throughput']):>12} {fmt(k['ttft_p50_ms'], '.0f'):>7}ms "
                f"{fmt(k['ttft_p95_ms'], '.0f'):>6}ms {fmt(k['tpot_p50_ms'], '.0f'):>7}ms")
-        ll = results.get("llama-server", {}).get(str(level))
-        if have_llama and ll:
-            ll = median_of(ll)
-            ratio = k["output_throughput"] / ll["output_throughput"] if ll["output_throughput"] else None
-            tpot = ll["tpot_p50_ms"] / k["tpot_p50_ms"] if k["tpot_p50_ms"] and ll["tpot_p50_ms"] else None
-            row += (f" | {fmt(ll['output_throughput']):>11} {fmt(ll['ttft_p50_ms'], '.0f'):>7}ms "
-                    f"{fmt(ll['ttft_p95_ms'], '.0f'):>6}ms {fmt(ll['tpot_p50_ms'], '.0f'):>7}ms | "
-                    f"{fmt(ratio, '.2f'):>6}x {fmt(tpot, '.2f'):>6}x")
+        for name in peers:
+            p = results[name].get(str(level))
+            if not p:
+                row += " | (not run)"
+                continue
+            p = median_of(p)
+            ratio = k["output_throughput"] / p["output_throughput"] if p["output_throughput"] else None
+            tpot = p["tpot_p50_ms"] / k["tpot_p50_ms"] if k["tpot_p50_ms"] and p["tpot_p50_ms"] else None
+            ttft = p["ttft_p95_ms"] / k["ttft_p95_ms"] if k["ttft_p95_ms"] and p["ttft_p95_ms"] else None
+            row += (f" | {fmt(p['output_throughput']):>17} {fmt(p['ttft_p50_ms'], '.0f'):>7}ms "
+                    f"{fmt(p['ttft_p95_ms'], '.0f'):>6}ms {fmt(p['tpot_p50_ms'], '.0f'):>7}ms | "
+                    f"{fmt(ratio, '.2f'):>6}x {fmt(tpot, '.2f'):>6}x {fmt(ttft, '.2f'):>5}x")
         print(row)
-    if have_llama:
-        print("tok/s x: kvflow output throughput / llama-server's; TPOT x: llama-server's TPOT / kvflow's "
-              "(above 1: kvflow faster)")
+    if peers:
+        print("tok/s x: kvflow output throughput / the peer's; TPOT x and p95 x: the peer's TPOT p50 and TTFT p95 / "
+              "kvflow's (above 1: kvflow faster)")
 
 
 def main() -> None:
@@ -97,6 +111,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--kvflow-args", default="", help="extra flags for kvflow serve")
     ap.add_argument("--llama-args", default="", help="extra flags for llama-server")
+    ap.add_argument("--vllm", default=None, metavar="LAUNCH",
+                    help="launch command of a vLLM server up to --host/--port (see the module docstring)")
+    ap.add_argument("--vllm-boot-timeout", type=float, default=900.0, help="seconds to wait for vLLM's /health")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server -t")
     ap.add_argument("--output-dir", default=f"results/serve-compare-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args()
@@ -117,7 +134,26 @@ def main() -> None:
             f"-c {np_for(level) * 1024} {args.llama_args}")
 
     results: dict[str, dict[str, list]] = {name: {} for name in launches}
+    if args.vllm:
+        results["vllm"] = {}
+
+    def record(name: str, rep: int, level, r: dict) -> None:
+        results[name].setdefault(str(level), []).append(r)
+        print(f"rep {rep + 1} {name:>12} level {str(level):>4}: {r['output_throughput']:.1f} tok/s, "
+              f"TTFT p50 {fmt(r['ttft_p50_ms'], '.0f')} ms p95 {fmt(r['ttft_p95_ms'], '.0f')} ms, "
+              f"TPOT p50 {fmt(r['tpot_p50_ms'], '.0f')} ms, {r['failed']} failed", flush=True)
+
     for rep in range(args.reps):
+        if args.vllm:
+            # minutes of boot: one server per repetition, every level on it
+            vllm = LaunchedServer(args.vllm, {}, out / f"vllm-rep{rep + 1}.log")
+            vllm.start(timeout=args.vllm_boot_timeout)
+            print(f"rep {rep + 1}         vllm booted in {vllm.startup_seconds:.0f} s", flush=True)
+            try:
+                for level in levels:
+                    record("vllm", rep, level, run_level(vllm, level, args.waves))
+            finally:
+                vllm.stop()
         for level in levels:
             for name, launch in launches.items():
                 # one server at a time, started fresh for each level: an idle one would still hold memory and
@@ -125,17 +161,14 @@ def main() -> None:
                 log = out / f"{name}-rep{rep + 1}-{level}.log"
                 with LaunchedServer(launch(level), {}, log) as server:
                     r = run_level(server, level, args.waves)
-                results[name].setdefault(str(level), []).append(r)
-                print(f"rep {rep + 1} {name:>12} level {str(level):>4}: {r['output_throughput']:.1f} tok/s, "
-                      f"TTFT p50 {fmt(r['ttft_p50_ms'], '.0f')} ms p95 {fmt(r['ttft_p95_ms'], '.0f')} ms, "
-                      f"TPOT p50 {fmt(r['tpot_p50_ms'], '.0f')} ms, {r['failed']} failed", flush=True)
+                record(name, rep, level, r)
 
     (out / "serve_compare.json").write_text(json.dumps(
-        {"model": model, "launches": {n: launches[n](1) for n in launches}, "levels": [str(x) for x in levels],
+        {"model": model, "launches": {**{n: launches[n](1) for n in launches}, "vllm": args.vllm}, "levels": [str(x) for x in levels],
          "reps": args.reps, "waves": args.waves, "results": results}, indent=1))
     print(f"\n{Path(model).name}, median of {args.reps}; levels: concurrency (shared 60-token system prompt, "
           f"64 output tokens) and 'long' (250 in, 256 out, 32 at concurrency 32)")
-    print_table(levels, results, "llama-server" in launches)
+    print_table(levels, results)
     print(f"results: {out / 'serve_compare.json'}")
 
 
