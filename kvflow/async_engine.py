@@ -130,7 +130,8 @@ class AsyncEngine:
             self.served_model_name, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, request_log=request_log,
             log_stats_interval=log_stats_interval)
-        self.metrics.set_memory(core.runner.weights_bytes, core.runner.kv_cache_bytes)
+        self.metrics.weights_bytes.set(core.runner.weights_bytes)
+        self.metrics.kv_cache_bytes.set(core.runner.kv_cache_bytes)
         self.processor = OutputProcessor(tokenizer)
 
         # shared by both threads, under _cond
@@ -181,7 +182,7 @@ class AsyncEngine:
                 pass
             self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
             self._thread.start()
-            self.metrics.set_engine_alive(True)
+            self.metrics.engine_alive.set(1)
         return self
 
     @property
@@ -206,8 +207,7 @@ class AsyncEngine:
         if self._streams:
             logger.warning("shutdown: aborting %d request(s) still running after %.1fs",
                            len(self._streams), grace_period)
-            for stream in list(self._streams.values()):
-                stream.queue.put_nowait("the server is shutting down")
+            self._fail_all("the server is shutting down")
             await asyncio.sleep(0)
         await asyncio.get_running_loop().run_in_executor(None, self.stop)
 
@@ -221,7 +221,7 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self._thread is None or not self._thread.is_alive():    # never while a step may still run
             self.core.shutdown()
-        self.metrics.set_engine_alive(False)
+        self.metrics.engine_alive.set(0)
         self.metrics.close()
 
     # ---- event loop side ---------------------------------------------------------------------------------------
@@ -364,7 +364,7 @@ class AsyncEngine:
         with self._cond:
             self._dead = message
         self._accepting = False
-        self.metrics.set_engine_alive(False)
+        self.metrics.engine_alive.set(0)
         self._deliver(self._fail_all, message)
         if self.on_death is not None:
             try:
