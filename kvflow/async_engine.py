@@ -77,12 +77,9 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self._closed = False
 
-    request_id = property(lambda self: self.state.request_id)
-    params = property(lambda self: self.state.params)
-    num_prompt_tokens = property(lambda self: self.state.num_prompt_tokens)
-    num_cached_tokens = property(lambda self: self.state.num_cached_tokens)
-    num_completion_tokens = property(lambda self: self.state.num_completion_tokens)
-    finished = property(lambda self: self.state.finished)
+    def __getattr__(self, name: str):
+        """The request's own numbers (request_id, params, num_prompt_tokens, ..., finished) are its state's."""
+        return getattr(self.state, name)
 
     def __aiter__(self) -> AsyncIterator[CompletionDelta]:
         return self._iterate()

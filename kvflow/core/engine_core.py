@@ -102,7 +102,7 @@ class EngineCore:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        if sched.is_empty:
+        if not sched.scheduled:
             self.last_stats = self._stats()
             return outputs
         num_prompt = 0
