@@ -38,22 +38,12 @@ _TOTALS = ("num_prompt_tokens_computed", "num_generated_tokens", "prefix_cache_q
 
 def _token_buckets(max_len: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's build_1_2_5_buckets)."""
-    out, exp = [], 0
-    while True:
-        for m in (1, 2, 5):
-            v = m * 10 ** exp
-            if v > max_len:
-                return out
-            out.append(v)
-        exp += 1
+    return [m * 10 ** e for e in range(len(str(max_len))) for m in (1, 2, 5) if m * 10 ** e <= max_len]
 
 
 def _batch_buckets(max_num_seqs: int) -> list[int]:
-    out, v = [], 1
-    while v < max_num_seqs:
-        out.append(v)
-        v *= 2
-    return out + [max(max_num_seqs, 1)]
+    """The powers of two below max_num_seqs, then max_num_seqs."""
+    return [2 ** i for i in range(max(max_num_seqs - 1, 0).bit_length())] + [max(max_num_seqs, 1)]
 
 
 def process_resident_memory_bytes() -> float:
