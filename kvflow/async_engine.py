@@ -135,7 +135,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._inbox: collections.deque[AddRequest | AbortRequests] = collections.deque()
         self._stop = False
-        self._dead: str | None = None
+        self.death_reason: str | None = None      # why the engine loop died; None while it lives
         # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = True
@@ -183,13 +183,8 @@ class AsyncEngine:
         return self
 
     @property
-    def death_reason(self) -> str | None:
-        """Why the engine loop died, or None while it lives."""
-        return self._dead
-
-    @property
     def is_alive(self) -> bool:
-        return self._dead is None and self._thread is not None and self._thread.is_alive()
+        return self.death_reason is None and self._thread is not None and self._thread.is_alive()
 
     @property
     def is_accepting(self) -> bool:
@@ -226,8 +221,8 @@ class AsyncEngine:
                arrival_time: float | None = None) -> RequestStream:
         """Hand a request to the engine; call from the event loop. Raises InvalidRequestError (bad request),
         EngineOverloadedError (queue full), EngineShutdownError, EngineDeadError before anything runs."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine loop died: {self._dead}")
+        if self.death_reason is not None:
+            raise EngineDeadError(f"the engine loop died: {self.death_reason}")
         if not self._accepting:
             raise EngineShutdownError("the server is shutting down")
         if self._loop is None:
@@ -359,7 +354,7 @@ class AsyncEngine:
         logger.exception("the engine loop died: %r", exc)
         message = f"the engine loop died: {type(exc).__name__}: {exc}"
         with self._cond:
-            self._dead = message
+            self.death_reason = message
         self._accepting = False
         self.metrics.engine_alive.set(0)
         self._deliver(self._fail_all, message)
