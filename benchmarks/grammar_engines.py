@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_structured_output import gen_object_schema  # noqa: E402  (the tests' schema generator)
 
-from kvflow.models.loader import resolve_model_path  # noqa: E402
+from kvflow.models.model_files import locate_model  # noqa: E402
 from kvflow.tokenizer import Tokenizer  # noqa: E402
 
 
@@ -106,7 +106,7 @@ def batch_cost(tok, rows=32, reps=20):
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    tok = Tokenizer.from_model(resolve_model_path(None))
+    tok = Tokenizer.from_model(locate_model(None))
     print(f"vocab {tok.vocab_size}, eos {sorted(tok.eos_token_ids)}, torch {torch.__version__}, 1 torch thread")
     for name, build in (("xgrammar", xgrammar_engine), ("llguidance", llguidance_engine)):
         try:

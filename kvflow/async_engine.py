@@ -77,12 +77,9 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self._closed = False
 
-    request_id = property(lambda self: self.state.request_id)
-    params = property(lambda self: self.state.params)
-    num_prompt_tokens = property(lambda self: self.state.num_prompt_tokens)
-    num_cached_tokens = property(lambda self: self.state.num_cached_tokens)
-    num_completion_tokens = property(lambda self: self.state.num_completion_tokens)
-    finished = property(lambda self: self.state.finished)
+    def __getattr__(self, name: str):
+        """The request's own numbers (request_id, params, num_prompt_tokens, ..., finished) are its state's."""
+        return getattr(self.state, name)
 
     def __aiter__(self) -> AsyncIterator[CompletionDelta]:
         return self._iterate()
@@ -130,14 +127,15 @@ class AsyncEngine:
             self.served_model_name, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, request_log=request_log,
             log_stats_interval=log_stats_interval)
-        self.metrics.set_memory(core.runner.weights_bytes, core.runner.kv_cache_bytes)
+        self.metrics.weights_bytes.set(core.runner.weights_bytes)
+        self.metrics.kv_cache_bytes.set(core.runner.kv_cache_bytes)
         self.processor = OutputProcessor(tokenizer)
 
         # shared by both threads, under _cond
         self._cond = threading.Condition()
         self._inbox: collections.deque[AddRequest | AbortRequests] = collections.deque()
         self._stop = False
-        self._dead: str | None = None
+        self.death_reason: str | None = None      # why the engine loop died; None while it lives
         # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = True
@@ -181,17 +179,12 @@ class AsyncEngine:
                 pass
             self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
             self._thread.start()
-            self.metrics.set_engine_alive(True)
+            self.metrics.engine_alive.set(1)
         return self
 
     @property
-    def death_reason(self) -> str | None:
-        """Why the engine loop died, or None while it lives."""
-        return self._dead
-
-    @property
     def is_alive(self) -> bool:
-        return self._dead is None and self._thread is not None and self._thread.is_alive()
+        return self.death_reason is None and self._thread is not None and self._thread.is_alive()
 
     @property
     def is_accepting(self) -> bool:
@@ -206,8 +199,7 @@ class AsyncEngine:
         if self._streams:
             logger.warning("shutdown: aborting %d request(s) still running after %.1fs",
                            len(self._streams), grace_period)
-            for stream in list(self._streams.values()):
-                stream.queue.put_nowait("the server is shutting down")
+            self._fail_all("the server is shutting down")
             await asyncio.sleep(0)
         await asyncio.get_running_loop().run_in_executor(None, self.stop)
 
@@ -221,7 +213,7 @@ class AsyncEngine:
             self._thread.join(timeout)
         if self._thread is None or not self._thread.is_alive():    # never while a step may still run
             self.core.shutdown()
-        self.metrics.set_engine_alive(False)
+        self.metrics.engine_alive.set(0)
         self.metrics.close()
 
     # ---- event loop side ---------------------------------------------------------------------------------------
@@ -229,8 +221,8 @@ class AsyncEngine:
                arrival_time: float | None = None) -> RequestStream:
         """Hand a request to the engine; call from the event loop. Raises InvalidRequestError (bad request),
         EngineOverloadedError (queue full), EngineShutdownError, EngineDeadError before anything runs."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine loop died: {self._dead}")
+        if self.death_reason is not None:
+            raise EngineDeadError(f"the engine loop died: {self.death_reason}")
         if not self._accepting:
             raise EngineShutdownError("the server is shutting down")
         if self._loop is None:
@@ -362,9 +354,9 @@ class AsyncEngine:
         logger.exception("the engine loop died: %r", exc)
         message = f"the engine loop died: {type(exc).__name__}: {exc}"
         with self._cond:
-            self._dead = message
+            self.death_reason = message
         self._accepting = False
-        self.metrics.set_engine_alive(False)
+        self.metrics.engine_alive.set(0)
         self._deliver(self._fail_all, message)
         if self.on_death is not None:
             try:

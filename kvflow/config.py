@@ -86,38 +86,24 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name, choices in (("dtype", DTYPES), ("scheduling_policy", SCHEDULING_POLICIES),
+                              ("quantization", QUANTIZATIONS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(c for c in choices if c)}, "
+                                 f"got {getattr(self, name)!r}")
+        for name, least in (("max_model_len", 1), ("kv_cache_memory", 1), ("max_num_seqs", 1),
+                            ("max_num_batched_tokens", 1), ("max_prefill_tokens_while_decoding", 0),
+                            ("tensor_parallel_size", 1), ("nnodes", 1)):
+            if getattr(self, name) is not None and getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_prefill_tokens_while_decoding < 0:
-            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 0 (0: no cap), "
-                             f"got {self.max_prefill_tokens_while_decoding}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                             f"got {self.scheduling_policy!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of none, fp8, int8, int4; got {self.quantization!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if any(b < 1 for b in self.compile_batch_sizes):
             raise ValueError(f"compile_batch_sizes must be >= 1, got {self.compile_batch_sizes}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.nnodes < 1:
-            raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.tensor_parallel_size % self.nnodes:

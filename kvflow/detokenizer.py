@@ -53,33 +53,18 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         """Move what is safe from _pending to the output; detect stop strings."""
         pending = self._pending
-        if self.stop:
-            hit, at = None, -1
-            for s in self.stop:
-                i = pending.find(s)
-                if i != -1 and (at == -1 or i < at):
-                    hit, at = s, i
-            if hit is not None:
-                self.stop_str = hit
-                self._pending = ""
-                out = pending[:at + len(hit)] if self.include_stop_str_in_output else pending[:at]
-                self.text += out
-                return out
-            if not final:
-                keep = 0
-                for s in self.stop:  # longest suffix of pending that is a proper prefix of a stop string
-                    for k in range(min(len(s) - 1, len(pending)), keep, -1):
-                        if pending.endswith(s[:k]):
-                            keep = k
-                            break
-                if keep:
-                    self._pending = pending[-keep:]
-                    out = pending[:-keep]
-                    self.text += out
-                    return out
-        self._pending = ""
-        self.text += pending
-        return pending
+        hits = [(at, s) for s in self.stop if (at := pending.find(s)) != -1]
+        if hits:
+            at, self.stop_str = min(hits, key=lambda hit: hit[0])      # the earliest; the first listed on a tie
+            out, self._pending = pending[:at + len(self.stop_str) if self.include_stop_str_in_output else at], ""
+        else:
+            # hold back the longest suffix of pending that is a proper prefix of a stop string
+            keep = 0 if final or not self.stop else max(
+                (k for s in self.stop for k in range(1, min(len(s) - 1, len(pending)) + 1) if pending.endswith(s[:k])),
+                default=0)
+            out, self._pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
+        self.text += out
+        return out
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Append new token ids; return the text that is now safe to show (may be "")."""

@@ -85,10 +85,8 @@ class LLM:
         return dataclasses.replace(params, structured=self.grammar_compiler.compile(spec))
 
     def _run(self, encoded: list[tuple[str | None, list[int]]], sampling_params) -> list[RequestOutput]:
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(encoded)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(encoded)
         if len(sampling_params) != len(encoded):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(encoded)} prompts")
         compiled = {id(p): self._compile(p) for p in sampling_params}     # once per distinct params object

@@ -8,7 +8,6 @@ request finishes, from a `RequestTimings` record that starts when the server rec
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -32,26 +31,19 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# the StepStats counters the periodic log line sums up, for its rates
+_TOTALS = ("num_prompt_tokens_computed", "num_generated_tokens", "prefix_cache_queries", "prefix_cache_hits",
+           "num_preemptions")
 
 
 def _token_buckets(max_len: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's build_1_2_5_buckets)."""
-    out, exp = [], 0
-    while True:
-        for m in (1, 2, 5):
-            v = m * 10 ** exp
-            if v > max_len:
-                return out
-            out.append(v)
-        exp += 1
+    return [m * 10 ** e for e in range(len(str(max_len))) for m in (1, 2, 5) if m * 10 ** e <= max_len]
 
 
 def _batch_buckets(max_num_seqs: int) -> list[int]:
-    out, v = [], 1
-    while v < max_num_seqs:
-        out.append(v)
-        v *= 2
-    return out + [max(max_num_seqs, 1)]
+    """The powers of two below max_num_seqs, then max_num_seqs."""
+    return [2 ** i for i in range(max(max_num_seqs - 1, 0).bit_length())] + [max(max_num_seqs, 1)]
 
 
 def process_resident_memory_bytes() -> float:
@@ -85,16 +77,6 @@ class RequestTimings:
 
 
 @dataclass
-class _Totals:
-    """Counts since start, for the periodic log line's rates."""
-    prompt: int = 0
-    generated: int = 0
-    queries: int = 0
-    hits: int = 0
-    preemptions: int = 0
-
-
-@dataclass
 class FinishedRequest:
     """What the request log and the per-request metrics need about one finished (parent) request."""
     request_id: str
@@ -116,23 +98,18 @@ class EngineMetrics:
         self.model_name = model_name
         # as vLLM does: no `*_created` series beside every counter and histogram (prometheus-client's switch)
         disable_created_metrics()
-        self.registry = CollectorRegistry(auto_describe=True)
-        r, L = self.registry, ["model_name"]
+        self.registry = r = CollectorRegistry(auto_describe=True)
         self.log_stats_interval = log_stats_interval
 
-        series = []     # labelled once below, so the page lists every series from the start, as vLLM's does
+        # each series is labelled with the model name at once, so the page lists it from the start, as vLLM's does
+        def gauge(name, doc):
+            return Gauge(name, doc, ["model_name"], registry=r).labels(model_name)
 
-        def gauge(name, doc, labels=L):
-            series.append(Gauge(name, doc, labels, registry=r))
-            return series[-1]
+        def counter(name, doc):
+            return Counter(name, doc, ["model_name"], registry=r).labels(model_name)
 
-        def counter(name, doc, labels=L):
-            series.append(Counter(name, doc, labels, registry=r))
-            return series[-1]
-
-        def histogram(name, doc, buckets, labels=L):
-            series.append(Histogram(name, doc, labels, buckets=buckets, registry=r))
-            return series[-1]
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(model_name)
 
         self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
@@ -147,8 +124,10 @@ class EngineMetrics:
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.request_success = counter("vllm:request_success", "Count of successfully processed requests.",
-                                       ["model_name", "finished_reason"])
+        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                       ["model_name", "finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort", "error"):
+            self.request_success.labels(model_name, reason)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
@@ -180,26 +159,18 @@ class EngineMetrics:
         self.weights_bytes = gauge("kvflow:weights_bytes", "Bytes of model weights.")
         self.kv_cache_bytes = gauge("kvflow:kv_cache_bytes", "Bytes of the KV cache.")
         self.resident_memory = gauge("kvflow:process_resident_memory_bytes", "Resident memory of the server process.")
-        self.resident_memory.labels(model_name).set_function(process_resident_memory_bytes)
+        self.resident_memory.set_function(process_resident_memory_bytes)
         self.engine_alive = gauge("kvflow:engine_alive", "1 while the engine loop is alive.")
         self.max_step_batch_size = gauge("kvflow:max_step_batch_size", "Largest batch run in one step so far.")
-
-        for m in series:
-            if m is not self.request_success:
-                m.labels(model_name)
-        for reason in ("stop", "length", "abort", "error"):
-            self.request_success.labels(model_name, reason)
 
         self._lock = threading.Lock()
         self._last_stats = StepStats()
         self._max_batch = 0
         # the periodic log line's state
-        self._totals = _Totals()
-        self._totals_at_log = _Totals()
+        self._totals = dict.fromkeys(_TOTALS, 0)
+        self._totals_at_log = dict(self._totals)
         self._log_last_time = time.monotonic()
         self._busy_since_log = False
-
-        self._request_log_path = request_log
         self._request_log_file = None
         if request_log:
             self._request_log_file = sys.stdout if request_log == "-" else open(request_log, "a", buffering=1)
@@ -207,41 +178,28 @@ class EngineMetrics:
     # ---- engine thread: after every step ----------------------------------------------------------------------
     def record_step(self, stats: StepStats) -> None:
         """After every engine step (or idle look): gauges, counters' deltas, step histograms."""
-        name = self.model_name
-        self.num_requests_running.labels(name).set(stats.num_running)
-        self.num_requests_waiting.labels(name).set(stats.num_waiting)
-        self.kv_cache_usage.labels(name).set(stats.kv_cache_usage)
-        self.gpu_cache_usage.labels(name).set(stats.kv_cache_usage)
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.gpu_cache_usage.set(stats.kv_cache_usage)
         for delta, ctr in ((stats.prefix_cache_queries, self.prefix_cache_queries),
                            (stats.prefix_cache_hits, self.prefix_cache_hits),
                            (stats.num_preemptions, self.num_preemptions),
                            (stats.num_prompt_tokens_computed, self.prompt_tokens_computed)):
             if delta > 0:
-                ctr.labels(name).inc(delta)
+                ctr.inc(delta)
         if stats.batch_size > 0:
-            self.iteration_tokens.labels(name).observe(stats.num_batched_tokens)
-            self.step_batch_size.labels(name).observe(stats.batch_size)
+            self.iteration_tokens.observe(stats.num_batched_tokens)
+            self.step_batch_size.observe(stats.batch_size)
             if stats.batch_size > self._max_batch:
                 self._max_batch = stats.batch_size
-                self.max_step_batch_size.labels(name).set(stats.batch_size)
-            self.step_duration.labels(name).observe(stats.duration_s)
+                self.max_step_batch_size.set(stats.batch_size)
+            self.step_duration.observe(stats.duration_s)
             self._busy_since_log = True
-        t = self._totals
-        t.prompt += stats.num_prompt_tokens_computed
-        t.generated += stats.num_generated_tokens
-        t.queries += stats.prefix_cache_queries
-        t.hits += stats.prefix_cache_hits
-        t.preemptions += stats.num_preemptions
+        for key in _TOTALS:
+            self._totals[key] += getattr(stats, key)
         self._last_stats = stats
         self.maybe_log_stats()
-
-    def set_memory(self, weights_bytes: int, kv_cache_bytes: int) -> None:
-        self.weights_bytes.labels(self.model_name).set(weights_bytes)
-        self.kv_cache_bytes.labels(self.model_name).set(kv_cache_bytes)
-
-    @property
-    def max_batch_size(self) -> int:
-        return self._max_batch
 
     def maybe_log_stats(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -249,48 +207,42 @@ class EngineMetrics:
         if not force and (dt < self.log_stats_interval or not self._busy_since_log):
             return
         t, last, s = self._totals, self._totals_at_log, self._last_stats
-        dq, dh = t.queries - last.queries, t.hits - last.hits
-        hit_rate = 100.0 * dh / dq if dq > 0 else (100.0 * t.hits / t.queries if t.queries > 0 else 0.0)
+        queries, hits = t["prefix_cache_queries"], t["prefix_cache_hits"]
+        dq, dh = queries - last["prefix_cache_queries"], hits - last["prefix_cache_hits"]
+        hit_rate = 100.0 * dh / dq if dq > 0 else (100.0 * hits / queries if queries > 0 else 0.0)
         logger.info(
             "Engine: prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, running %d reqs, "
             "waiting %d reqs, KV cache usage %.1f%%, prefix cache hit rate %.1f%%, preemptions %d",
-            (t.prompt - last.prompt) / max(dt, 1e-9), (t.generated - last.generated) / max(dt, 1e-9),
-            s.num_running, s.num_waiting, 100.0 * s.kv_cache_usage, hit_rate, t.preemptions)
+            (t["num_prompt_tokens_computed"] - last["num_prompt_tokens_computed"]) / max(dt, 1e-9),
+            (t["num_generated_tokens"] - last["num_generated_tokens"]) / max(dt, 1e-9),
+            s.num_running, s.num_waiting, 100.0 * s.kv_cache_usage, hit_rate, t["num_preemptions"])
         self._log_last_time = now
-        self._totals_at_log = dataclasses.replace(t)
+        self._totals_at_log = dict(t)
         self._busy_since_log = False
-
-    def set_engine_alive(self, alive: bool) -> None:
-        self.engine_alive.labels(self.model_name).set(1 if alive else 0)
 
     # ---- asyncio side: when a request finishes -----------------------------------------------------------------
     def record_finished(self, req: FinishedRequest) -> None:
-        name = self.model_name
-        self.prompt_tokens.labels(name).inc(req.prompt_tokens)
-        self.generation_tokens.labels(name).inc(req.completion_tokens)
-        self.request_prompt_tokens.labels(name).observe(req.prompt_tokens)
+        self.prompt_tokens.inc(req.prompt_tokens)
+        self.generation_tokens.inc(req.completion_tokens)
+        self.request_prompt_tokens.observe(req.prompt_tokens)
         for reason in req.finish_reasons:
-            self.request_success.labels(name, reason or "error").inc()
+            self.request_success.labels(self.model_name, reason or "error").inc()
             if reason == "abort":
-                self.num_requests_aborted.labels(name).inc()
-        n_gen_total = 0
-        for t, reason in zip(req.timings, req.finish_reasons):
-            n_gen = len(t.token_times)
-            n_gen_total += n_gen
+                self.num_requests_aborted.inc()
+        for t in req.timings:
             if t.first_token is not None:
-                self.ttft.labels(name).observe(t.first_token - t.arrival)
-            times = t.token_times
-            for a, b in zip(times, times[1:]):
-                self.itl.labels(name).observe(b - a)
+                self.ttft.observe(t.first_token - t.arrival)
+            for a, b in zip(t.token_times, t.token_times[1:]):
+                self.itl.observe(b - a)
             if t.finished is not None:
-                self.e2e.labels(name).observe(t.finished - t.arrival)
+                self.e2e.observe(t.finished - t.arrival)
             if t.queue_time is not None:
-                self.queue_time.labels(name).observe(t.queue_time)
+                self.queue_time.observe(t.queue_time)
             if t.first_token is not None and t.scheduled is not None:
-                self.prefill_time.labels(name).observe(max(0.0, t.first_token - t.scheduled))
+                self.prefill_time.observe(max(0.0, t.first_token - t.scheduled))
             if t.first_token is not None and t.last_token is not None:
-                self.decode_time.labels(name).observe(max(0.0, t.last_token - t.first_token))
-            self.request_generation_tokens.labels(name).observe(n_gen)
+                self.decode_time.observe(max(0.0, t.last_token - t.first_token))
+            self.request_generation_tokens.observe(len(t.token_times))
         self._write_request_log(req)
 
     def _write_request_log(self, req: FinishedRequest) -> None:

@@ -67,10 +67,6 @@ class Request:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
-
-    @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 

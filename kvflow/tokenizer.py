@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from kvflow.models.gguf_reader import GGUFFile, read_gguf
-from kvflow.models.model_files import ModelFiles, locate_tokenizer
+from kvflow.models.gguf_reader import GGUFFile
+from kvflow.models.model_files import ModelFiles, locate_tokenizer, read_gguf_if_gguf
 
 
 def flatten_content(content: Any) -> str:
@@ -82,8 +82,7 @@ class Tokenizer:
     def from_model(cls, path: str | Path) -> "Tokenizer":
         """HF folder -> AutoTokenizer (offline); .gguf file -> built from the file's metadata."""
         path = locate_tokenizer(path)
-        gguf = read_gguf(path) if path.is_file() and path.suffix.lower() == ".gguf" else None
-        return cls._load(path, gguf)
+        return cls._load(path, read_gguf_if_gguf(path))
 
     @classmethod
     def _load(cls, path: Path, gguf: GGUFFile | None) -> "Tokenizer":

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvflow.models.loader import (default_model_path, iter_weights, load_model_config, resolve_model_path,
-                                  unpermute_qk)
+from kvflow.models.loader import default_model_path, iter_weights, resolve_model_files, unpermute_qk
+from kvflow.models.model_files import locate_model
 from tiny_models import llama_permute, make_tiny_hf_model, write_gguf_from_hf
 
 FAMILY_OVERRIDES = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 32}}  # qwen3: head_dim != hidden/heads
@@ -31,12 +31,12 @@ def tiny(tmp_path_factory):
 
 def test_default_model_path_is_embedded_gguf(smollm2_path):
     assert smollm2_path.is_file() and smollm2_path.suffix == ".gguf"
-    assert resolve_model_path(None) == smollm2_path == default_model_path()
-    assert resolve_model_path(str(smollm2_path.parent)) == smollm2_path  # folder holding one .gguf
+    assert locate_model(None) == smollm2_path == default_model_path()
+    assert locate_model(str(smollm2_path.parent)) == smollm2_path  # folder holding one .gguf
 
 
 def test_embedded_model_config(smollm2_path):
-    cfg = load_model_config(smollm2_path)
+    cfg = resolve_model_files(smollm2_path).config
     assert (cfg.family, cfg.num_hidden_layers, cfg.hidden_size) == ("llama", 30, 576)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
     assert (cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings) == (1536, 49152, 8192)
@@ -82,8 +82,8 @@ def test_embedded_weights_match_transformers_gguf_load(smollm2_path):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_tiny_hf_and_gguf_give_same_config_and_tensors(tiny, family):
     hf_dir, gguf_path = tiny(family)
-    cfg = load_model_config(hf_dir)
-    assert load_model_config(gguf_path) == cfg
+    cfg = resolve_model_files(hf_dir).config
+    assert resolve_model_files(gguf_path).config == cfg
     assert cfg.family == family and cfg.num_hidden_layers == 2 and cfg.vocab_size == 49152
     assert cfg.head_dim == (32 if family == "qwen3" else 16)
     assert cfg.attention_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
@@ -150,16 +150,16 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 def test_missing_path_names_it(tmp_path):
     missing = tmp_path / "no-such-model.gguf"
-    for fn in (resolve_model_path, load_model_config, iter_weights):
+    for fn in (locate_model, resolve_model_files, iter_weights):
         with pytest.raises(FileNotFoundError, match="no-such-model.gguf"):
-            fn(str(missing) if fn is resolve_model_path else missing)
+            fn(str(missing) if fn is locate_model else missing)
 
 
 def test_corrupt_gguf_is_value_error_naming_path(tmp_path):
     bad = tmp_path / "corrupt.gguf"
     bad.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
     with pytest.raises(ValueError, match="corrupt.gguf"):
-        load_model_config(bad)
+        resolve_model_files(bad).config
     with pytest.raises(ValueError, match="corrupt.gguf"):
         iter_weights(bad)
 
@@ -178,7 +178,7 @@ def test_unsupported_hf_architecture_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"architectures": ["GPT2LMHeadModel"], "n_layer": 2, "vocab_size": 10}))
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as e:
-        load_model_config(tmp_path)
+        resolve_model_files(tmp_path).config
     assert "LlamaForCausalLM" in str(e.value) and "Qwen3ForCausalLM" in str(e.value)
 
 
@@ -194,13 +194,13 @@ def test_unsupported_gguf_architecture_lists_supported(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ValueError, match="gpt2") as e:
-        load_model_config(path)
+        resolve_model_files(path).config
     assert "llama" in str(e.value) and "qwen3" in str(e.value)
 
 
 def test_folder_without_config_or_weights(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
-        load_model_config(tmp_path)
+        resolve_model_files(tmp_path).config
     with pytest.raises(ValueError, match="safetensors"):
         list(iter_weights(tmp_path))
 
@@ -209,7 +209,6 @@ def test_folder_without_config_or_weights(tmp_path):
 
 def test_model_files_parse_the_gguf_once(smollm2_path, monkeypatch):
     import kvflow.models.model_files as model_files
-    from kvflow.models.loader import resolve_model_files
     from kvflow.tokenizer import Tokenizer
 
     reads = []
@@ -218,7 +217,7 @@ def test_model_files_parse_the_gguf_once(smollm2_path, monkeypatch):
     files = resolve_model_files(None)
     assert reads == [smollm2_path]
     assert (files.path, files.format, files.hf_config) == (smollm2_path, "gguf", None)
-    assert files.config == load_model_config(smollm2_path)
+    assert files.config == resolve_model_files(smollm2_path).config
     assert files.tokenizer_path == smollm2_path and files.tokenizer_gguf is files.gguf
     assert resolve_model_files(str(smollm2_path.parent)).path == smollm2_path     # folder holding one .gguf
     tok = Tokenizer.from_files(files)
@@ -228,13 +227,12 @@ def test_model_files_parse_the_gguf_once(smollm2_path, monkeypatch):
 
 
 def test_model_files_of_an_hf_folder(tiny):
-    from kvflow.models.loader import resolve_model_files
     from kvflow.tokenizer import Tokenizer
 
     hf_dir, gguf_path = tiny("qwen2")
     files = resolve_model_files(hf_dir)
     assert files.format == "hf" and files.gguf is None and files.hf_config["architectures"] == ["Qwen2ForCausalLM"]
-    assert files.config == load_model_config(hf_dir) and files.tokenizer_path == hf_dir
+    assert files.config == resolve_model_files(hf_dir).config and files.tokenizer_path == hf_dir
     assert sorted(n for n, _ in iter_weights(files)) == sorted(n for n, _ in iter_weights(hf_dir))
     assert Tokenizer.from_files(files).vocab_size > 0
     other = resolve_model_files(hf_dir, tokenizer=gguf_path)               # a tokenizer from elsewhere
@@ -242,7 +240,6 @@ def test_model_files_of_an_hf_folder(tiny):
 
 
 def test_model_files_errors_name_the_path(tmp_path):
-    from kvflow.models.loader import resolve_model_files
 
     with pytest.raises(FileNotFoundError, match="nothing-here"):
         resolve_model_files(tmp_path / "nothing-here")

@@ -102,13 +102,12 @@ class EngineCore:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        if sched.is_empty:
+        if not sched.scheduled:
             self.last_stats = self._stats()
             return outputs
-        num_prompt = 0
-        for s in sched.scheduled:
-            num_prompt += max(0, min(s.num_new_tokens,
-                                     self.requests[s.request_id].num_prompt_tokens - s.num_computed_tokens))
+        requests = self.requests
+        num_prompt = sum(max(0, min(s.num_new_tokens, requests[s.request_id].num_prompt_tokens - s.num_computed_tokens))
+                         for s in sched.scheduled)
         self.num_prompt_tokens_computed += num_prompt
         sampled = self.executor.execute(sched.step)
         outputs += self.scheduler.update(sched, sampled)

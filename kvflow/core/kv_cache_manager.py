@@ -101,18 +101,15 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[int] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens. False (and nothing changed) when blocks run out."""
-        table = self.block_tables.get(request.request_id)
+        table = self.block_tables.get(request.request_id, [])
         computed_blocks = computed_blocks or []
-        if table is None:
-            table = []
         have = len(table) + len(computed_blocks)
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have
         # cached blocks we are about to reuse that sit in the free queue are not available for new ones
         reused_free = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
         if need > len(self.free_queue) - reused_free:
             return False
-        if request.request_id not in self.block_tables:
-            self.block_tables[request.request_id] = table
+        self.block_tables[request.request_id] = table
         for b in computed_blocks:
             if self.ref_cnt[b] == 0:
                 del self.free_queue[b]
@@ -133,11 +130,9 @@ class KVCacheManager:
         for b in reversed(table):
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
+                self.free_queue[b] = None
                 if self.block_key[b] is None or not self.enable_prefix_caching:
-                    self.free_queue[b] = None
                     self.free_queue.move_to_end(b, last=False)  # uncached: reuse it first
-                else:
-                    self.free_queue[b] = None
 
     def reset_prefix_cache(self) -> None:
         for key, b in list(self.cached.items()):

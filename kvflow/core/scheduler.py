@@ -176,8 +176,7 @@ class Scheduler:
                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
                 first_scheduled_time=req.first_scheduled_time))
         if finished:
-            done = {id(r) for r in finished}
-            self.running = [r for r in self.running if id(r) not in done]
+            self.running = [r for r in self.running if not r.status.finished]
             for req in finished:
                 self.kv.free(req)
                 del self.requests[req.request_id]

@@ -29,12 +29,8 @@ def even_ranges(n: int, parts: int) -> list[tuple[int, int]]:
     """Split range(n) into `parts` contiguous [start, end) ranges whose sizes differ by at most one
     (the first ranges get the extra items)."""
     base, extra = divmod(n, parts)
-    ranges, start = [], 0
-    for i in range(parts):
-        end = start + base + (i < extra)
-        ranges.append((start, end))
-        start = end
-    return ranges
+    bounds = [i * base + min(i, extra) for i in range(parts + 1)]
+    return list(zip(bounds, bounds[1:]))
 
 
 class TensorParallel:

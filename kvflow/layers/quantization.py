@@ -80,10 +80,10 @@ def to_float(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _int8_kernel_matmul(x: torch.Tensor, q: torch.Tensor, scale_bf16: torch.Tensor) -> torch.Tensor:
     """y = x @ (q * scale).T by torch's CPU int8 weight-only kernel: bf16 activations, fp32 accumulation."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    if torch.compiler.is_compiling():           # data_ptr cannot be traced: a fresh (64-byte aligned) copy
+    # its AVX-512 loop uses aligned loads; data_ptr cannot be traced, so compiled code always takes a fresh
+    # (64-byte aligned) copy
+    if torch.compiler.is_compiling() or not rows.is_contiguous() or rows.data_ptr() % 64:
         rows = rows.clone(memory_format=torch.contiguous_format)
-    elif not rows.is_contiguous() or rows.data_ptr() % 64:
-        rows = rows.clone(memory_format=torch.contiguous_format)   # its AVX-512 loop uses aligned loads
     y = torch._weight_int8pack_mm(rows, q, scale_bf16)
     return y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
 
@@ -161,16 +161,16 @@ class QuantizedEmbedding(QuantizedRows):
                           zip(self.qweight.split(HEAD_CHUNK_ROWS), self.scale.split(HEAD_CHUNK_ROWS))], dim=-1)
 
 
-def _probe_fp8_matmul(layer: QuantizedLinear, dtype: torch.dtype) -> str | None:
-    """None when torch._scaled_mm runs this layer and matches the dequantizing path, else why not."""
-    x = torch.randn(5, layer.qweight.shape[1], device=layer.qweight.device, dtype=dtype)
+def _probe(kernel: str, matmul, matrix: QuantizedRows, tolerance: float, **like) -> str | None:
+    """None when `matmul(x)` (a torch kernel) runs on this matrix and matches the dequantizing path, else why not."""
+    x = torch.randn(5, matrix.qweight.shape[1], **like)
     try:
-        fast = _fp8_scaled_matmul(x, layer.qweight, layer.scale).float()
+        fast = matmul(x).float()
     except (RuntimeError, TypeError) as e:
-        return f"torch._scaled_mm failed: {str(e).splitlines()[0]}"
-    ref = _dequant_matmul(x, layer.qweight, layer.scale).float()
+        return f"{kernel} failed: {str(e).splitlines()[0]}"
+    ref = _dequant_matmul(x, matrix.qweight, matrix.scale).float()
     err = ((fast - ref).norm() / ref.norm().clamp(min=1e-12)).item()
-    return None if err < 0.1 else f"torch._scaled_mm differs from the reference by {err:.1%}"
+    return None if err < tolerance else f"{kernel} differs from the reference by {err:.1%}"
 
 
 def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
@@ -289,7 +289,9 @@ def _choose_fp8_matmul(linears: list[QuantizedLinear], dtype: torch.dtype) -> st
     device = linears[0].qweight.device
     if not fp8_matmul_supported(device, dtype):
         return "fp8 weights, dequantized per matrix before each matmul (no fp8 tensor cores / bf16 here)"
-    problem = _probe_fp8_matmul(linears[0], dtype)
+    first = linears[0]
+    problem = _probe("torch._scaled_mm", lambda x: _fp8_scaled_matmul(x, first.qweight, first.scale), first, 0.1,
+                     device=device, dtype=dtype)
     if problem:
         log.warning("fp8: %s; dequantizing instead", problem)
         return "fp8 weights, dequantized per matrix before each matmul (the fp8 kernel failed its probe)"
@@ -305,7 +307,9 @@ def _choose_int8_kernel(matrices: list[QuantizedRows], dtype: torch.dtype) -> st
     if not usable:
         return ""
     for width in sorted({m.qweight.shape[1] for m in usable}):
-        problem = _probe_int8_kernel(next(m for m in usable if m.qweight.shape[1] == width))
+        m = next(m for m in usable if m.qweight.shape[1] == width)
+        problem = _probe("torch._weight_int8pack_mm",
+                         lambda x: _int8_kernel_matmul(x, m.qweight, m.scale.to(torch.bfloat16)), m, 0.02)
         if problem:
             log.warning("int8 kernel: %s; dequantizing instead", problem)
             return ""
@@ -317,13 +321,3 @@ def _choose_int8_kernel(matrices: list[QuantizedRows], dtype: torch.dtype) -> st
     rows = "every step" if linear_rows == ALWAYS else f"steps of <= {linear_rows} rows (dequantized above)"
     return f"int8 matrices use torch's int8 CPU kernel (bf16 activations) for {rows} and for the LM head"
 
-
-def _probe_int8_kernel(matrix: QuantizedRows) -> str | None:
-    x = torch.randn(5, matrix.qweight.shape[1])
-    try:
-        fast = _int8_kernel_matmul(x, matrix.qweight, matrix.scale.to(torch.bfloat16))
-    except (RuntimeError, TypeError) as e:
-        return f"torch._weight_int8pack_mm failed: {str(e).splitlines()[0]}"
-    ref = _dequant_matmul(x, matrix.qweight, matrix.scale)
-    err = ((fast - ref).norm() / ref.norm().clamp(min=1e-12)).item()
-    return None if err < 0.02 else f"torch._weight_int8pack_mm differs from the reference by {err:.1%}"

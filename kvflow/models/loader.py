@@ -2,7 +2,7 @@
 
 Two formats: a Hugging Face folder (config.json + *.safetensors, sharded or not) and a GGUF file
 (`gguf_reader.py`). Which one a path is, and its parsed header or config, is decided once by
-`model_files.resolve_model_files`; the functions here take that `ModelFiles` (or, as before, a path).
+`model_files.resolve_model_files`; the functions here take that `ModelFiles` (`iter_weights` also a path).
 GGUF weights come out dequantized to float32, with HF names and HF shapes ([out, in]), and with
 llama.cpp's Q/K row permutation undone for the llama family, so a model sees one layout whatever the file.
 With `keep_quantized`, 2-D quantized GGUF tensors come out as `GroupQuantized` codes instead (below).
@@ -17,29 +17,11 @@ from typing import Iterator
 import torch
 
 from kvflow.layers.group_quant import GroupQuantized
-from kvflow.models.gguf_reader import GGUFFile, GGUFTensorInfo, dequantize, group_quantized, read_gguf  # noqa: F401
+from kvflow.models.gguf_reader import GGUFFile, GGUFTensorInfo, dequantize, group_quantized
 from kvflow.models.model_config import ModelConfig
-from kvflow.models.model_files import (DEFAULT_MODEL_DIST, DEFAULT_MODEL_FILE, ModelFiles,  # noqa: F401
-                                       _check_gguf_path, _hf_model_config, default_model_path, gguf_model_config,
-                                       locate_model, read_hf_config, resolve_model_files)
+from kvflow.models.model_files import ModelFiles, default_model_path, resolve_model_files  # noqa: F401
 
 logger = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------- old entry points (thin wrappers)
-
-def resolve_model_path(model: str | Path | None) -> Path:
-    """None -> the embedded default; a folder with no config.json but one .gguf -> that file."""
-    return locate_model(model)
-
-
-def load_model_config(path: Path) -> ModelConfig:
-    """ModelConfig from an HF folder (config.json) or a .gguf file."""
-    path = Path(path)
-    if path.is_dir():
-        return _hf_model_config(path, read_hf_config(path))
-    _check_gguf_path(path)
-    return gguf_model_config(read_gguf(path))
 
 
 # --------------------------------------------------------------------------- weights
@@ -111,15 +93,14 @@ def _gguf_tensor(g: GGUFFile, info: GGUFTensorInfo, keep_quantized: bool) -> tor
 
     raw = g.raw(info)
     kind = GGMLQuantizationType(info.qtype).name
-    if keep_quantized and len(info.shape) == 2 and kind not in _FLOAT_TYPES:
-        codes = group_quantized(raw, info.qtype, info.shape)
-        if codes is not None:
-            return codes
-        w = torch.from_numpy(dequantize(raw, info.qtype, info.shape))
-        if info.shape[1] % 32 == 0:
-            return GroupQuantized.round_to_nearest(w, bits=4 if kind in _FOUR_BITS_OR_FEWER else 8)
-        return w
-    return torch.from_numpy(dequantize(raw, info.qtype, info.shape))
+    quantized = keep_quantized and len(info.shape) == 2 and kind not in _FLOAT_TYPES
+    codes = group_quantized(raw, info.qtype, info.shape) if quantized else None
+    if codes is not None:
+        return codes
+    w = torch.from_numpy(dequantize(raw, info.qtype, info.shape))
+    if quantized and info.shape[1] % 32 == 0:
+        return GroupQuantized.round_to_nearest(w, bits=4 if kind in _FOUR_BITS_OR_FEWER else 8)
+    return w
 
 
 def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

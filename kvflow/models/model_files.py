@@ -38,19 +38,26 @@ def resolve_model_files(model: str | Path | None, tokenizer: str | Path | None =
     """None -> the embedded default; a folder with no config.json but one .gguf -> that file. FileNotFoundError
     for a missing path, ValueError (naming the file) for anything unreadable or unsupported."""
     path = locate_model(model)
+    gguf = hf_config = None
     if path.is_dir():
         hf_config = read_hf_config(path)
-        fmt, gguf, config = "hf", None, _hf_model_config(path, hf_config)
+        try:
+            config = ModelConfig.from_hf_dict(hf_config)
+        except KeyError as e:
+            raise ValueError(f"{path / 'config.json'} lacks the key {e}") from None
+    elif path.suffix.lower() != ".gguf":
+        raise ValueError(f"{path}: cannot tell the model format; expected a Hugging Face folder or a .gguf file")
     else:
-        _check_gguf_path(path)
         gguf = read_gguf(path)
-        fmt, hf_config, config = "gguf", None, gguf_model_config(gguf)
+        config = gguf_model_config(gguf)
     tok_path = locate_tokenizer(tokenizer if tokenizer is not None else path)
-    if tok_path == path:
-        tok_gguf = gguf
-    else:
-        tok_gguf = read_gguf(tok_path) if tok_path.is_file() and tok_path.suffix.lower() == ".gguf" else None
-    return ModelFiles(path, fmt, gguf, hf_config, config, tok_path, tok_gguf)
+    tok_gguf = gguf if tok_path == path else read_gguf_if_gguf(tok_path)
+    return ModelFiles(path, "hf" if gguf is None else "gguf", gguf, hf_config, config, tok_path, tok_gguf)
+
+
+def read_gguf_if_gguf(path: Path) -> GGUFFile | None:
+    """The parsed header of a .gguf file; None for anything else (a tokenizer folder)."""
+    return read_gguf(path) if path.is_file() and path.suffix.lower() == ".gguf" else None
 
 
 def default_model_path() -> Path:
@@ -94,13 +101,6 @@ def _single_gguf(folder: Path) -> Path:
     return ggufs[0] if len(ggufs) == 1 else folder
 
 
-def _check_gguf_path(path: Path) -> None:
-    if not path.exists():
-        raise FileNotFoundError(f"model path does not exist: {path}")
-    if path.suffix.lower() != ".gguf":
-        raise ValueError(f"{path}: cannot tell the model format; expected a Hugging Face folder or a .gguf file")
-
-
 def read_hf_config(folder: Path) -> dict:
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
@@ -112,13 +112,6 @@ def read_hf_config(folder: Path) -> dict:
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
         cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
     return cfg
-
-
-def _hf_model_config(folder: Path, cfg: dict) -> ModelConfig:
-    try:
-        return ModelConfig.from_hf_dict(cfg)
-    except KeyError as e:
-        raise ValueError(f"{folder / 'config.json'} lacks the key {e}") from None
 
 
 def _f32(x: float) -> float:

@@ -60,16 +60,13 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
         return
     allowed = unpack_bitmask(bitmask[: len(rows)].to(logits.device, non_blocking=True), logits.shape[1])
     width = allowed.shape[1]
-    whole = len(rows) == logits.shape[0] and all(r == i for i, r in enumerate(rows))
-    if whole:   # every row constrained: no gather
-        logits[:, :width].masked_fill_(~allowed, float("-inf"))
-        logits[:, width:] = float("-inf")   # padded model vocabulary: never a grammar token
-        return
-    idx = torch.as_tensor(rows, dtype=torch.long).to(logits.device)
-    sub = logits[idx]
+    whole = len(rows) == logits.shape[0] and all(r == i for i, r in enumerate(rows))   # then no gather
+    idx = None if whole else torch.as_tensor(rows, dtype=torch.long).to(logits.device)
+    sub = logits if whole else logits[idx]
     sub[:, :width].masked_fill_(~allowed, float("-inf"))
-    sub[:, width:] = float("-inf")
-    logits[idx] = sub
+    sub[:, width:] = float("-inf")   # padded model vocabulary: never a grammar token
+    if not whole:
+        logits[idx] = sub
 
 
 def apply_structured_masks(logits: torch.Tensor, matchers: Sequence[Matcher | None],

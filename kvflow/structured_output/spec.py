@@ -122,7 +122,10 @@ def _from_structured_outputs(so: Any) -> StructuredSpec | None:
     return _text_spec(key, value, sub)
 
 
-_GUIDED = {
+# request field -> its spec (None: the field asks for nothing, e.g. response_format {"type": "text"})
+_FIELDS = {
+    "response_format": _from_response_format,
+    "structured_outputs": _from_structured_outputs,
     "guided_json": lambda v: json_schema_spec(v, "guided_json"),
     "guided_regex": lambda v: _text_spec("regex", v, "guided_regex"),
     "guided_choice": lambda v: _choice_spec(v, "guided_choice"),
@@ -136,18 +139,10 @@ def spec_from_request(body: Mapping[str, Any]) -> StructuredSpec | None:
     Raises InvalidRequestError (param = the field at fault) on malformed input or on two constraints at once.
     Whether a schema/regex/grammar compiles is checked later by the compiler, which names the same param.
     """
-    found: list[StructuredSpec] = []
-    if body.get("response_format") is not None:
-        spec = _from_response_format(body["response_format"])
-        found += [spec] if spec else []
-    if body.get("structured_outputs") is not None:
-        spec = _from_structured_outputs(body["structured_outputs"])
-        found += [spec] if spec else []
-    for key, build in _GUIDED.items():
-        if body.get(key) is not None:
-            found.append(build(body[key]))
+    found = [build(body[key]) for key, build in _FIELDS.items() if body.get(key) is not None]
     if body.get("guided_json_object"):   # vLLM's older spelling of json_object mode
         found.append(StructuredSpec("json_object", "", "guided_json_object"))
+    found = [spec for spec in found if spec is not None]
     if len(found) > 1:
         raise InvalidRequestError("only one structured output constraint may be given; got "
                                   + ", ".join(s.param or s.kind for s in found), param=found[1].param)
