@@ -2,7 +2,7 @@
     python scripts/code_lines.py [REV] [REPO] [-v]    (-v: per file)"""
 import ast, io, subprocess, sys, tokenize
 rev = sys.argv[1] if len(sys.argv) > 1 else "HEAD"
-repo = sys.argv[2] if len(sys.argv) > 2 else "/work/main"
+repo = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "-v" else "."
 files = subprocess.run(["git", "-C", repo, "ls-tree", "-r", "--name-only", rev, "kvflow/"], capture_output=True, text=True).stdout.split()
 total = 0; per = {}
 for f in files:
