@@ -11,7 +11,8 @@ max(4, concurrency * waves) requests (closed loop), after one warm-up request, w
 
 llama-server runs with `-t <cores> -np 32` (`-np 64` for concurrency 64) and 1,024 tokens of context per slot.
 The servers run one at a time, started fresh for each level and alternating, so slow drifts of the machine hit both; each
-(server, level) is the median of --reps. Results: a table on stdout and `serve_compare.json` in --output-dir.
+(server, level) is the median of --reps. kvflow is timed once its background compile of the decode steps has
+ended (it serves eagerly from /health on; a steady-state server has long finished). Results: a table on stdout and `serve_compare.json` in --output-dir.
 
 `--vllm` adds vLLM's CPU build as a third server: the whole launch command up to its host and port, e.g.
 `"env VLLM_CPU_KVCACHE_SPACE=2 ... /path/to/venv/bin/vllm serve HF_FOLDER --max-model-len 2048 --dtype bfloat16"`
@@ -45,6 +46,20 @@ def workload_for(level, waves: int):
         return random_workload(32, input_len=250, output_len=256, seed=1), 32, 32
     n = max(4, level * waves)
     return shared_prefix_workload(1, n, prefix_len=60, question_len=10, output_len=64, seed=0), n, level
+
+
+COMPILE_DONE = ("every compiled decode step is ready", "every step runs eagerly from now on")
+
+
+def wait_for_compiled_steps(server: LaunchedServer, timeout: float = 900.0) -> float:
+    """kvflow compiles its decode steps in the background after /health (serving eagerly meanwhile): a benchmark
+    of the steady state waits for that to end. Returns the seconds waited."""
+    t0 = time.monotonic()
+    while not any(line in server.log_tail(200) for line in COMPILE_DONE):
+        if time.monotonic() - t0 > timeout or server.proc.poll() is not None:
+            raise RuntimeError(f"kvflow's decode steps did not finish compiling:\n{server.log_tail()}")
+        time.sleep(0.5)
+    return time.monotonic() - t0
 
 
 def run_level(server: LaunchedServer, level, waves: int) -> dict:
@@ -160,6 +175,8 @@ def main() -> None:
                 # threads, and a fresh start gives every level the same conditions
                 log = out / f"{name}-rep{rep + 1}-{level}.log"
                 with LaunchedServer(launch(level), {}, log) as server:
+                    if name == "kvflow" and "--enforce-eager" not in args.kvflow_args:
+                        wait_for_compiled_steps(server)
                     r = run_level(server, level, args.waves)
                 record(name, rep, level, r)
 
