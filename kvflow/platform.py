@@ -1,6 +1,7 @@
 """The only module that knows devices: which device, which dtype, how many threads, how much memory."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -24,13 +25,21 @@ def pick_device(device: str, local_rank: int | None = None) -> torch.device:
     return torch.device(device)
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def cpu_has_fast_bf16() -> bool:
     """AMX or AVX-512-BF16: oneDNN then runs bf16 matmuls natively (else bf16 is emulated and slow)."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return "amx_bf16" in cpu_flags() or "avx512_bf16" in cpu_flags()
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -139,7 +139,11 @@ def test_embedded_model_serves_within_130_mib():
     kinds = {type(m) for m in runner.model.modules()}
     assert Int4Linear in kinds and GGUFVocabulary in kinds and nn.Linear not in kinds
     table = runner.model.embed_tokens
-    assert table.codes.dtype == torch.int8 and isinstance(table.head, QuantizedEmbedding)   # Q8_0: head apart
+    assert table.codes.dtype == torch.int8
+    if all(m.native for m in runner.model.modules() if isinstance(m, Int4Linear)):
+        assert table.head is None             # kvflow's AVX2 kernel multiplies the Q8_0 codes themselves
+    else:
+        assert isinstance(table.head, QuantizedEmbedding)                                # Q8_0: head apart
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4))
     assert "Paris" in out[0].outputs[0].text
 

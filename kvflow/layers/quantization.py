@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow import platform
-from kvflow.layers import int4
+from kvflow.layers import int4, native_kernels
 from kvflow.layers.group_quant import GroupQuantized
 from kvflow.layers.int4 import Int4Linear
 from kvflow.layers.swap import swap_matrices
@@ -190,8 +190,10 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
                       table=lambda table: QuantizedEmbedding(table, "int8", dtype))
     else:
         tied = getattr(model, "lm_head", True) is None
-        swap_matrices(model, linear=lambda layer: _int4_linear(layer, method),
-                      table=lambda table: _vocabulary(table, method, dtype, tied))
+        device = next(model.parameters()).device
+        native = native_kernels.wanted(device, dtype) and native_kernels.library() is not None
+        swap_matrices(model, linear=lambda layer: _int4_linear(layer, method, native),
+                      table=lambda table: _vocabulary(table, method, dtype, tied, native))
     how = _choose_matmul(model, method, dtype)
     log.info("quantization: %s", how)
     return how
@@ -208,20 +210,23 @@ def _gguf_codes(module: nn.Module) -> GroupQuantized | None:
     return GroupQuantized.cat(pieces)
 
 
-def _int4_linear(layer: nn.Linear, method: str) -> nn.Module:
+def _int4_linear(layer: nn.Linear, method: str, native: bool) -> nn.Module:
     if method == "int4":
         if layer.in_features % 32:
             return QuantizedLinear(layer, "int8")
-        return Int4Linear(GroupQuantized.round_to_nearest(layer.weight, bits=4, group=32), layer.bias)
+        return Int4Linear(GroupQuantized.round_to_nearest(layer.weight, bits=4, group=32), layer.bias, native)
     codes = _gguf_codes(layer)
     if codes is None:
         return layer
-    return Int4Linear(codes, layer.bias).to(layer.weight.device) if codes.bits == 4 else QuantizedLinear(layer, "int8")
+    if codes.bits == 4:
+        return Int4Linear(codes, layer.bias, native).to(layer.weight.device)
+    return QuantizedLinear(layer, "int8")
 
 
 class GGUFVocabulary(nn.Module):
     """The vocabulary table kept as the file stores it: lookups dequantize the rows they need from the file's own
-    codes (exact values); the LM head, when tied, is a separate matrix (`head`) quantized for matmuls."""
+    codes (exact values); the LM head, when tied, is a separate matrix (`head`) quantized for matmuls, or, with
+    `head=None` for 8-bit group-32 codes (Q8_0), these same codes through kvflow's AVX2 kernel (no second copy)."""
 
     def __init__(self, codes: GroupQuantized, head: nn.Module | None, dtype: torch.dtype):
         super().__init__()
@@ -240,10 +245,17 @@ class GGUFVocabulary(nn.Module):
         return rows.flatten(-2).to(self.dtype)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head is None:
+            return native_kernels.q8_linear(hidden.float(), self.codes, self.scale).to(hidden.dtype)
         return self.head.project(hidden)
 
 
-def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype, tied: bool) -> nn.Module:
+def _native_head(codes: GroupQuantized) -> bool:
+    return codes.bits == 8 and codes.group == native_kernels.GROUP and codes.zero is None
+
+
+def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype, tied: bool,
+                native: bool) -> nn.Module:
     """int4: int8 rows shared by lookups and the head, as the int8 mode. gguf: an untied LM head from 4-bit codes
     runs as int4, from anything else as int8; the embedding keeps the file's codes for its lookups, and when it
     doubles as the head, the head is its own int8 matrix (the int8 kernel; 8-bit keeps the logits closest)."""
@@ -252,8 +264,12 @@ def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype
         return QuantizedEmbedding(table, "int8", dtype) if method == "int4" else table
     device = table.weight.device
     if isinstance(table, nn.Linear):
-        return Int4Linear(codes).to(device) if codes.bits == 4 else QuantizedEmbedding(table, "int8", dtype)
-    return GGUFVocabulary(codes, QuantizedEmbedding(table, "int8", dtype) if tied else None, dtype).to(device)
+        if codes.bits == 4:
+            return Int4Linear(codes, None, native).to(device)
+        return QuantizedEmbedding(table, "int8", dtype)
+    if not tied or (native and _native_head(codes)):
+        return GGUFVocabulary(codes, None, dtype).to(device)
+    return GGUFVocabulary(codes, QuantizedEmbedding(table, "int8", dtype), dtype).to(device)
 
 
 def _choose_matmul(model: nn.Module, method: str, dtype: torch.dtype) -> str:
@@ -272,6 +288,10 @@ def _choose_matmul(model: nn.Module, method: str, dtype: torch.dtype) -> str:
 def _choose_int4_kernel(layers: list[Int4Linear], dtype: torch.dtype) -> str:
     if not layers:
         return "no int4 matrices"
+    if all(m.native for m in layers):
+        return (f"int4 matrices use kvflow's AVX2 kernel (int8 activations per group of 32) for steps of <= "
+                f"{int4.NATIVE_MAX_ROWS} rows (dequantized above); a tied Q8_0 LM head reads the embedding's own "
+                f"codes the same way")
     if not any(m.uses_kernel for m in layers):
         return "int4 matrices dequantized per matrix before each matmul (no usable torch int4 CPU kernel here)"
     rows, table = int4.choose_kernel_rows(layers, dtype)

@@ -1,0 +1,144 @@
+// kvflow's CPU kernels for AVX2 machines: 4-bit and 8-bit group-quantized weights times float32 activations.
+//
+// Why hand-written: on a CPU without native bf16 (AVX2, no AVX-512-BF16/AMX), torch 2.13's int4 and int8
+// weight-only kernels dequantize every weight to float for every row and run at ~7 GFLOP/s a core, so a 4-bit
+// model decodes no faster than float32 and a batch of 32 runs slower than MKL over float32 weights
+// (docs/performance.md). These kernels do what llama.cpp does on such CPUs: quantize each row of activations to
+// int8 per group of 32 (one float scale per group) and multiply integer by integer (vpmaddubsw), applying the
+// weight's and the activation's scales once per group.
+//
+// Weight layout (GGUF's own blocks, so Q4_0 / Q4_1 / Q8_0 codes are used as the file stores them):
+//   4-bit: codes [N, K/2] bytes; in each group of 32 columns byte j holds column j (low nibble) and column
+//          j + 16 (high nibble), code 0..15; value = code * d[n, g] + m[n, g]
+//   8-bit: codes [N, K] int8; value = code * d[n, g]
+// Activations x [M, K] float32, row-major; y [M, N] float32. K must be a multiple of 32.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+#define ROW_BLOCK 64      // rows of activations per pass over the weights: their int8 copy stays in L2
+
+// x [M, K] -> int8 codes q [M, K], scale d [M, G] and d * sum(codes) s [M, G] per group of 32
+static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s, int threads) {
+    const int64_t groups = M * (K / QK);
+    #pragma omp parallel for schedule(static) num_threads(threads) if (groups >= 1024)
+    for (int64_t i = 0; i < groups; i++) {
+        const float *xg = x + i * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xg[j]));
+        const float dg = amax / 127.0f, inv = dg > 0.0f ? 1.0f / dg : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            const int v = (int)nearbyintf(xg[j] * inv);
+            q[i * QK + j] = (int8_t)v;
+            sum += v;
+        }
+        d[i] = dg;
+        s[i] = dg * (float)sum;
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+// 32 products of unsigned weight bytes and signed activation bytes, summed to 8 floats
+static inline __m256 dot_u8s8(__m256i w, __m256i a) {
+    const __m256i pairs = _mm256_maddubs_epi16(w, a);      // |15 * 127 * 2| or |127 * 127 * 2|: no saturation
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+static inline __m256i load_q4(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);      // high lane: columns 16..31
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// One weight row times rows [m0, m1) of the quantized activations, 4 rows at a time (the unpacked weights
+// are reused by each of them). bits 4: codes as above, `wm` the per-group minimum; bits 8: wm unused.
+static inline void row_times_block(int bits, const uint8_t *w, const float *wd, const float *wm, int64_t G,
+                                   const int8_t *q, const float *d, const float *s, int64_t K,
+                                   int64_t m0, int64_t m1, float *y, int64_t N, int64_t n) {
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) {
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t g = 0; g < G; g++) {
+            __m256i wv;
+            if (bits == 4) {
+                wv = load_q4(w + g * (QK / 2));
+            } else {
+                wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
+            }
+            for (int r = 0; r < 4; r++) {
+                const int64_t row = m + r;
+                __m256i a = _mm256_loadu_si256((const __m256i *)(q + row * K + g * QK));
+                __m256i u = wv;
+                if (bits == 8) {                                   // maddubs wants one unsigned operand
+                    a = _mm256_sign_epi8(a, wv);
+                    u = _mm256_sign_epi8(wv, wv);
+                }
+                acc[r] = _mm256_fmadd_ps(dot_u8s8(u, a), _mm256_set1_ps(wd[g] * d[row * G + g]), acc[r]);
+                if (bits == 4) bias[r] += wm[g] * s[row * G + g];
+            }
+        }
+        for (int r = 0; r < 4; r++) y[(m + r) * N + n] = hsum(acc[r]) + bias[r];
+    }
+    for (; m < m1; m++) {
+        __m256 acc = _mm256_setzero_ps();
+        float bias = 0.0f;
+        for (int64_t g = 0; g < G; g++) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(q + m * K + g * QK));
+            __m256i u;
+            if (bits == 4) {
+                u = load_q4(w + g * (QK / 2));
+                bias += wm[g] * s[m * G + g];
+            } else {
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
+                a = _mm256_sign_epi8(a, wv);
+                u = _mm256_sign_epi8(wv, wv);
+            }
+            acc = _mm256_fmadd_ps(dot_u8s8(u, a), _mm256_set1_ps(wd[g] * d[m * G + g]), acc);
+        }
+        y[m * N + n] = hsum(acc) + bias;
+    }
+}
+
+static int linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *wd,
+                  const float *wm, int64_t N, float *y, int threads) {
+    const int64_t G = K / QK;
+    int8_t *q = malloc((size_t)(M * K));
+    float *d = malloc((size_t)(M * G) * sizeof(float));
+    float *s = malloc((size_t)(M * G) * sizeof(float));
+    if (!q || !d || !s) {
+        free(q); free(d); free(s);
+        return 1;
+    }
+    quantize_activations(x, M, K, q, d, s, threads);
+    const int64_t row_bytes = bits == 4 ? K / 2 : K;
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t n = 0; n < N; n++)
+            row_times_block(bits, codes + n * row_bytes, wd + n * G, wm ? wm + n * G : NULL, G, q, d, s, K,
+                            m0, m1, y, N, n);
+    }
+    free(q); free(d); free(s);
+    return 0;
+}
+
+int kvflow_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d, const float *m,
+                     int64_t N, float *y, int threads) {
+    return linear(4, x, M, K, codes, d, m, N, y, threads);
+}
+
+int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *d, int64_t N,
+                     float *y, int threads) {
+    return linear(8, x, M, K, (const uint8_t *)codes, d, NULL, N, y, threads);
+}

@@ -1,0 +1,137 @@
+"""kvflow's own CPU kernels (native_kernels.c) for 4-bit and 8-bit group-quantized weights on AVX2 CPUs, built
+with the machine's C compiler on first use and called as torch custom ops (so compiled decode graphs keep them).
+
+Used only where torch's own int4/int8 kernels are slow: a CPU with AVX2 and FMA but no native bf16 (float32
+compute). Anything missing (no compiler, another ISA, a failed self-check) means None from `library()` and
+torch's kernels as before, never an error. `KVFLOW_NATIVE_KERNELS=0` turns them off.
+
+The built library is cached per source hash in $KVFLOW_CACHE_DIR or ~/.cache/kvflow (~1 s to build).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvflow import platform
+
+log = logging.getLogger("kvflow")
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+GROUP = 32
+
+
+def wanted(device: torch.device, dtype: torch.dtype) -> bool:
+    """Where these kernels beat torch's: CPU, float32 compute (no fast bf16), AVX2 + FMA."""
+    if os.environ.get("KVFLOW_NATIVE_KERNELS", "1") == "0" or device.type != "cpu" or dtype != torch.float32:
+        return False
+    flags = platform.cpu_flags()
+    return "avx2" in flags and "fma" in flags
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None (logged once) when they cannot be built or loaded here."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("native kernels: no C compiler found; torch's int4/int8 kernels instead")
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow")
+    target = cache / f"native_kernels-{key}.so"
+    try:
+        if not target.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:       # build aside, then rename: atomic
+                built = Path(tmp) / target.name
+                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
+                               capture_output=True, timeout=120)
+                built.replace(target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("native kernels: build or load failed (%s %s); torch's int4/int8 kernels instead", e,
+                    detail.decode(errors="replace")[-500:])
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.kvflow_q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.kvflow_q8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.kvflow_q4_linear.restype = lib.kvflow_q8_linear.restype = ctypes.c_int
+    if not _self_check(lib):
+        log.warning("native kernels: self-check against torch failed; torch's int4/int8 kernels instead")
+        return None
+    return lib
+
+
+def pack_q4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (0..15, one per byte) -> GGUF's block layout [N, K / 2]: in each group of 32 columns,
+    byte j holds column j (low nibble) and column j + 16 (high nibble)."""
+    n, k = codes.shape
+    blocks = codes.to(torch.uint8).view(n, k // GROUP, 2, GROUP // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+@torch.library.custom_op("kvflow::q4_linear", mutates_args=())
+def q4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """x [..., K] float32 @ W.T, W = code * scale + minimum per group of 32 (codes from `pack_q4`)."""
+    return _run(library().kvflow_q4_linear, x, codes, scale, minimum)
+
+
+@torch.library.custom_op("kvflow::q8_linear", mutates_args=())
+def q8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] float32 @ W.T, W = code * scale per group of 32 (codes int8 [N, K])."""
+    return _run(library().kvflow_q8_linear, x, codes, scale)
+
+
+@q4_linear.register_fake
+def _(x, codes, scale, minimum):
+    return x.new_empty(*x.shape[:-1], codes.shape[0])
+
+
+@q8_linear.register_fake
+def _(x, codes, scale):
+    return x.new_empty(*x.shape[:-1], codes.shape[0])
+
+
+def _run(fn, x: torch.Tensor, codes: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    y = torch.empty(rows.shape[0], codes.shape[0], dtype=torch.float32)
+    if rows.shape[0]:
+        err = fn(rows.data_ptr(), rows.shape[0], k, codes.data_ptr(), *[s.data_ptr() for s in scales],
+                 codes.shape[0], y.data_ptr(), torch.get_num_threads())
+        if err:
+            raise MemoryError("native kernel: out of memory for its int8 activations")
+    return y.view(*x.shape[:-1], codes.shape[0])
+
+
+def _self_check(lib: ctypes.CDLL) -> bool:
+    """Both kernels against torch on random weights (odd row counts included): within what int8 activations
+    explain (~1% of the output's scale)."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 40, 96
+    codes4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    codes8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // GROUP, generator=g) * 0.1
+    minimum = -8 * scale
+    w4 = (codes4.float().view(n, -1, GROUP) * scale[..., None] + minimum[..., None]).view(n, k)
+    w8 = (codes8.float().view(n, -1, GROUP) * scale[..., None]).view(n, k)
+    for rows in (1, 5, 70):
+        x = torch.randn(rows, k, generator=g)
+        for fn, w, args in ((lib.kvflow_q4_linear, w4, (pack_q4(codes4), scale, minimum)),
+                            (lib.kvflow_q8_linear, w8, (codes8, scale))):
+            want = x @ w.T
+            got = _run(fn, x, *args)
+            if not torch.allclose(got, want, rtol=0, atol=0.02 * want.abs().max().item()):
+                return False
+    return True
