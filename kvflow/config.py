@@ -76,6 +76,9 @@ class EngineConfig:
                                   "run every step eagerly: no torch.compile'd decode steps (the default compiles "
                                   "decode-only steps on CPU in the background and serves eagerly until each batch "
                                   "size bucket is ready; environment KVFLOW_ENFORCE_EAGER=1 flips the default)")
+    small_step_threads: int | None = _option(
+        None, "CPU threads for steps of <= 8 rows (unset: every thread, except in a server, which leaves one core "
+              "to its HTTP frontend: a small step's many short parallel regions otherwise wait on it)")
     compile_batch_sizes: tuple[int, ...] = _option((1, 2, 4, 8, 16, 32), "batch-size buckets of the compiled decode "
                                                    "step, compiled smallest first; a decode step is padded to the next "
                                                    "bucket, larger steps run eagerly", type=int, nargs="+")
@@ -93,7 +96,7 @@ class EngineConfig:
                                  f"got {getattr(self, name)!r}")
         for name, least in (("max_model_len", 1), ("kv_cache_memory", 1), ("max_num_seqs", 1),
                             ("max_num_batched_tokens", 1), ("max_prefill_tokens_while_decoding", 0),
-                            ("tensor_parallel_size", 1), ("nnodes", 1)):
+                            ("tensor_parallel_size", 1), ("nnodes", 1), ("small_step_threads", 1)):
             if getattr(self, name) is not None and getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):

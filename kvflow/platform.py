@@ -65,6 +65,9 @@ def setup_threads(device: torch.device, ranks_on_this_machine: int = 1) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_this_machine))
 
 
+SMALL_STEP_ROWS = 8      # EngineConfig.small_step_threads applies to steps of up to this many rows
+
+
 def available_memory(device: torch.device) -> int:
     """Free bytes: device memory on CUDA, MemAvailable on CPU."""
     if device.type == "cuda":

@@ -86,3 +86,19 @@ def test_enforce_eager_and_buckets_are_serve_flags():
     args = parser.parse_args(["--enforce-eager", "--compile-batch-sizes", "8", "1", "2"])
     config = EngineConfig(enforce_eager=args.enforce_eager, compile_batch_sizes=args.compile_batch_sizes)
     assert config.enforce_eager and config.compile_batch_sizes == (1, 2, 8)
+
+
+def test_small_steps_on_fewer_threads_use_their_compiled_graphs(tiny_dir):
+    """small_step_threads (what a server sets): dynamo guards on the thread count, so each bucket must be compiled
+    with the count its steps run on, or every step would recompile."""
+    threads = torch.get_num_threads()
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, kv_cache_memory="16MiB", enforce_eager=False,
+              compile_batch_sizes=BUCKETS, small_step_threads=1)
+    runner = llm.engine.runner
+    assert runner.compiled_decode.wait(timeout=600) and not runner.compiled_decode.failed
+    assert runner.threads_for(1) == 1 and runner.threads_for(64) == runner.threads == threads
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    out = tokens(llm, PROMPTS[:1]) + tokens(llm, PROMPTS)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs        # no recompilation
+    assert runner.compiled_decode.steps > 0 and all(len(t) == 16 for t in out)
+    torch.set_num_threads(threads)

@@ -35,8 +35,9 @@ class CompiledDecode:
     """`start(make_inputs)`: `make_inputs(bucket)` gives the (ids, positions, metadata) of a decode step of that
     many padding rows, which the warm-up thread runs to compile the bucket's graph."""
 
-    def __init__(self, model: torch.nn.Module, buckets: tuple[int, ...]):
+    def __init__(self, model: torch.nn.Module, buckets: tuple[int, ...], threads_for: Callable[[int], int]):
         self.buckets = tuple(sorted(buckets))
+        self.threads_for = threads_for      # rows -> the threads a step of that size runs on (baked into its graph)
         self.ready: set[int] = set()
         self.failed = False
         self.compile_seconds: dict[int, float] = {}
@@ -75,7 +76,12 @@ class CompiledDecode:
                         return
                     t = time.perf_counter()
                     try:
-                        self._graph(*make_inputs(bucket))
+                        # dynamo guards on the thread count, and Inductor bakes it into the C++ kernels: compile
+                        # each bucket with the count its steps will run on (a per-thread setting in OpenMP)
+                        threads = self.threads_for(bucket)
+                        torch.set_num_threads(threads)
+                        with torch._inductor.config.patch({"cpp.threads": threads}):
+                            self._graph(*make_inputs(bucket))
                     except Exception:  # noqa: BLE001
                         self._fail(f"compiling the decode step for batch size {bucket} failed")
                         return

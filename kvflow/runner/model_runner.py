@@ -43,6 +43,7 @@ class ModelRunner:
         self.device = platform.pick_device(config.device, tp.local_rank if tp.size > 1 else None)
         self.dtype = platform.pick_dtype(config.dtype, self.device)
         platform.setup_threads(self.device, tp.local_size)
+        self.threads = torch.get_num_threads()
 
         t0 = time.perf_counter()
         with torch.device(self.device):
@@ -79,9 +80,17 @@ class ModelRunner:
         sizes = self.config.compile_batch_sizes
         fits = [b for b in sizes if b >= self.config.max_num_seqs]
         buckets = tuple(b for b in sizes if b < self.config.max_num_seqs) + tuple(fits[:1])
-        compiled = CompiledDecode(self.model, buckets)
+        compiled = CompiledDecode(self.model, buckets, self.threads_for)
         compiled.start(self._padding_step)
         return compiled
+
+    def threads_for(self, rows: int) -> int:
+        """CPU threads for a step of `rows` rows: all of the runner's, or `small_step_threads` for small steps
+        (set by a server, whose frontend shares the cores)."""
+        small = self.config.small_step_threads
+        if small and self.device.type == "cpu" and rows <= platform.SMALL_STEP_ROWS:
+            return min(small, self.threads)
+        return self.threads
 
     def _padding_step(self, bucket: int) -> tuple:
         """A decode step of `bucket` padding rows only (the warm-up of a compiled bucket)."""
@@ -204,6 +213,8 @@ class ModelRunner:
         vocabulary's; other ranks, and steps where no request samples, get None). A decode-only step whose padded
         size has a compiled graph ready runs that graph (eagerly if the graph fails)."""
         bucket = self.compiled_decode.bucket_for(batch) if self.compiled_decode else None
+        if self.device.type == "cpu":   # every step: the compile thread's setting also reaches MKL's global one
+            torch.set_num_threads(self.threads_for(bucket or len(batch.num_new_tokens)))
         hidden = None
         if bucket:
             ids, pos, meta, logits_indices = self.prepare_inputs(batch, pad_to=bucket)
