@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -162,9 +160,6 @@ class AsyncEngine:
         from kvflow.tokenizer import Tokenizer
 
         t0 = time.perf_counter()
-        if config.small_step_threads is None and (os.cpu_count() or 1) > 1:
-            # the event loop shares the cores: small steps leave it one (docs/performance.md, AVX2 session)
-            config = dataclasses.replace(config, small_step_threads=(os.cpu_count() or 1) - 1)
         files = resolve_model_files(config.model, config.tokenizer)
         tokenizer = Tokenizer.from_files(files)
         core = EngineCore(config, tokenizer.eos_token_ids, files)   # logs weights, load time, KV size
