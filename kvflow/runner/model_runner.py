@@ -213,8 +213,9 @@ class ModelRunner:
         vocabulary's; other ranks, and steps where no request samples, get None). A decode-only step whose padded
         size has a compiled graph ready runs that graph (eagerly if the graph fails)."""
         bucket = self.compiled_decode.bucket_for(batch) if self.compiled_decode else None
-        if self.device.type == "cpu":   # every step: the compile thread's setting also reaches MKL's global one
-            torch.set_num_threads(self.threads_for(bucket or len(batch.num_new_tokens)))
+        threads = self.threads_for(bucket or len(batch.num_new_tokens))
+        if threads != torch.get_num_threads():     # only when it changes: the call is not free
+            torch.set_num_threads(threads)
         hidden = None
         if bucket:
             ids, pos, meta, logits_indices = self.prepare_inputs(batch, pad_to=bucket)
