@@ -1,6 +1,7 @@
-"""kvflow's AVX2 kernels for 4-bit and 8-bit weights (layers/native_kernels.c): the same arithmetic as a torch
-reference (int8 activations per group of 32), every row-count remainder, inside a compiled graph, and in the
-default model where the machine takes them."""
+"""kvflow's AVX2 kernels (layers/native_kernels.c): 4-bit and 8-bit weights against a torch reference of the same
+arithmetic (int8 activations per group of 32), every row-count remainder; paged attention and RMSNorm against
+float64; each kernel's batch invariance (a row's bits depend on that row alone), inside a compiled graph, and
+greedy output of the default engine alone against batched."""
 from __future__ import annotations
 
 import pytest
@@ -71,11 +72,80 @@ def test_native_int4_linear_holds_the_same_values_and_stays_close_to_float():
     layer = Int4Linear(gq, bias=torch.randn(192, generator=g), native=True)
     assert layer.native
     torch.testing.assert_close(layer.dequantize(torch.float32), gq.dequantize(), rtol=0, atol=1e-6)
-    for rows in (9, layer.kernel_rows + 1):              # the kernel; a large step dequantizes instead
+    for rows in (9, 300):
         x = torch.randn(rows, 256, generator=g)
         want = x @ gq.dequantize().T + layer.bias
         err = (layer(x) - want).norm() / want.norm()
         assert err < 0.01, err                           # int8 activations: well under 1% of the output
+        assert torch.equal(layer(x[5:6]), layer(x)[5:6])     # the kernel at every size: a row alone, same bits
+
+
+def paged(seed: int, heads=9, kv_heads=3, head_dim=64, block_size=16, blocks=64):
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=g)
+    tables = torch.randperm(blocks, generator=g)[:40].view(4, 10).contiguous()    # 4 sequences, 160 slots each
+    positions = torch.tensor([0, 7, 159, 100])
+    q = torch.randn(4, heads, head_dim, generator=g)
+    return q, k_cache, v_cache, tables, positions
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+def test_paged_attention_matches_float64(heads, kv_heads, head_dim):
+    q, kc, vc, tables, pos = paged(heads, heads, kv_heads, head_dim)
+    out = native_kernels.paged_attention(q, kc, vc, tables, torch.arange(4), pos, head_dim ** -0.5)
+    bs, group = kc.shape[1], heads // kv_heads
+    for i in range(4):
+        slots = (tables[i].repeat_interleave(bs) * bs + torch.arange(tables.shape[1] * bs) % bs)[:pos[i] + 1]
+        keys = kc.view(-1, kv_heads, head_dim)[slots].double().transpose(0, 1)       # [Hkv, L, D]
+        values = vc.view(-1, kv_heads, head_dim)[slots].double().transpose(0, 1)
+        scores = torch.softmax(q[i].double().view(kv_heads, group, head_dim) @ keys.transpose(1, 2) * head_dim ** -0.5, -1)
+        want = (scores @ values).view(heads, head_dim)
+        torch.testing.assert_close(out[i].double(), want, rtol=0, atol=1e-5)
+
+
+def test_paged_attention_row_depends_on_its_own_inputs_only():
+    q, kc, vc, tables, pos = paged(1)
+    scale = 64 ** -0.5
+    batch = native_kernels.paged_attention(q, kc, vc, tables, torch.arange(4), pos, scale)
+    alone = native_kernels.paged_attention(q[2:3], kc, vc, tables[2:3], torch.zeros(1, dtype=torch.long), pos[2:3], scale)
+    assert torch.equal(alone, batch[2:3])
+    wider = torch.cat([tables, tables.flip(1)], 1).contiguous()       # longer tables: more padding, same bits
+    assert torch.equal(native_kernels.paged_attention(q, kc, vc, wider, torch.arange(4), pos, scale), batch)
+    # a prefill chunk: rows of one sequence at consecutive positions, each as if it were decoded alone
+    chunk = native_kernels.paged_attention(torch.cat([q[:3], q[2:3]]), kc, vc, tables[2:3], torch.zeros(4, dtype=torch.long),
+                                           torch.tensor([96, 97, 98, 159]), scale)
+    assert torch.equal(chunk[3:], batch[2:3])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native_kernels.paged_attention(q, kc, vc, tables, torch.arange(4), pos, scale), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rms_norm_close_to_torch_and_the_same_bits_compiled_and_alone():
+    g = torch.Generator().manual_seed(2)
+    weight = torch.rand(576, generator=g) + 0.5
+    x = torch.randn(32, 576, generator=g) * 3
+    got = native_kernels.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, weight * torch.nn.functional.rms_norm(x, (576,), None, 1e-5))
+    assert torch.equal(native_kernels.rms_norm(x[7:8], weight, 1e-5), got[7:8])
+    compiled = torch.compile(lambda t: native_kernels.rms_norm(t, weight, 1e-5), fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), got)
+
+
+def test_default_engine_greedy_output_does_not_depend_on_what_shares_the_step():
+    """The issue's bar: each prompt alone against all of them at once (their prompts prefilled in one step of
+    > 192 rows, decoded 12 at a time, compiled or eager), token for token."""
+    from kvflow import LLM, SamplingParams
+    llm = LLM(max_model_len=512, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    prompts = [f"Q{i}: tell me about {topic}, in detail." for i, topic in
+               enumerate(["the sea", "a city at night", "prime numbers", "an old clock", "coffee", "the moon"] * 2)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert alone == batched
 
 
 def test_native_kernels_inside_a_compiled_graph():

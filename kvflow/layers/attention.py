@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.layers import native_kernels
 from kvflow.layers.quantization import to_float
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
 
@@ -39,7 +40,10 @@ class PagedAttention(nn.Module):
         self._store(self.v_cache, meta.slot_mapping, v)
 
         nd = meta.num_decode_tokens
-        if meta.prefill is None:
+        if meta.seq_tables is not None:
+            out = native_kernels.paged_attention(q, self.k_cache, self.v_cache, meta.seq_tables, meta.row_seq,
+                                                 meta.positions, self.scale)
+        elif meta.prefill is None:
             out = self._decode(q, meta)
         elif nd == 0:
             out = self._prefill(q, k, v, meta.prefill)

@@ -35,3 +35,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks] (pads: the scratch block)
     decode_mask: torch.Tensor | None = None           # [num_decodes, 1, 1, max_blocks*block_size] additive 0 / -inf
     prefill: PrefillBatch | None = None
+    # kvflow's attention kernel (native_kernels.c), when it runs: every row alone, over its own keys
+    seq_tables: torch.Tensor | None = None            # [sequences, max_blocks] block tables (pads: the scratch block)
+    row_seq: torch.Tensor | None = None               # [num_tokens] each row's sequence (a row of seq_tables)
+    positions: torch.Tensor | None = None             # [num_tokens] each row's position: it sees keys 0..position

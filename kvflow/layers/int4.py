@@ -34,9 +34,11 @@ KERNEL_GROUPS = (32, 64, 128, 256)
 ROW_PADDING = 64                   # the packer's largest block of rows (AVX-512); a multiple of its 16-row rule
 ALWAYS = 1 << 62
 MEASURED_ROWS = (1, 4, 16, 32, 64, 128, 256)
-# kvflow's AVX2 kernel against dequantizing + MKL, 8 matrices of 1536x576 at 2 threads (AMD EPYC, AVX2,
-# 2026-12-01): 18.7 vs 24.0 ms at 128 rows, 40.7 vs 35.4 at 256, 75.6 vs 54.7 at 512
-NATIVE_MAX_ROWS = 192
+# kvflow's AVX2 kernel runs steps of every size: dequantizing + MKL is faster above ~192 rows (8 matrices of
+# 1536x576 at 2 threads, AMD EPYC, AVX2, 2026-12-01: 18.7 vs 24.0 ms at 128 rows, 40.7 vs 35.4 at 256, 75.6 vs
+# 54.7 at 512), but it rounds differently, and a row's result would then depend on how many rows share its step
+# (batch invariance, docs/performance.md)
+NATIVE_MAX_ROWS = ALWAYS
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
@@ -82,8 +84,7 @@ class Int4Linear(nn.Module):
     """y = x @ W.T (+ bias) with W held as 4-bit codes. `kernel_rows`: steps of up to that many rows use the
     kernel, larger ones dequantize (set by `choose_kernel_rows`; ALWAYS where the layout could not be learned).
     `native`: the codes in GGUF's block layout with float32 scales, multiplied by kvflow's AVX2 kernel
-    (native_kernels.py) for steps of up to NATIVE_MAX_ROWS rows (dequantized above), for float32 compute on CPUs
-    without native bf16."""
+    (native_kernels.py) for steps of every size, for float32 compute on CPUs without native bf16."""
 
     def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None = None, native: bool = False):
         super().__init__()

@@ -142,3 +142,123 @@ int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, 
                      float *y, int threads) {
     return linear(8, x, M, K, (const uint8_t *)codes, d, NULL, N, y, threads);
 }
+
+// e^x for x <= 0 (scores minus their maximum), 8 lanes: Cephes' expf polynomial, ~1 ulp; results below
+// 2^-126 flush to 2^-126 (x is clamped at -87.3), which no softmax sum notices.
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// softmax of p[0..len) in place, in one fixed order for a given len
+static void softmax(float *p, int64_t len) {
+    float top = p[0];
+    for (int64_t j = 1; j < len; j++) top = fmaxf(top, p[j]);
+    const __m256 m = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), m));
+        _mm256_storeu_ps(p + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float tail[8] = {0};
+    const int64_t rest = len - j;
+    memcpy(tail, p + j, (size_t)rest * sizeof(float));
+    __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(tail), m));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)rest), lane)));
+    _mm256_storeu_ps(tail, e);
+    memcpy(p + j, tail, (size_t)rest * sizeof(float));
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum(_mm256_add_ps(sum, e)));
+    for (j = 0; j + 8 <= len; j += 8) _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), inv));
+    for (; j < len; j++) p[j] *= _mm256_cvtss_f32(inv);
+}
+
+// Paged attention, one query row at a time, straight from the KV cache (no gathered copy of the context):
+//   q [T, Hq, D]; caches [blocks, block_size, Hkv, D]; query row t belongs to sequence row_seq[t], whose block
+//   table is tables[row_seq[t], :width], and attends to keys 0..positions[t] (causal; its own key was stored
+//   before the call); out [T, Hq, D]. Query heads h * G .. h * G + G - 1 share KV head h (G = Hq / Hkv).
+// Each row's sums run over its own keys in one fixed order, whatever else is in the step, however its
+// sequence was chunked, and on however many threads: the result of a row depends on that row's inputs only
+// (batch invariance). D must be a multiple of 8 and at most 256.
+int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                           const float *k_cache, const float *v_cache, int64_t block_size,
+                           const int64_t *tables, int64_t width, const int64_t *row_seq,
+                           const int64_t *positions, float scale, float *out, int threads) {
+    const int64_t G = Hq / Hkv, V = D / 8;
+    int64_t longest = 1;
+    for (int64_t t = 0; t < T; t++) longest = positions[t] + 1 > longest ? positions[t] + 1 : longest;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *p = malloc((size_t)(G * longest) * sizeof(float));        // this thread's scores, one row per head
+        if (!p) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < T * Hkv; i++) {
+            if (!p) continue;
+            const int64_t t = i / Hkv, h = i % Hkv, len = positions[t] + 1;
+            const int64_t *table = tables + row_seq[t] * width;
+            const float *qh = q + (t * Hq + h * G) * D;
+            float *oh = out + (t * Hq + h * G) * D;
+            for (int64_t j = 0; j < len; j++) {
+                const float *k = k_cache + ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
+                for (int64_t g = 0; g < G; g++) {
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int64_t v = 0; v < V; v++)
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 8 * v), _mm256_loadu_ps(k + 8 * v), acc);
+                    p[g * longest + j] = hsum(acc) * scale;
+                }
+            }
+            for (int64_t g = 0; g < G; g++) softmax(p + g * longest, len);
+            for (int64_t g = 0; g < G; g++) {
+                __m256 acc[32];                     // D <= 256: checked by the caller
+                for (int64_t c = 0; c < V; c++) acc[c] = _mm256_setzero_ps();
+                for (int64_t j = 0; j < len; j++) {
+                    const float *v = v_cache + ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
+                    const __m256 w = _mm256_set1_ps(p[g * longest + j]);
+                    for (int64_t c = 0; c < V; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+                }
+                for (int64_t c = 0; c < V; c++) _mm256_storeu_ps(oh + g * D + 8 * c, acc[c]);
+            }
+        }
+        free(p);
+    }
+    return failed;
+}
+
+// RMSNorm of rows x [M, H] float32: y = w * (x / sqrt(mean(x^2) + eps)). Inductor's fused reduction sums in
+// another order than torch's eager kernel (and its order depends on the batch size), so a compiled step and an
+// eager one gave different bits; this one op serves both, summing each row in one fixed order.
+void kvflow_rms_norm(const float *x, int64_t M, int64_t H, const float *w, float eps, float *y, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (M * H >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * H;
+        float *ym = y + m * H;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= H; j += 8) {
+            const __m256 v = _mm256_loadu_ps(xm + j);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float sum = hsum(acc);
+        for (; j < H; j++) sum += xm[j] * xm[j];
+        const float inv = 1.0f / sqrtf(sum / (float)H + eps);
+        for (j = 0; j < H; j++) ym[j] = w[j] * (xm[j] * inv);
+    }
+}

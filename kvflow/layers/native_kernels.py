@@ -66,7 +66,11 @@ def library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.kvflow_q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.kvflow_q8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
-    lib.kvflow_q4_linear.restype = lib.kvflow_q8_linear.restype = ctypes.c_int
+    lib.kvflow_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr,
+                                           ctypes.c_float, ptr, ctypes.c_int]
+    lib.kvflow_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
+    lib.kvflow_rms_norm.restype = None
+    lib.kvflow_q4_linear.restype = lib.kvflow_q8_linear.restype = lib.kvflow_paged_attention.restype = ctypes.c_int
     if not _self_check(lib):
         log.warning("native kernels: self-check against torch failed; torch's int4/int8 kernels instead")
         return None
@@ -91,6 +95,49 @@ def q4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] float32 @ W.T, W = code * scale per group of 32 (codes int8 [N, K])."""
     return _run(library().kvflow_q8_linear, x, codes, scale)
+
+
+@torch.library.custom_op("kvflow::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                    row_seq: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, Hq, D] float32 attending, row t, to keys 0..positions[t] of sequence row_seq[t], whose block table
+    is tables[row_seq[t]] (int64), in caches [blocks, block_size, Hkv, D] -> [T, Hq, D]. Every row is computed
+    alone, in a fixed order (batch invariant)."""
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    T, Hq, D = q.shape
+    if T:
+        if library().kvflow_paged_attention(
+                q.data_ptr(), T, Hq, k_cache.shape[2], D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+                tables.data_ptr(), tables.shape[1], row_seq.data_ptr(), positions.data_ptr(), scale, out.data_ptr(),
+                torch.get_num_threads()):
+            raise MemoryError("native kernel: out of memory for attention scores")
+    return out
+
+
+@torch.library.custom_op("kvflow::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension, float32; each row in one fixed order, the same
+    in eager and compiled steps."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.empty_like(rows)
+    library().kvflow_rms_norm(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.contiguous().data_ptr(), eps,
+                              y.data_ptr(), torch.get_num_threads())
+    return y.view(x.shape)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+def attention_supports(head_dim: int, kv_dtype: torch.dtype) -> bool:
+    return kv_dtype == torch.float32 and head_dim % 8 == 0 and head_dim <= 256
+
+
+@paged_attention.register_fake
+def _(q, k_cache, v_cache, tables, row_seq, positions, scale):
+    return torch.empty_like(q)
 
 
 @q4_linear.register_fake

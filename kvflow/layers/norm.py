@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.layers import native_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -12,7 +14,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
+    native = False      # set by the model runner where kvflow's kernels run (float32 CPU compute, AVX2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.dtype == torch.float32:
+            # one fixed summation order in eager and compiled steps alike (native_kernels.c says why)
+            return native_kernels.rms_norm(x, self.weight, self.eps)
         # x * rsqrt(mean(x^2) + eps) in float32 by torch's one fused op (bit-equal to the five-op form, ~30%
         # faster at decode sizes); the weight multiplies in the activation dtype, as Hugging Face does
         normed = F.rms_norm(x.float(), x.shape[-1:], None, self.eps)

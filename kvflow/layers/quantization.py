@@ -289,9 +289,8 @@ def _choose_int4_kernel(layers: list[Int4Linear], dtype: torch.dtype) -> str:
     if not layers:
         return "no int4 matrices"
     if all(m.native for m in layers):
-        return (f"int4 matrices use kvflow's AVX2 kernel (int8 activations per group of 32) for steps of <= "
-                f"{int4.NATIVE_MAX_ROWS} rows (dequantized above); a tied Q8_0 LM head reads the embedding's own "
-                f"codes the same way")
+        return ("int4 matrices use kvflow's AVX2 kernel (int8 activations per group of 32) for every step; a tied "
+                "Q8_0 LM head reads the embedding's own codes the same way")
     if not any(m.uses_kernel for m in layers):
         return "int4 matrices dequantized per matrix before each matmul (no usable torch int4 CPU kernel here)"
     rows, table = int4.choose_kernel_rows(layers, dtype)

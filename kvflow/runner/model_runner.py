@@ -15,7 +15,9 @@ import torch
 from kvflow import platform
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.layers import native_kernels
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
+from kvflow.layers.norm import RMSNorm
 from kvflow.layers.quantization import quantize_model
 from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
 from kvflow.models.llama import LlamaForCausalLM
@@ -66,6 +68,13 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
 
         self.num_blocks = self._allocate_kv_cache()
+        # kvflow's attention kernel where its linear kernels run: faster than gathering the context for SDPA, and
+        # each row's result depends on that row alone (batch invariance; native_kernels.c)
+        self.native_attention = (native_kernels.wanted(self.device, self.dtype) and native_kernels.library() is not None
+                                 and native_kernels.attention_supports(model_config.head_dim, self.kv_dtype))
+        for norm in self.model.modules():
+            if isinstance(norm, RMSNorm):
+                norm.native = self.native_attention
         self.sampler = Sampler(self.device, config.seed) if tp.is_first else None
         self.compiled_decode = self._start_compiled_decode()
 
@@ -142,46 +151,45 @@ class ModelRunner:
         width as dynamic; torch specializes sizes 0 and 1)."""
         bs = self.block_size
         nd = batch.num_decodes
-        meta = AttentionMetadata(slot_mapping=None, num_decode_tokens=pad_to or nd)
-        ids = batch.token_ids
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        if nd or pad_to:
-            rows = pad_to or nd
-            tables = batch.block_tables[:nd] + [[self.scratch_block]] * (rows - nd)
-            width = max(max(len(t) for t in tables), 2 if pad_to else 1)
-            bt = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables], dtype=torch.long)
-            computed = batch.num_computed_tokens[:nd] + [0] * (rows - nd)
-            pos = torch.tensor(computed, dtype=torch.long)
-            positions.append(pos)
-            slots.append(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, computed)], dtype=torch.long))
-            ids = ids[:nd] + [0] * (rows - nd) + ids[nd:]
-            meta.decode_block_tables = bt.to(self.device)
-            meta.decode_mask = self._causal_mask(torch.arange(width * bs), pos[:, None])[:, None, None, :]
+        rows = pad_to or nd
+        ids = batch.token_ids[:nd] + [0] * (rows - nd) + batch.token_ids[nd:]
+        tables = batch.block_tables[:nd] + [[self.scratch_block]] * (rows - nd) + batch.block_tables[nd:]
+        lens = [1] * rows + batch.num_new_tokens[nd:]
+        starts = batch.num_computed_tokens[:nd] + [0] * (rows - nd) + batch.num_computed_tokens[nd:]
+        pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        width = max(max(len(t) for t in tables), 2 if pad_to else 1)
+        table = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables], dtype=torch.long)
+        row_seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        slots = table[row_seq, pos // bs] * bs + pos % bs
+        meta = AttentionMetadata(slot_mapping=slots.to(self.device), num_decode_tokens=rows)
+        if self.native_attention:
+            # every row, decode or prefill, attends alone over its own keys (kvflow's kernel)
+            meta.seq_tables, meta.row_seq, meta.positions = table, row_seq, pos
             if pad_to:
-                torch._dynamo.maybe_mark_dynamic(meta.decode_block_tables, 1)
-                torch._dynamo.maybe_mark_dynamic(meta.decode_mask, 3)
-        if nd < len(batch.num_new_tokens):
-            meta.prefill = self._prefill_batch(batch, positions, slots)
+                torch._dynamo.maybe_mark_dynamic(meta.seq_tables, 1)
+        else:
+            if rows:
+                decode_width = max(max(len(t) for t in tables[:rows]), 2 if pad_to else 1)
+                meta.decode_block_tables = table[:rows, :decode_width].contiguous().to(self.device)
+                meta.decode_mask = self._causal_mask(torch.arange(decode_width * bs), pos[:rows, None])[:, None, None, :]
+                if pad_to:
+                    torch._dynamo.maybe_mark_dynamic(meta.decode_block_tables, 1)
+                    torch._dynamo.maybe_mark_dynamic(meta.decode_mask, 3)
+            if nd < len(batch.num_new_tokens):
+                meta.prefill = self._prefill_batch(batch)
         logits_indices, row = [], 0
         for n, samples in zip(batch.num_new_tokens, batch.samples):
             row += n
             if samples:
                 logits_indices.append(row - 1)
-        meta.slot_mapping = torch.cat(slots).to(self.device)
         ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.cat(positions).to(self.device)
-        return ids, pos, meta, torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+        return ids, pos.to(self.device), meta, torch.tensor(logits_indices, dtype=torch.long, device=self.device)
 
-    def _prefill_batch(self, batch: StepBatch, positions: list, slots: list) -> PrefillBatch:
+    def _prefill_batch(self, batch: StepBatch) -> PrefillBatch:
         """Index tensors and the offset-causal mask that let every prefill chunk attend in one padded call."""
         bs, nd = self.block_size, batch.num_decodes
         starts, lens = batch.num_computed_tokens[nd:], batch.num_new_tokens[nd:]
         tables = [torch.tensor(t, dtype=torch.long) for t in batch.block_tables[nd:]]
-        for table, start, n in zip(tables, starts, lens):
-            pos = torch.arange(start, start + n)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
         P, Lq, Lk = len(lens), max(lens), max(s + n for s, n in zip(starts, lens))
         empty = torch.empty(0, dtype=torch.long, device=self.device)
         if P == 1 and starts[0] == 0:
