@@ -25,7 +25,8 @@ MATMUL = {"aten::mm", "aten::addmm", "aten::_addmm_activation", "mkldnn::_linear
           "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",       # the GGUF default's 4/8-bit kernels
           "kvflow::q4_linear", "kvflow::q8_linear"}                               # (torch's, or kvflow's on AVX2)
 ATTENTION = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
-             "aten::_scaled_dot_product_attention_math", "aten::bmm", "aten::baddbmm", "aten::_softmax"}
+             "aten::_scaled_dot_product_attention_math", "aten::bmm", "aten::baddbmm", "aten::_softmax",
+             "kvflow::paged_attention"}                                              # kvflow's, on AVX2
 
 
 def peak_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:

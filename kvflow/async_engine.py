@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -91,12 +93,15 @@ class RequestStream:
                 if isinstance(item, str):         # the engine died, or is shutting down: no more deltas
                     self.error = item
                     raise (EngineDeadError if self.engine.death_reason else RequestFailedError)(item)
-                for delta in item:
+                deltas, last = item
+                for delta in deltas:
                     if delta.finish_reason == "error":
                         self.error = str(delta.stop_reason)
                         raise RequestFailedError(self.error)
                     yield delta
-                if self.state.finished:
+                # whether *this* step finished the request: the state may already be finished by a later step
+                # still waiting in the queue (checking the state here once dropped those last deltas)
+                if last:
                     return
         finally:
             self.close()
@@ -160,6 +165,9 @@ class AsyncEngine:
         from kvflow.tokenizer import Tokenizer
 
         t0 = time.perf_counter()
+        if config.small_step_threads is None and (os.cpu_count() or 1) > 1:
+            # the event loop shares the cores: small steps leave it one (docs/performance.md, AVX2 session)
+            config = dataclasses.replace(config, small_step_threads=(os.cpu_count() or 1) - 1)
         files = resolve_model_files(config.model, config.tokenizer)
         tokenizer = Tokenizer.from_files(files)
         core = EngineCore(config, tokenizer.eos_token_ids, files)   # logs weights, load time, KV size
@@ -290,7 +298,7 @@ class AsyncEngine:
         for request_id, deltas in processed.deltas.items():
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream.queue.put_nowait(deltas)
+                stream.queue.put_nowait((deltas, stream.state.finished))
 
     def _fail_all(self, message: str) -> None:
         for stream in list(self._streams.values()):

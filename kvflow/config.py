@@ -77,8 +77,8 @@ class EngineConfig:
                                   "decode-only steps on CPU in the background and serves eagerly until each batch "
                                   "size bucket is ready; environment KVFLOW_ENFORCE_EAGER=1 flips the default)")
     small_step_threads: int | None = _option(
-        None, "CPU threads for steps of <= 8 rows (unset: every thread). In a server on few cores, cores - 1 "
-              "leaves one to the HTTP frontend, which otherwise stalls a small step's short parallel regions")
+        None, "CPU threads for steps of <= 8 rows (unset: every thread, except in a server, which leaves one core "
+              "to its HTTP frontend: a small step's many short parallel regions otherwise wait on it)")
     compile_batch_sizes: tuple[int, ...] = _option((1, 2, 4, 8, 16, 32), "batch-size buckets of the compiled decode "
                                                    "step, compiled smallest first; a decode step is padded to the next "
                                                    "bucket, larger steps run eagerly", type=int, nargs="+")

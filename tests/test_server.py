@@ -193,6 +193,27 @@ def test_stop_strings(client):
     assert kept.choices[0].text == expected + stop
 
 
+def test_a_stream_read_after_its_request_finished_gets_every_delta(model_path):
+    """A consumer slower than the engine: every step's deltas wait in the stream's queue. The stream once stopped
+    after the first of them, because it asked the request's state (already finished) rather than the step."""
+    from kvflow import SamplingParams
+    from kvflow.async_engine import AsyncEngine
+
+    async def run():
+        engine = AsyncEngine.from_config(engine_config(model_path)).start()
+        try:
+            stream = engine.submit("slow", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            while not stream.finished:
+                await asyncio.sleep(0.01)
+            return [d async for d in stream]
+        finally:
+            engine.stop()
+
+    deltas = asyncio.run(run())
+    assert sum(len(d.token_ids) for d in deltas) == 8
+    assert deltas[-1].finish_reason == "length"
+
+
 def test_logprobs(client):
     r = chat(client, max_tokens=6, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
     content = r.choices[0].logprobs.content

@@ -26,16 +26,18 @@ class RequestValidator:
         if n == 0:
             raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt",
                                       code="invalid_value")
-        vocab = self.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt",
-                                      code="invalid_value")
+        # the length first: a prompt of millions of tokens is refused without a Python pass over them (this
+        # runs on the server's event loop)
         limit = self.max_model_len
         if n >= limit:
             raise InvalidRequestError(
                 f"the prompt has {n} tokens, which leaves no room to generate within this model's maximum "
                 f"context length ({limit} tokens); shorten the prompt", param="prompt",
                 code="context_length_exceeded")
+        vocab = self.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt",
+                                      code="invalid_value")
         if params.max_tokens is None:
             return limit - n
         if n + params.max_tokens > limit:
