@@ -136,15 +136,21 @@ def test_rms_norm_close_to_torch_and_the_same_bits_compiled_and_alone():
 
 
 def test_default_engine_greedy_output_does_not_depend_on_what_shares_the_step():
-    """The issue's bar: each prompt alone against all of them at once (their prompts prefilled in one step of
-    > 192 rows, decoded 12 at a time, compiled or eager), token for token."""
+    """The issue's bar: each prompt alone against all of them at once, token for token. Batched, the prompts are
+    prefilled in one step of > 192 rows and decoded 12 at a time, eagerly or by the compiled bucket of 16 as its
+    compile ends; alone, they are prefilled alone and decoded by the compiled bucket of 1."""
     from kvflow import LLM, SamplingParams
-    llm = LLM(max_model_len=512, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    llm = LLM(max_model_len=512, kv_cache_memory="64MiB", enable_prefix_caching=False, enforce_eager=False,
+              compile_batch_sizes=(1, 16))
     prompts = [f"Q{i}: tell me about {topic}, in detail." for i, topic in
                enumerate(["the sea", "a city at night", "prime numbers", "an old clock", "coffee", "the moon"] * 2)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    compiled = llm.engine.runner.compiled_decode
+    assert compiled.wait() and not compiled.failed
+    before = compiled.steps
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert compiled.steps >= before + 12 * 23        # the alone runs decoded by the compiled graph
     assert alone == batched
 
 
