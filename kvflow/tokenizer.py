@@ -7,6 +7,8 @@ with our fast header reader and hand it to transformers' own GGUF tokenizer conv
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 from pathlib import Path
@@ -106,6 +108,11 @@ class Tokenizer:
         return cls(hf, extra)
 
     # ------------------------------------------------------------------ text <-> ids
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary piece, in characters (a bound on the text one token covers)."""
+        return max(map(len, self.hf.get_vocab()), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids

@@ -485,6 +485,13 @@ def test_huge_prompt_does_not_hold_the_event_loop(server, http):
     assert worst < 1.0, worst
 
 
+def test_a_chat_message_longer_than_any_context_is_refused_before_tokenizing(http):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "lorem ipsum " * 400000}], "max_tokens": 2}
+    err = assert_openai_error(http.post("/v1/chat/completions", json=body), 400, param="messages")
+    assert err["code"] == "context_length_exceeded" and "characters" in err["message"]
+    assert http.get("/health").status_code == 200
+
+
 def test_openapi_document_matches_the_server(http):
     from kvflow import sampling_params as limits
 

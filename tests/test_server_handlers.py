@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class FakeTokenizer:
+    max_token_chars = 1          # a token per character
+
     def encode(self, text, add_special_tokens=True):
         return [ord(c) % 100 for c in text]
 

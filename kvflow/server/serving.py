@@ -91,6 +91,8 @@ class OpenAIServing:
         tools = parse_tool_request(req.tools, req.tool_choice, tool_parser=self.tool_call_parser)
         await self.constrain(params, req, tools)
         messages, template_args = chat_messages(req.messages, tools, getattr(self.tokenizer, "chat_template", None))
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)),
+                                "messages")
         prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, messages, req.add_generation_prompt,
                                              **template_args)
         request_id = random_id("chatcmpl")
@@ -105,6 +107,7 @@ class OpenAIServing:
         prompts = req.prompts()
         params = self.sampling_params(req, num_prompts=len(prompts))
         await self.constrain(params, req)
+        self.check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
         prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, prompts)
         request_id = random_id("cmpl")
         streams = self.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES)
@@ -180,6 +183,16 @@ class OpenAIServing:
                                                            **template_args))
         except Exception as e:  # a template that rejects the conversation (roles out of order, ...)
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse a text that cannot fit the context before tokenizing it: the tokenizer sometimes holds the GIL
+        for the whole text (3 s for 4 MB), which stalls the event loop. A token covers at most the longest
+        vocabulary piece; 4x that leaves room for normalizers that shorten text."""
+        limit = self.engine.max_model_len * 4 * self.tokenizer.max_token_chars
+        if chars > limit:
+            raise APIError(400, f"the prompt is {chars} characters, more than fit this model's maximum context "
+                                f"length ({self.engine.max_model_len} tokens); shorten the prompt", param=param,
+                           code="context_length_exceeded")
 
     def completion_prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
         return [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in prompts]
