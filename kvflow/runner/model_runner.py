@@ -156,10 +156,13 @@ class ModelRunner:
         tables = batch.block_tables[:nd] + [[self.scratch_block]] * (rows - nd) + batch.block_tables[nd:]
         lens = [1] * rows + batch.num_new_tokens[nd:]
         starts = batch.num_computed_tokens[:nd] + [0] * (rows - nd) + batch.num_computed_tokens[nd:]
-        pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
         width = max(max(len(t) for t in tables), 2 if pad_to else 1)
         table = torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in tables], dtype=torch.long)
-        row_seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        # each row's sequence and position in a few tensor ops, not one arange per sequence
+        lens_t = torch.tensor(lens)
+        row_seq = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
+        first_row = torch.cumsum(lens_t, 0) - lens_t
+        pos = torch.tensor(starts)[row_seq] + torch.arange(len(row_seq)) - first_row[row_seq]
         slots = table[row_seq, pos // bs] * bs + pos % bs
         meta = AttentionMetadata(slot_mapping=slots.to(self.device), num_decode_tokens=rows)
         if self.native_attention:
