@@ -107,7 +107,8 @@ class OpenAIServing:
         prompts = req.prompts()
         params = self.sampling_params(req, num_prompts=len(prompts))
         await self.constrain(params, req)
-        self.check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        # each prompt is its own request: the longest one decides
+        self.check_prompt_chars(max((len(p) for p in prompts if isinstance(p, str)), default=0), "prompt")
         prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, prompts)
         request_id = random_id("cmpl")
         streams = self.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES)
