@@ -34,11 +34,6 @@ KERNEL_GROUPS = (32, 64, 128, 256)
 ROW_PADDING = 64                   # the packer's largest block of rows (AVX-512); a multiple of its 16-row rule
 ALWAYS = 1 << 62
 MEASURED_ROWS = (1, 4, 16, 32, 64, 128, 256)
-# kvflow's AVX2 kernel runs steps of every size: dequantizing + MKL is faster above ~192 rows (8 matrices of
-# 1536x576 at 2 threads, AMD EPYC, AVX2, 2026-12-01: 18.7 vs 24.0 ms at 128 rows, 40.7 vs 35.4 at 256, 75.6 vs
-# 54.7 at 512), but it rounds differently, and a row's result would then depend on how many rows share its step
-# (batch invariance, docs/performance.md)
-NATIVE_MAX_ROWS = ALWAYS
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
@@ -96,7 +91,7 @@ class Int4Linear(nn.Module):
         self.native = native and weight.group == native_kernels.GROUP and k % native_kernels.GROUP == 0
         if self.native:
             zero = weight.zero if weight.zero is not None else torch.zeros_like(weight.scale)
-            self.uses_kernel, self.kernel_rows, self.padded_out = False, NATIVE_MAX_ROWS, n
+            self.uses_kernel, self.kernel_rows, self.padded_out = False, ALWAYS, n
             self.register_buffer("packed", native_kernels.pack_q4(weight.codes))
             self.register_buffer("scale", weight.scale.float().contiguous())
             self.register_buffer("minimum", (zero - weight.offset * weight.scale).float().contiguous())
@@ -128,7 +123,11 @@ class Int4Linear(nn.Module):
         return (q * scale[..., None] + zero[..., None]).view(n, k)[:self.out_features]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and x.numel() <= self.kernel_rows * self.in_features:
+        if self.native:
+            # kvflow's AVX2 kernel at every step size: dequantizing + MKL is faster above ~192 rows (8 matrices of
+            # 1536x576 at 2 threads, AMD EPYC, AVX2, 2026-12-01: 18.7 vs 24.0 ms at 128 rows, 40.7 vs 35.4 at 256,
+            # 75.6 vs 54.7 at 512), but it rounds differently, and a row's result would then depend on how many
+            # rows share its step (batch invariance, docs/performance.md)
             return native_kernels.q4_linear(x.float(), self.packed, self.scale, self.minimum).to(x.dtype)
         if x.numel() <= self.kernel_rows * self.in_features:
             return self._kernel(x)
