@@ -1,16 +1,27 @@
-"""ModelConfig: the architecture numbers a model needs, read from config.json or GGUF metadata."""
+"""ModelConfig: the architecture numbers a model needs, read from config.json, or from GGUF metadata turned into
+the config.json it stands for (`model_files.gguf_model_config`): one builder for both formats."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# HF `architectures[0]` / GGUF `general.architecture` -> our family name
+# config.json `architectures[0]` -> our family name
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF `general.architecture` -> the config.json architecture it stands for
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
+# GGUF metadata `{arch}.{key}` -> the config.json key it stands for
+GGUF_CONFIG_KEYS = {
+    "vocab_size": "vocab_size", "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers", "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads", "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta",
+    "context_length": "max_position_embeddings",
+}
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
 import numpy as np
 
 from kvflow.models.gguf_reader import GGUFFile, read_gguf
-from kvflow.models.model_config import GGUF_ARCHITECTURES, ModelConfig
+from kvflow.models.model_config import GGUF_ARCHITECTURES, GGUF_CONFIG_KEYS, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -120,59 +118,34 @@ def _f32(x: float) -> float:
 
 
 def gguf_model_config(g: GGUFFile) -> ModelConfig:
+    """The GGUF metadata as the config.json it stands for, read by the one ModelConfig builder."""
     md = g.metadata
     arch = md.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{g.path}: unsupported GGUF architecture {arch!r}; supported: "
                          f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
-    family = GGUF_ARCHITECTURES[arch]
-
-    def get(key: str, default: Any = None) -> Any:
-        return md.get(f"{arch}.{key}", default)
-
-    try:
-        hidden = int(get("embedding_length"))
-        heads = int(get("attention.head_count"))
-        n_layers = int(get("block_count"))
-        intermediate = int(get("feed_forward_length"))
-    except TypeError:
-        raise ValueError(f"{g.path}: GGUF metadata lacks {arch}.embedding_length / block_count / "
-                         f"feed_forward_length / attention.head_count") from None
-    kv_heads = get("attention.head_count_kv") or heads
-    vocab = get("vocab_size")
-    if vocab is None:
+    cfg = {hf: md[f"{arch}.{key}"] for key, hf in GGUF_CONFIG_KEYS.items() if f"{arch}.{key}" in md}
+    for key in ("rms_norm_eps", "rope_theta"):
+        if key in cfg:
+            cfg[key] = _f32(cfg[key])
+    if "vocab_size" not in cfg:
         tokens = md.get("tokenizer.ggml.tokens")
-        vocab = len(tokens) if tokens is not None else g.tensors["token_embd.weight"].shape[0]
-
-    rope_scaling = None
-    stype = get("rope.scaling.type")
+        cfg["vocab_size"] = len(tokens) if tokens is not None else g.tensors["token_embd.weight"].shape[0]
+    stype = md.get(f"{arch}.rope.scaling.type")
     if stype not in (None, "none"):
-        rope_scaling = {"rope_type": stype, "factor": _f32(get("rope.scaling.factor", 1.0))}
-        if get("rope.scaling.original_context_length") is not None:
-            rope_scaling["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+        cfg["rope_scaling"] = {"rope_type": stype, "factor": _f32(md.get(f"{arch}.rope.scaling.factor", 1.0))}
+        if f"{arch}.rope.scaling.original_context_length" in md:
+            cfg["rope_scaling"]["original_max_position_embeddings"] = int(
+                md[f"{arch}.rope.scaling.original_context_length"])
     elif "rope_freqs.weight" in g.tensors:
         logger.warning("%s: llama3-style rope_freqs tensor present but no rope scaling metadata; "
                        "rope scaling is ignored", g.path)
-
     eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
-    return ModelConfig(
-        family=family,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=n_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=int(kv_heads),
-        head_dim=int(get("attention.key_length") or hidden // heads),
-        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=_f32(get("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=int(get("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in g.tensors,
-        attention_bias=family == "qwen2" or "blk.0.attn_q.bias" in g.tensors,
-        qk_norm=family == "qwen3",
-        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
-    )
-
-
+    cfg.update(architectures=[GGUF_ARCHITECTURES[arch]], tie_word_embeddings="output.weight" not in g.tensors,
+               attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in g.tensors,
+               bos_token_id=md.get("tokenizer.ggml.bos_token_id"), eos_token_id=list(dict.fromkeys(eos)))
+    try:
+        return ModelConfig.from_hf_dict(cfg)
+    except KeyError as e:
+        gguf_key = next(k for k, hf in GGUF_CONFIG_KEYS.items() if hf == e.args[0])
+        raise ValueError(f"{g.path}: GGUF metadata lacks {arch}.{gguf_key}") from None
