@@ -131,3 +131,33 @@ def test_prefill_cap_must_not_be_negative():
     import pytest
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
         EngineConfig(max_prefill_tokens_while_decoding=-1)
+
+
+def test_a_mixed_step_hands_the_runner_everything_it_needs():
+    """The step's contents for one decode and one prompt chunk: rows (decodes first), token ids, where each chunk
+    starts, block tables, which rows sample, and the sampling rows (min_tokens blocks EOS, a seed per position)."""
+    sched, kv = make(max_num_batched_tokens=10, block_size=4)
+    a = Request("a", [11, 12, 13, 14, 15, 16], SamplingParams(max_tokens=9, min_tokens=3, seed=5), 9)
+    a.eos_token_ids = frozenset({2})
+    sched.add_request(a)
+    first = sched.schedule()
+    assert first.step.batch.num_decodes == 0 and first.step.batch.token_ids == [11, 12, 13, 14, 15, 16]
+    sched.update(first, SampledTokens([7], [None]))          # a: 6 prompt tokens computed, sampled 7
+    b = add(sched, "b", 12)                                  # 12 prompt tokens: 9 fit this step's budget
+    out = sched.schedule()
+    batch = out.step.batch
+    assert [s.request_id for s in out.rows] == ["a", "b"]
+    assert batch.num_decodes == 1
+    assert batch.token_ids == [7] + list(range(1, 10))       # a's last token, then b's first 9
+    assert (batch.num_computed_tokens, batch.num_new_tokens) == ([6, 0], [1, 9])
+    assert batch.block_tables == [kv.block_tables["a"], kv.block_tables["b"]]
+    assert [len(t) for t in batch.block_tables] == [2, 3]    # 7 and 9 tokens in blocks of 4
+    assert len(set(batch.block_tables[0]) | set(batch.block_tables[1])) == 5
+    assert batch.samples == [True, False]                    # b's chunk ends inside its prompt: nothing to sample
+    [row] = out.step.sampling
+    assert (row.params, row.token_ids, row.num_prompt_tokens) == (a.params, a.token_ids, 6)
+    assert set(row.blocked_token_ids) == {2}                 # 1 of min_tokens=3: EOS may not end it yet
+    assert row.seed is not None and row.seed != first.step.sampling[0].seed    # a fresh seed per position
+    outputs = sched.update(out, SampledTokens([8], [None]))
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", [8])]
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (7, 9)
