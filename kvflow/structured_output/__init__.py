@@ -2,10 +2,9 @@
 
     spec = spec_from_request(body)                   # None when the request asks for nothing
     compiled = await compiler.compile_async(spec)    # cached, off the step loop; 400 on a bad schema
-    matcher = compiled.matcher()                     # one per sequence; .fork() for n > 1
+    matcher = compiled.matcher()                     # one per sequence (n > 1: one per choice)
     apply_structured_masks(logits, [matcher or None for each row])   # in the sampler, before sampling
     matcher.accept(token_id)                         # after sampling; is_terminated() -> finish
-    matcher.rebuild(output_token_ids)                # after preemption / recompute
 
 The names load on first use: the request side (spec, and kvflow.server.tool_calls / the server's config that use
 it) must not import torch and llguidance, so that `kvflow --help` stays light.

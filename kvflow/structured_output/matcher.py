@@ -44,22 +44,3 @@ class Matcher:
     @property
     def error(self) -> str | None:
         return (self._m.get_error() or "error") if self._m.is_error() else None
-
-    # ---- preemption, speculative decoding, n > 1
-    def rollback(self, num_tokens: int) -> None:
-        """Forget the last num_tokens accepted tokens."""
-        if num_tokens and not self._m.rollback(num_tokens):
-            raise RuntimeError(f"grammar rollback of {num_tokens} tokens failed: {self._m.get_error()}")
-
-    def reset(self) -> None:
-        """Back to the initial state (no tokens accepted)."""
-        self._m.reset()
-
-    def rebuild(self, output_token_ids: Iterable[int]) -> bool:
-        """The state after exactly these generated tokens, e.g. when a preempted request is recomputed."""
-        self._m.reset()
-        return self.accept_tokens(output_token_ids)
-
-    def fork(self) -> "Matcher":
-        """An independent copy in the same state (n > 1 sequences share a prompt, not a future)."""
-        return Matcher(self._m.deep_copy(), self.vocab_size)
