@@ -50,12 +50,10 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
-def small_batch_bf16_copies(dtype_setting: str, quantization: str | None, device: torch.device,
-                            dtype: torch.dtype) -> bool:
+def small_batch_bf16_copies(dtype_setting: str, device: torch.device, dtype: torch.dtype) -> bool:
     """dtype=auto on a CPU that multiplies bf16 slowly: compute in float32, but let steps of a few rows read
-    bf16 copies of the weights, since those steps are bound by DRAM bandwidth (layers/small_batch.py)."""
-    return (dtype_setting == "auto" and device.type == "cpu" and dtype == torch.float32
-            and quantization in (None, "none"))
+    bf16 copies of the float weights, since those steps are bound by DRAM bandwidth (layers/small_batch.py)."""
+    return dtype_setting == "auto" and device.type == "cpu" and dtype == torch.float32
 
 
 def setup_threads(device: torch.device, ranks_on_this_machine: int = 1) -> None:

@@ -58,7 +58,7 @@ class ModelRunner:
         model.rotary.float()
         if self.quantization:
             quantize_model(model, self.quantization, self.dtype)
-        elif platform.small_batch_bf16_copies(config.dtype, self.quantization, self.device, self.dtype):
+        elif platform.small_batch_bf16_copies(config.dtype, self.device, self.dtype):
             enable_small_batch_bf16(model)
             log.info("float32 compute; steps of <= %d rows read bfloat16 copies of the weights (dtype=auto on a "
                      "CPU without native bf16 matmul; dtype=float32 turns this off)", SMALL_BATCH_ROWS)
