@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from kvflow.models.gguf_reader import GGUFFile
-from kvflow.models.model_files import ModelFiles, locate_tokenizer, read_gguf_if_gguf
+from kvflow.models.model_files import ModelFiles, resolve_model_files
 
 
 def flatten_content(content: Any) -> str:
@@ -76,21 +76,17 @@ class Tokenizer:
         self.vocab_size: int = len(hf)
 
     @classmethod
+    def from_model(cls, path: str | Path) -> "Tokenizer":
+        """The tokenizer of a model (HF folder or .gguf file), as an engine on that model would load it."""
+        return cls.from_files(resolve_model_files(path))
+
+    @classmethod
     def from_files(cls, files: ModelFiles) -> "Tokenizer":
         """The tokenizer `resolve_model_files` found: a GGUF's metadata (already parsed) or an HF folder."""
-        return cls._load(files.tokenizer_path, files.tokenizer_gguf)
-
-    @classmethod
-    def from_model(cls, path: str | Path) -> "Tokenizer":
-        """HF folder -> AutoTokenizer (offline); .gguf file -> built from the file's metadata."""
-        path = locate_tokenizer(path)
-        return cls._load(path, read_gguf_if_gguf(path))
-
-    @classmethod
-    def _load(cls, path: Path, gguf: GGUFFile | None) -> "Tokenizer":
-        if gguf is not None:
-            hf, extra = _hf_from_gguf(gguf)
+        if files.tokenizer_gguf is not None:
+            hf, extra = _hf_from_gguf(files.tokenizer_gguf)
             return cls(hf, extra)
+        path = files.tokenizer_path
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer path does not exist or is not a folder / .gguf file: {path}")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -49,13 +49,11 @@ def resolve_model_files(model: str | Path | None, tokenizer: str | Path | None =
         gguf = read_gguf(path)
         config = gguf_model_config(gguf)
     tok_path = locate_tokenizer(tokenizer if tokenizer is not None else path)
-    tok_gguf = gguf if tok_path == path else read_gguf_if_gguf(tok_path)
+    if tok_path == path:
+        tok_gguf = gguf
+    else:       # a tokenizer from elsewhere: a .gguf file's metadata, or a folder
+        tok_gguf = read_gguf(tok_path) if tok_path.is_file() and tok_path.suffix.lower() == ".gguf" else None
     return ModelFiles(path, "hf" if gguf is None else "gguf", gguf, hf_config, config, tok_path, tok_gguf)
-
-
-def read_gguf_if_gguf(path: Path) -> GGUFFile | None:
-    """The parsed header of a .gguf file; None for anything else (a tokenizer folder)."""
-    return read_gguf(path) if path.is_file() and path.suffix.lower() == ".gguf" else None
 
 
 def default_model_path() -> Path:
