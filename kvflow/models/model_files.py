@@ -9,6 +9,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+
 import numpy as np
 
 from kvflow.models.gguf_reader import GGUFFile, read_gguf
