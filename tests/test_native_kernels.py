@@ -136,9 +136,9 @@ def test_rms_norm_close_to_torch_and_the_same_bits_compiled_and_alone():
 
 
 def test_default_engine_greedy_output_does_not_depend_on_what_shares_the_step():
-    """The issue's bar: each prompt alone against all of them at once, token for token. Batched, the prompts are
-    prefilled in one step of > 192 rows and decoded 12 at a time, eagerly or by the compiled bucket of 16 as its
-    compile ends; alone, they are prefilled alone and decoded by the compiled bucket of 1."""
+    """The issue's bar: each prompt alone against all of them at once, token for token. Batched, the 12 prompts are
+    prefilled together in one step (150 rows) and decoded 12 at a time, eagerly or by the compiled bucket of 16 as
+    its compile ends; alone, each is prefilled alone and decoded by the compiled bucket of 1."""
     from kvflow import LLM, SamplingParams
     llm = LLM(max_model_len=512, kv_cache_memory="64MiB", enable_prefix_caching=False, enforce_eager=False,
               compile_batch_sizes=(1, 16))

@@ -91,8 +91,7 @@ class OpenAIServing:
         tools = parse_tool_request(req.tools, req.tool_choice, tool_parser=self.tool_call_parser)
         await self.constrain(params, req, tools)
         messages, template_args = chat_messages(req.messages, tools, getattr(self.tokenizer, "chat_template", None))
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)),
-                                "messages")
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")   # text, flattened above
         prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, messages, req.add_generation_prompt,
                                              **template_args)
         request_id = random_id("chatcmpl")
