@@ -14,6 +14,8 @@ Formats (x is float32, as with dtype=auto on a CPU without native bf16):
   fp8 torch       e4m3 weights converted by torch's `.to(float32)`
   fp8 bits        e4m3 weights converted by kvflow's bit moves (layers/quantization.to_float)
   int4 kernel     group-32 int4 codes read by torch's int4 CPU kernel, bf16 activations (layers/int4.Int4Linear)
+  int4 native     the same codes in GGUF's block layout, kvflow's own kernel (layers/native_kernels.c), float32
+                  activations quantized to int8 per group of 32 (the batch-invariant default path)
   int4->fp32      the same codes dequantized per matrix to float32, then MKL (Int4Linear's fallback, fp32 compute)
   int4->bf16      dequantized to bfloat16, then a bf16 matmul (the fallback with bf16 compute)
 The LM head of the dequantizing formats is converted in 4096-row slices, as kvflow does (int4: whole).
@@ -42,7 +44,10 @@ def prepare(w: torch.Tensor, fmt: str):
     if fmt in ("bf16", "bf16->fp32"):
         return w.bfloat16()
     if fmt.startswith("int4"):
-        layer = Int4Linear(GroupQuantized.round_to_nearest(w, bits=4, group=32))
+        layer = Int4Linear(GroupQuantized.round_to_nearest(w, bits=4, group=32), native=fmt == "int4 native")
+        if fmt == "int4 native":
+            assert layer.native, "kvflow's native kernels are not available here"
+            return layer
         layer.kernel_rows = 1 << 62 if fmt == "int4 kernel" else 0
         return layer
     q, s = quantize_rows(w, "fp8" if fmt.startswith("fp8") else "int8")
@@ -70,7 +75,7 @@ def matmul(x: torch.Tensor, w, fmt: str, head: bool = False) -> torch.Tensor:
 
 
 FORMATS = ("fp32", "bf16", "bf16->fp32", "int8->fp32", "int8 kernel", "fp8 torch", "fp8 bits", "int4 kernel",
-           "int4->fp32", "int4->bf16")
+           "int4 native", "int4->fp32", "int4->bf16")
 
 
 def main() -> None:

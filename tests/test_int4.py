@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kvflow import LLM, SamplingParams
-from kvflow.layers import int4
+from kvflow.layers import int4, native_kernels
 from kvflow.layers.group_quant import GroupQuantized
 from kvflow.layers.int4 import Int4Linear, choose_kernel_rows, packed_layout
 from kvflow.layers.quantization import GGUFVocabulary, QuantizedEmbedding, QuantizedLinear, quantize_model
@@ -139,10 +139,13 @@ def test_embedded_model_serves_within_130_mib():
     kinds = {type(m) for m in runner.model.modules()}
     assert Int4Linear in kinds and GGUFVocabulary in kinds and nn.Linear not in kinds
     table = runner.model.embed_tokens
-    assert table.codes.dtype == torch.int8
     if all(m.native for m in runner.model.modules() if isinstance(m, Int4Linear)):
-        assert table.head is None             # kvflow's AVX2 kernel multiplies the Q8_0 codes themselves
+        # kvflow's kernel multiplies the Q8_0 codes themselves (held in its layout; lookups read them back)
+        assert table.head is None and table.native_head
+        assert torch.equal(native_kernels.q8_rows(table.codes, torch.arange(3)).float(),
+                           table(torch.arange(3)) / table.scale[:3].repeat_interleave(32, 1))
     else:
+        assert table.codes.dtype == torch.int8
         assert isinstance(table.head, QuantizedEmbedding)                                # Q8_0: head apart
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4))
     assert "Paris" in out[0].outputs[0].text

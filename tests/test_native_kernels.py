@@ -1,7 +1,8 @@
-"""kvflow's AVX2 kernels (layers/native_kernels.c): 4-bit and 8-bit weights against a torch reference of the same
-arithmetic (int8 activations per group of 32), every row-count remainder; paged attention and RMSNorm against
-float64; each kernel's batch invariance (a row's bits depend on that row alone), inside a compiled graph, and
-greedy output of the default engine alone against batched."""
+"""kvflow's CPU kernels (layers/native_kernels.c): 4-bit and 8-bit weights against a torch reference of the same
+arithmetic (int8 activations per group of 32), every row-count remainder, in each layout this CPU runs (AVX2's
+rows, AVX-512 VNNI's x16); paged attention and RMSNorm against float64; each kernel's batch invariance (a row's
+bits depend on that row alone), inside a compiled graph, and greedy output of the default engine alone against
+batched."""
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,11 @@ from kvflow.layers.group_quant import GroupQuantized
 from kvflow.layers.int4 import Int4Linear
 
 pytestmark = pytest.mark.skipif(
-    not (native_kernels.wanted(torch.device("cpu"), torch.float32) and native_kernels.library() is not None),
-    reason="kvflow's AVX2 kernels are not used on this machine (no AVX2/FMA, native bf16, or no C compiler)")
+    not native_kernels.usable(),
+    reason="kvflow's kernels cannot run on this machine (no AVX2/FMA or no C compiler): torch's kernels serve")
+
+# every weight layout whose kernel this CPU can run (the AVX2 one runs on AVX-512 machines too)
+LAYOUTS = ["rows"] + (["x16"] if native_kernels.x16_supported() else [])
 
 
 def quantized_activations(x: torch.Tensor):
@@ -37,32 +41,79 @@ def reference(x, codes, scale, minimum=None):
     return y
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 65, 130])
-@pytest.mark.parametrize("n,k", [(1, 32), (17, 96), (96, 576)])
-def test_q4_kernel_matches_the_reference(rows, n, k):
-    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+def q4_weights(n: int, k: int, layout: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scale = torch.rand(n, k // 32, generator=g) * 0.02
     minimum = -torch.rand(n, k // 32, generator=g) * 0.2
-    x = torch.randn(rows, k, generator=g) * 3
-    got = native_kernels.q4_linear(x, native_kernels.pack_q4(codes), scale, minimum)
+    packed = (native_kernels.pack_q4(codes, layout), native_kernels.pack_scales(scale, layout),
+              native_kernels.pack_scales(minimum, layout))
+    return codes, scale, minimum, packed
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 65, 130])
+@pytest.mark.parametrize("n,k", [(1, 32), (17, 96), (96, 576)])
+def test_q4_kernel_matches_the_reference(layout, rows, n, k):
+    codes, scale, minimum, packed = q4_weights(n, k, layout, rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    got = native_kernels.q4_linear(x, *packed)
+    assert got.shape == (rows, native_kernels.padded_rows(n, layout))
     want = reference(x, codes, scale, minimum)
-    assert got.shape == (rows, n)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(got[:, :n].double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 4, 7, 70])
-def test_q8_kernel_matches_the_reference_including_code_minus_128(rows):
+def test_q8_kernel_matches_the_reference_including_code_minus_128(layout, rows):
     g = torch.Generator().manual_seed(rows)
     n, k = 50, 128
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     codes[0, :] = -128
+    codes[1, :] = 127
     scale = torch.rand(n, k // 32, generator=g) * 0.01
     x = torch.randn(rows, k, generator=g)
     x[0, :32] = 0                                       # an all-zero group: scale 0, no division by it
-    got = native_kernels.q8_linear(x, codes, scale)
+    got = native_kernels.q8_linear(x, native_kernels.pack_q8(codes, layout), native_kernels.pack_scales(scale, layout))
     want = reference(x, codes, scale)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(got[:, :n].double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_linear_kernels_give_a_row_the_same_bits_alone_as_in_any_batch(layout):
+    """Row blocks of 4, their remainders, passes of 64 rows and the thread count must not change a row's sums."""
+    n, k = 40, 96
+    codes, scale, minimum, packed = q4_weights(n, k, layout)
+    codes8 = (codes.to(torch.int16) * 16 - 128).to(torch.int8)
+    packed8 = (native_kernels.pack_q8(codes8, layout), native_kernels.pack_scales(scale, layout))
+    x = torch.randn(131, k, generator=torch.Generator().manual_seed(3))
+    for fn, weights in ((native_kernels.q4_linear, packed), (native_kernels.q8_linear, packed8)):
+        batch = fn(x, *weights)
+        for lo, hi in ((0, 1), (5, 6), (63, 66), (127, 131), (2, 9)):
+            assert torch.equal(fn(x[lo:hi], *weights), batch[lo:hi])
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(fn(x, *weights), batch)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_round_trip_and_lookups_read_the_codes_back(layout):
+    n, k = 37, 64
+    codes, scale, _, (packed, packed_scale, _) = q4_weights(n, k, layout)
+    assert torch.equal(native_kernels.unpack_q4(packed, n, k), codes)
+    assert torch.equal(native_kernels.unpack_scales(packed_scale, n), scale)
+    codes8 = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    ids = torch.tensor([[0, 36], [17, 16]])
+    assert torch.equal(native_kernels.q8_rows(native_kernels.pack_q8(codes8, layout), ids), codes8[ids])
+
+
+def test_weights_in_the_wrong_layout_are_refused_not_read_past():
+    codes, scale, minimum, packed = q4_weights(48, 64, LAYOUTS[-1])
+    with pytest.raises(ValueError):
+        native_kernels.q4_linear(torch.randn(2, 64), packed[0], scale[:1], minimum)
 
 
 def test_native_int4_linear_holds_the_same_values_and_stays_close_to_float():
@@ -142,6 +193,9 @@ def test_default_engine_greedy_output_does_not_depend_on_what_shares_the_step():
     from kvflow import LLM, SamplingParams
     llm = LLM(max_model_len=512, kv_cache_memory="64MiB", enable_prefix_caching=False, enforce_eager=False,
               compile_batch_sizes=(1, 16))
+    # where kvflow's kernels can run, the default engine runs them (on AVX-512 machines too: float32 compute)
+    runner = llm.engine.runner
+    assert runner.native_attention and runner.dtype == torch.float32
     prompts = [f"Q{i}: tell me about {topic}, in detail." for i, topic in
                enumerate(["the sea", "a city at night", "prime numbers", "an old clock", "coffee", "the moon"] * 2)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

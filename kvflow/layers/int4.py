@@ -78,8 +78,8 @@ def kernel_supports(in_features: int, group: int) -> bool:
 class Int4Linear(nn.Module):
     """y = x @ W.T (+ bias) with W held as 4-bit codes. `kernel_rows`: steps of up to that many rows use the
     kernel, larger ones dequantize (set by `choose_kernel_rows`; ALWAYS where the layout could not be learned).
-    `native`: the codes in GGUF's block layout with float32 scales, multiplied by kvflow's AVX2 kernel
-    (native_kernels.py) for steps of every size, for float32 compute on CPUs without native bf16."""
+    `native`: the codes and float32 scales in the layout of kvflow's own kernel for this CPU (native_kernels.py:
+    AVX2 or AVX-512 VNNI), which multiplies steps of every size, each row alone (batch invariance)."""
 
     def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None = None, native: bool = False):
         super().__init__()
@@ -91,10 +91,11 @@ class Int4Linear(nn.Module):
         self.native = native and weight.group == native_kernels.GROUP and k % native_kernels.GROUP == 0
         if self.native:
             zero = weight.zero if weight.zero is not None else torch.zeros_like(weight.scale)
-            self.uses_kernel, self.kernel_rows, self.padded_out = False, ALWAYS, n
+            self.uses_kernel, self.kernel_rows = False, ALWAYS
+            self.padded_out = native_kernels.padded_rows(n)
             self.register_buffer("packed", native_kernels.pack_q4(weight.codes))
-            self.register_buffer("scale", weight.scale.float().contiguous())
-            self.register_buffer("minimum", (zero - weight.offset * weight.scale).float().contiguous())
+            self.register_buffer("scale", native_kernels.pack_scales(weight.scale))
+            self.register_buffer("minimum", native_kernels.pack_scales(zero - weight.offset * weight.scale))
             return
         self.uses_kernel = weight.codes.device.type == "cpu" and kernel_supports(k, weight.group)
         pad_to = max(ROW_PADDING, packed_layout()[0]) if self.uses_kernel else 1
@@ -111,9 +112,10 @@ class Int4Linear(nn.Module):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         n, k = self.padded_out, self.in_features
         if self.native:
-            halves = self.packed.view(n, k // self.group, 1, self.group // 2)
-            codes = torch.cat([halves & 15, halves >> 4], 2).view(n, k // self.group, self.group).to(dtype)
-            return (codes * self.scale[..., None].to(dtype) + self.minimum[..., None].to(dtype)).view(n, k)
+            n = self.out_features
+            codes = native_kernels.unpack_q4(self.packed, n, k).view(n, k // self.group, self.group).to(dtype)
+            scale, minimum = (native_kernels.unpack_scales(t, n)[..., None].to(dtype) for t in (self.scale, self.minimum))
+            return (codes * scale + minimum).view(n, k)
         if self.uses_kernel:
             codes = _unpack(self.packed, n, k, packed_layout())
         else:
@@ -124,11 +126,14 @@ class Int4Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            # kvflow's AVX2 kernel at every step size: dequantizing + MKL is faster above ~192 rows (8 matrices of
+            # kvflow's kernel at every step size: dequantizing + MKL is faster above ~192 rows (8 matrices of
             # 1536x576 at 2 threads, AMD EPYC, AVX2, 2026-12-01: 18.7 vs 24.0 ms at 128 rows, 40.7 vs 35.4 at 256,
             # 75.6 vs 54.7 at 512), but it rounds differently, and a row's result would then depend on how many
             # rows share its step (batch invariance, docs/performance.md)
-            return native_kernels.q4_linear(x.float(), self.packed, self.scale, self.minimum).to(x.dtype)
+            y = native_kernels.q4_linear(x.float(), self.packed, self.scale, self.minimum)
+            if self.padded_out != self.out_features:
+                y = y[..., :self.out_features]
+            return y.to(x.dtype)
         if x.numel() <= self.kernel_rows * self.in_features:
             return self._kernel(x)
         return F.linear(x, self.dequantize(x.dtype))

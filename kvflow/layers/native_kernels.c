@@ -21,8 +21,10 @@
 #define QK 32
 #define ROW_BLOCK 64      // rows of activations per pass over the weights: their int8 copy stays in L2
 
-// x [M, K] -> int8 codes q [M, K], scale d [M, G] and d * sum(codes) s [M, G] per group of 32
-static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s, int threads) {
+// x [M, K] -> int8 codes q [M, K], scale d [M, G], d * sum(codes) s [M, G] and sum(codes) qs [M, G] (if not NULL)
+// per group of 32
+static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s, int32_t *qs,
+                                 int threads) {
     const int64_t groups = M * (K / QK);
     #pragma omp parallel for schedule(static) num_threads(threads) if (groups >= 1024)
     for (int64_t i = 0; i < groups; i++) {
@@ -38,6 +40,7 @@ static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *q
         }
         d[i] = dg;
         s[i] = dg * (float)sum;
+        if (qs) qs[i] = sum;
     }
 }
 
@@ -120,7 +123,7 @@ static int linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t 
         free(q); free(d); free(s);
         return 1;
     }
-    quantize_activations(x, M, K, q, d, s, threads);
+    quantize_activations(x, M, K, q, d, s, NULL, threads);
     const int64_t row_bytes = bits == 4 ? K / 2 : K;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
@@ -261,4 +264,95 @@ void kvflow_rms_norm(const float *x, int64_t M, int64_t H, const float *w, float
         const float inv = 1.0f / sqrtf(sum / (float)H + eps);
         for (j = 0; j < H; j++) ym[j] = w[j] * (xm[j] * inv);
     }
+}
+
+// ---- AVX-512 VNNI (vpdpbusd): the same arithmetic, 16 output columns per register ---------------------------
+//
+// Layout "x16" (pack_x16 in native_kernels.py): weight rows in blocks of 16 (N padded to a multiple of 16); for
+// block b and group g, 32 codes x 16 rows as 8 "quads" of 4 consecutive columns, each quad a 64-byte register of
+// 16 rows x 4 bytes, which is what vpdpbusd multiplies by 4 activation bytes broadcast to every lane.
+//   4-bit: [N/16, G, 4, 64] bytes; register c (0..3) holds quad c in its low nibbles and quad c + 4 in its high
+//          ones; value = code * d + m
+//   8-bit: [N/16, G, 8, 64] bytes holding code + 128 (vpdpbusd wants its weight operand unsigned); the extra
+//          128 * sum(activation codes) is subtracted in integers, exactly
+//   scales and minimums: [N/16, G, 16] float32
+// Each output is sum over groups, in order, of float(integer dot) * (d_w * d_x) by one FMA per group (+ the
+// minimum's term), whatever the number of rows, their block, or the thread count: batch invariant.
+#define X16 16
+#define ROWS_X16 4          // activation rows per pass over a block's unpacked weights (registers: 8 + 3 * 4)
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline void block_x16(int bits, int R, const uint8_t *w, const float *wd, const float *wm, int64_t G,
+                             const int8_t *q, const float *d, const float *s, const int32_t *qs, int64_t K,
+                             int64_t m, float *y, int64_t N, int64_t n0) {
+    __m512 acc[ROWS_X16], bias[ROWS_X16];
+    for (int r = 0; r < R; r++) acc[r] = bias[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t g = 0; g < G; g++) {
+        __m512i wq[8];
+        if (bits == 4) {
+            const uint8_t *wg = w + g * 4 * 64;
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(wg + c * 64));
+                wq[c] = _mm512_and_si512(v, low);
+                wq[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        } else {
+            const uint8_t *wg = w + g * 8 * 64;
+            for (int c = 0; c < 8; c++) wq[c] = _mm512_loadu_si512((const void *)(wg + c * 64));
+        }
+        const __m512 sd = _mm512_loadu_ps(wd + g * X16);
+        const __m512 sm = bits == 4 ? _mm512_loadu_ps(wm + g * X16) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const int64_t row = m + r;
+            const int32_t *a = (const int32_t *)(q + row * K + g * QK);
+            __m512i dot = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++) dot = _mm512_dpbusd_epi32(dot, wq[c], _mm512_set1_epi32(a[c]));
+            if (bits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * qs[row * G + g]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sd, _mm512_set1_ps(d[row * G + g])),
+                                     acc[r]);
+            if (bits == 4) bias[r] = _mm512_fmadd_ps(sm, _mm512_set1_ps(s[row * G + g]), bias[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m + r) * N + n0, _mm512_add_ps(acc[r], bias[r]));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *wd,
+                      const float *wm, int64_t N, float *y, int threads) {
+    const int64_t G = K / QK, blocks = N / X16;
+    const int64_t block_bytes = G * (bits == 4 ? 4 : 8) * 64;
+    int8_t *q = malloc((size_t)(M * K));
+    float *d = malloc((size_t)(M * G) * sizeof(float));
+    float *s = malloc((size_t)(M * G) * sizeof(float));
+    int32_t *qs = malloc((size_t)(M * G) * sizeof(int32_t));
+    if (!q || !d || !s || !qs) {
+        free(q); free(d); free(s); free(qs);
+        return 1;
+    }
+    quantize_activations(x, M, K, q, d, s, qs, threads);
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *w = codes + b * block_bytes;
+            const float *bd = wd + b * G * X16, *bm = wm ? wm + b * G * X16 : NULL;
+            int64_t m = m0;
+            for (; m + ROWS_X16 <= m1; m += ROWS_X16)
+                block_x16(bits, ROWS_X16, w, bd, bm, G, q, d, s, qs, K, m, y, N, b * X16);
+            if (m < m1) block_x16(bits, (int)(m1 - m), w, bd, bm, G, q, d, s, qs, K, m, y, N, b * X16);
+        }
+    }
+    free(q); free(d); free(s); free(qs);
+    return 0;
+}
+
+int kvflow_q4_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d,
+                         const float *m, int64_t N, float *y, int threads) {
+    return linear_x16(4, x, M, K, codes, d, m, N, y, threads);
+}
+
+int kvflow_q8_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d, int64_t N,
+                         float *y, int threads) {
+    return linear_x16(8, x, M, K, codes, d, NULL, N, y, threads);
 }

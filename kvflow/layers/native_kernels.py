@@ -1,9 +1,13 @@
-"""kvflow's own CPU kernels (native_kernels.c) for 4-bit and 8-bit group-quantized weights on AVX2 CPUs, built
-with the machine's C compiler on first use and called as torch custom ops (so compiled decode graphs keep them).
+"""kvflow's own CPU kernels (native_kernels.c) for 4-bit and 8-bit group-quantized weights, paged attention and
+RMSNorm, built with the machine's C compiler on first use and called as torch custom ops (so compiled decode graphs
+keep them). Every one computes each row alone, in one fixed order: a row's bits do not depend on what shares its
+step (batch invariance), which torch's kernels do not promise.
 
-Used only where torch's own int4/int8 kernels are slow: a CPU with AVX2 and FMA but no native bf16 (float32
-compute). Anything missing (no compiler, another ISA, a failed self-check) means None from `library()` and
-torch's kernels as before, never an error. `KVFLOW_NATIVE_KERNELS=0` turns them off.
+Two matmul kernels, one per instruction set, each with its own weight layout (`isa()` picks, once per process):
+AVX2 (`vpmaddubsw`, weights row by row as GGUF stores them) and AVX-512 VNNI (`vpdpbusd`, 16 weight rows
+interleaved per register: layout "x16"). Anything missing (no compiler, no AVX2/FMA, a failed self-check) means
+None from `library()` and torch's kernels, never an error. `KVFLOW_NATIVE_KERNELS=0` turns them off;
+`KVFLOW_NATIVE_ISA=avx2` keeps the AVX2 kernel on an AVX-512 machine (to compare them).
 
 The built library is cached per source hash in $KVFLOW_CACHE_DIR or ~/.cache/kvflow (~1 s to build).
 """
@@ -31,11 +35,41 @@ GROUP = 32
 
 
 def wanted(device: torch.device, dtype: torch.dtype) -> bool:
-    """Where these kernels beat torch's: CPU, float32 compute (no fast bf16), AVX2 + FMA."""
+    """Where these kernels run: CPU, float32 compute, AVX2 + FMA."""
     if os.environ.get("KVFLOW_NATIVE_KERNELS", "1") == "0" or device.type != "cpu" or dtype != torch.float32:
         return False
     flags = platform.cpu_flags()
     return "avx2" in flags and "fma" in flags
+
+
+def usable() -> bool:
+    """kvflow's kernels can run here (CPU flags, compiler, self-check), whatever the dtype chosen."""
+    return wanted(torch.device("cpu"), torch.float32) and library() is not None
+
+
+def compute_dtype(device: torch.device, dtype_setting: str, quantization: str | None) -> torch.dtype | None:
+    """float32 for dtype=auto where the weights are 4-bit codes ("gguf", "int4") on a CPU that runs these kernels:
+    they compute in float32, and then every step's matmuls, attention and norms are kvflow's batch-invariant
+    kernels, also where the CPU has fast bf16 (on AVX-512 VNNI as fast as torch's bf16 int4 kernel at one row and
+    ~2x faster from 16 rows, docs/performance.md). None elsewhere: platform.pick_dtype decides."""
+    if dtype_setting == "auto" and quantization in ("gguf", "int4") and device.type == "cpu" and usable():
+        return torch.float32
+    return None
+
+
+def x16_supported() -> bool:
+    """The CPU runs the AVX-512 VNNI kernels (AVX-512 F and BW, VNNI)."""
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= platform.cpu_flags()
+
+
+@functools.cache
+def isa() -> str:
+    """"avx512" (VNNI kernels, x16 layout) where the CPU has them, else "avx2" (rows layout)."""
+    return "avx512" if x16_supported() and os.environ.get("KVFLOW_NATIVE_ISA", "") != "avx2" else "avx2"
+
+
+def _layout(layout: str | None) -> str:
+    return layout or ("x16" if isa() == "avx512" else "rows")
 
 
 @functools.cache
@@ -64,25 +98,91 @@ def library() -> ctypes.CDLL | None:
                     detail.decode(errors="replace")[-500:])
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.kvflow_q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
-    lib.kvflow_q8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.kvflow_q4_linear.argtypes = lib.kvflow_q4_linear_x16.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
+                                                                          ctypes.c_int]
+    lib.kvflow_q8_linear.argtypes = lib.kvflow_q8_linear_x16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr,
+                                                                          ctypes.c_int]
     lib.kvflow_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr,
                                            ctypes.c_float, ptr, ctypes.c_int]
     lib.kvflow_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
     lib.kvflow_rms_norm.restype = None
-    lib.kvflow_q4_linear.restype = lib.kvflow_q8_linear.restype = lib.kvflow_paged_attention.restype = ctypes.c_int
+    for fn in (lib.kvflow_q4_linear, lib.kvflow_q8_linear, lib.kvflow_q4_linear_x16, lib.kvflow_q8_linear_x16,
+               lib.kvflow_paged_attention):
+        fn.restype = ctypes.c_int
     if not _self_check(lib):
         log.warning("native kernels: self-check against torch failed; torch's int4/int8 kernels instead")
         return None
     return lib
 
 
-def pack_q4(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes [N, K] (0..15, one per byte) -> GGUF's block layout [N, K / 2]: in each group of 32 columns,
-    byte j holds column j (low nibble) and column j + 16 (high nibble)."""
+X16 = 16      # weight rows per register in the AVX-512 layout
+
+
+def padded_rows(n: int, layout: str | None = None) -> int:
+    """Rows the kernel's layout holds for an [n, K] matrix (its output has this many columns)."""
+    return -(-n // X16) * X16 if _layout(layout) == "x16" else n
+
+
+def pack_q4(codes: torch.Tensor, layout: str | None = None) -> torch.Tensor:
+    """4-bit codes [N, K] (0..15, one per byte) -> the kernel's layout. AVX2: GGUF's block layout [N, K / 2] (in
+    each group of 32 columns byte j holds column j in its low nibble and column j + 16 in its high one). AVX-512:
+    x16 [N / 16, G, 4, 64] (native_kernels.c), rows padded to a multiple of 16 with code 0. `layout`: "rows" or
+    "x16" (default: this machine's kernel's)."""
     n, k = codes.shape
-    blocks = codes.to(torch.uint8).view(n, k // GROUP, 2, GROUP // 2)
+    codes = codes.to(torch.uint8)
+    if _layout(layout) == "x16":
+        quads = _x16(codes, k).reshape(-1, k // GROUP, 2, 4, 64)        # [blocks, G, half, quad c, 16 rows x 4]
+        return (quads[:, :, 0] | (quads[:, :, 1] << 4)).contiguous()
+    blocks = codes.view(n, k // GROUP, 2, GROUP // 2)
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_q4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """`pack_q4`'s inverse: codes [n, k] (padding rows dropped)."""
+    if packed.dim() == 4:
+        quads = torch.stack([packed & 15, packed >> 4], 2).view(-1, k // GROUP, 8, X16, 4)
+        return quads.permute(0, 3, 1, 2, 4).reshape(-1, k)[:n]
+    halves = packed.view(n, k // GROUP, 1, GROUP // 2)
+    return torch.cat([halves & 15, halves >> 4], 2).view(n, k)
+
+
+def pack_q8(codes: torch.Tensor, layout: str | None = None) -> torch.Tensor:
+    """8-bit codes [N, K] int8 -> the kernel's layout: AVX2 as they are; AVX-512 x16 [N / 16, G, 8, 64] of
+    code + 128 (uint8)."""
+    if _layout(layout) != "x16":
+        return codes.contiguous()
+    k = codes.shape[1]
+    return (_x16(codes.view(torch.uint8), k) ^ 0x80).reshape(-1, k // GROUP, 8, 64).contiguous()
+
+
+def q8_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of the int8 codes held in `pack_q8`'s layout (embedding lookups from the LM head's own codes)."""
+    if packed.dim() == 2:
+        return packed[rows]
+    g = packed.shape[1]
+    quads = packed.view(-1, g, 8, X16, 4)[rows // X16, :, :, rows % X16]        # [*rows, G, 8, 4]
+    return (quads ^ 0x80).view(torch.int8).reshape(*rows.shape, g * GROUP)
+
+
+def pack_scales(t: torch.Tensor, layout: str | None = None) -> torch.Tensor:
+    """Per-group scales or minimums [N, G] float32 -> the kernel's layout (AVX-512: [N / 16, G, 16])."""
+    t = t.float()
+    if _layout(layout) != "x16":
+        return t.contiguous()
+    n, g = t.shape
+    t = torch.nn.functional.pad(t, (0, 0, 0, padded_rows(n, "x16") - n))
+    return t.view(-1, X16, g).transpose(1, 2).contiguous()
+
+
+def unpack_scales(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n] if t.dim() == 3 else t
+
+
+def _x16(codes: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, K] bytes -> [N / 16, G, 8 quads, 16 rows, 4 bytes], rows padded with zeros."""
+    n = codes.shape[0]
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, padded_rows(n, "x16") - n))
+    return codes.view(-1, X16, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4)
 
 
 # The ops are defined on a plain `torch.library.Library` with CPU and fake (tracing) kernels rather than with
@@ -97,13 +197,20 @@ _OPS.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 
 
 def _q4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """x [..., K] float32 @ W.T, W = code * scale + minimum per group of 32 (codes from `pack_q4`)."""
-    return _run(library().kvflow_q4_linear, x, codes, scale, minimum)
+    """x [..., K] float32 @ W.T, W = code * scale + minimum per group of 32 (all three from `pack_q4` /
+    `pack_scales`; the layout says which kernel): [..., padded rows]."""
+    lib = library()
+    return _run(lib.kvflow_q4_linear_x16 if codes.dim() == 4 else lib.kvflow_q4_linear, x, codes, scale, minimum)
 
 
 def _q8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] float32 @ W.T, W = code * scale per group of 32 (codes int8 [N, K])."""
-    return _run(library().kvflow_q8_linear, x, codes, scale)
+    """x [..., K] float32 @ W.T, W = code * scale per group of 32 (codes from `pack_q8`)."""
+    lib = library()
+    return _run(lib.kvflow_q8_linear_x16 if codes.dim() == 4 else lib.kvflow_q8_linear, x, codes, scale)
+
+
+def _out_rows(codes: torch.Tensor) -> int:
+    return codes.shape[0] * X16 if codes.dim() == 4 else codes.shape[0]
 
 
 def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -137,8 +244,8 @@ for _name, _kernel in (("q4_linear", _q4_linear), ("q8_linear", _q8_linear),
                        ("paged_attention", _paged_attention), ("rms_norm", _rms_norm)):
     _OPS.impl(_name, _kernel, "CPU")
 torch.library.register_fake("kvflow::q4_linear", lambda x, codes, scale, minimum:
-                            x.new_empty(*x.shape[:-1], codes.shape[0]), lib=_OPS)
-torch.library.register_fake("kvflow::q8_linear", lambda x, codes, scale: x.new_empty(*x.shape[:-1], codes.shape[0]),
+                            x.new_empty(*x.shape[:-1], _out_rows(codes)), lib=_OPS)
+torch.library.register_fake("kvflow::q8_linear", lambda x, codes, scale: x.new_empty(*x.shape[:-1], _out_rows(codes)),
                             lib=_OPS)
 torch.library.register_fake("kvflow::paged_attention", lambda q, *rest: torch.empty_like(q), lib=_OPS)
 torch.library.register_fake("kvflow::rms_norm", lambda x, weight, eps: torch.empty_like(x), lib=_OPS)
@@ -155,18 +262,22 @@ def attention_supports(head_dim: int, kv_dtype: torch.dtype) -> bool:
 def _run(fn, x: torch.Tensor, codes: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:
     k = x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
-    y = torch.empty(rows.shape[0], codes.shape[0], dtype=torch.float32)
+    n = _out_rows(codes)
+    if any(s.numel() != n * (k // GROUP) for s in scales) or codes.numel() * (2 if len(scales) == 2 else 1) != n * k:
+        raise ValueError("native kernel: weights and scales not in one layout of this shape")  # never read past them
+    y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     if rows.shape[0]:
         err = fn(rows.data_ptr(), rows.shape[0], k, codes.data_ptr(), *[s.data_ptr() for s in scales],
-                 codes.shape[0], y.data_ptr(), torch.get_num_threads())
+                 n, y.data_ptr(), torch.get_num_threads())
         if err:
             raise MemoryError("native kernel: out of memory for its int8 activations")
-    return y.view(*x.shape[:-1], codes.shape[0])
+    return y.view(*x.shape[:-1], n)
 
 
 def _self_check(lib: ctypes.CDLL) -> bool:
-    """Both kernels against torch on random weights (odd row counts included): within what int8 activations
-    explain (~1% of the output's scale)."""
+    """This machine's 4-bit and 8-bit kernels (its `isa()`'s layout) against torch on random weights (odd row
+    counts and a row count that is not a multiple of 16 included): within what int8 activations explain (~1% of
+    the output's scale)."""
     g = torch.Generator().manual_seed(0)
     n, k = 40, 96
     codes4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -177,10 +288,13 @@ def _self_check(lib: ctypes.CDLL) -> bool:
     w8 = (codes8.float().view(n, -1, GROUP) * scale[..., None]).view(n, k)
     for rows in (1, 5, 70):
         x = torch.randn(rows, k, generator=g)
-        for fn, w, args in ((lib.kvflow_q4_linear, w4, (pack_q4(codes4), scale, minimum)),
-                            (lib.kvflow_q8_linear, w8, (codes8, scale))):
+        x16 = isa() == "avx512"
+        for fn, w, args in (((lib.kvflow_q4_linear_x16 if x16 else lib.kvflow_q4_linear), w4,
+                             (pack_q4(codes4), pack_scales(scale), pack_scales(minimum))),
+                            ((lib.kvflow_q8_linear_x16 if x16 else lib.kvflow_q8_linear), w8,
+                             (pack_q8(codes8), pack_scales(scale)))):
             want = x @ w.T
-            got = _run(fn, x, *args)
+            got = _run(fn, x, *args)[:, :n]
             if not torch.allclose(got, want, rtol=0, atol=0.02 * want.abs().max().item()):
                 return False
     return True

@@ -226,18 +226,23 @@ def _int4_linear(layer: nn.Linear, method: str, native: bool) -> nn.Module:
 class GGUFVocabulary(nn.Module):
     """The vocabulary table kept as the file stores it: lookups dequantize the rows they need from the file's own
     codes (exact values); the LM head, when tied, is a separate matrix (`head`) quantized for matmuls, or, with
-    `head=None` for 8-bit group-32 codes (Q8_0), these same codes through kvflow's AVX2 kernel (no second copy)."""
+    `native_head` for 8-bit group-32 codes (Q8_0), these same codes through kvflow's kernel (no second copy)."""
 
-    def __init__(self, codes: GroupQuantized, head: nn.Module | None, dtype: torch.dtype):
+    def __init__(self, codes: GroupQuantized, head: nn.Module | None, dtype: torch.dtype, native_head: bool = False):
         super().__init__()
         self.group, self.offset, self.dtype = codes.group, codes.offset, dtype
-        self.register_buffer("codes", codes.codes)
+        self.num_rows = codes.shape[0]
+        # the native head multiplies these very codes: they are kept in its kernel's layout, and lookups read
+        # their rows out of it (native_kernels.q8_rows)
+        self.native_head = native_head
+        self.register_buffer("codes", native_kernels.pack_q8(codes.codes) if self.native_head else codes.codes)
         self.register_buffer("scale", codes.scale)
+        self.register_buffer("head_scale", native_kernels.pack_scales(codes.scale) if self.native_head else None)
         self.register_buffer("zero", codes.zero)          # None for symmetric codes (Q4_0, Q8_0)
         self.head = head
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        q = self.codes[ids].to(torch.float32)
+        q = (native_kernels.q8_rows(self.codes, ids) if self.native_head else self.codes[ids]).to(torch.float32)
         q = q.view(*ids.shape, -1, self.group) - self.offset
         rows = q * self.scale[ids][..., None]
         if self.zero is not None:
@@ -245,8 +250,9 @@ class GGUFVocabulary(nn.Module):
         return rows.flatten(-2).to(self.dtype)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.head is None:
-            return native_kernels.q8_linear(hidden.float(), self.codes, self.scale).to(hidden.dtype)
+        if self.native_head:
+            logits = native_kernels.q8_linear(hidden.float(), self.codes, self.head_scale)
+            return logits[..., :self.num_rows].to(hidden.dtype)
         return self.head.project(hidden)
 
 
@@ -267,8 +273,10 @@ def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype
         if codes.bits == 4:
             return Int4Linear(codes, None, native).to(device)
         return QuantizedEmbedding(table, "int8", dtype)
-    if not tied or (native and _native_head(codes)):
+    if not tied:
         return GGUFVocabulary(codes, None, dtype).to(device)
+    if native and _native_head(codes):
+        return GGUFVocabulary(codes, None, dtype, native_head=True).to(device)
     return GGUFVocabulary(codes, QuantizedEmbedding(table, "int8", dtype), dtype).to(device)
 
 

@@ -43,15 +43,16 @@ class ModelRunner:
         self.block_size = config.block_size
         self.tp = tp = tp or TensorParallel()
         self.device = platform.pick_device(config.device, tp.local_rank if tp.size > 1 else None)
-        self.dtype = platform.pick_dtype(config.dtype, self.device)
+        files = model_path if isinstance(model_path, ModelFiles) else resolve_model_files(model_path)
+        self.quantization = weight_quantization(files, config.quantization, config.dtype, tp.size, self.device.type)
+        self.dtype = (native_kernels.compute_dtype(self.device, config.dtype, self.quantization)
+                      or platform.pick_dtype(config.dtype, self.device))
         platform.setup_threads(self.device, tp.local_size)
         self.threads = torch.get_num_threads()
 
         t0 = time.perf_counter()
         with torch.device(self.device):
             model = MODEL_FAMILIES[model_config.family](model_config, max_model_len, tp)
-        files = model_path if isinstance(model_path, ModelFiles) else resolve_model_files(model_path)
-        self.quantization = weight_quantization(files, config.quantization, config.dtype, tp.size, self.device.type)
         model.load_weights(iter_weights(files, keep_quantized=self.quantization == "gguf"))
         # weights in the compute dtype; the rotary tables stay float32 (norms compute in float32 inside)
         self.model = model.to(self.dtype)
