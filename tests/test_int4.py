@@ -10,7 +10,8 @@ from kvflow import LLM, SamplingParams
 from kvflow.layers import int4, native_kernels
 from kvflow.layers.group_quant import GroupQuantized
 from kvflow.layers.int4 import Int4Linear, choose_kernel_rows, packed_layout
-from kvflow.layers.quantization import GGUFVocabulary, QuantizedEmbedding, QuantizedLinear, quantize_model
+from kvflow.layers.quantization import (GGUFVocabulary, NativeQ8Linear, QuantizedEmbedding, QuantizedLinear,
+                                       quantize_model)
 from kvflow.models.loader import iter_weights, resolve_model_files, weight_quantization
 from tiny_models import make_tiny_hf_model, write_gguf_from_hf
 
@@ -158,6 +159,7 @@ def test_tiny_quantized_gguf_runs_kept_quantized(tiny_hf, tmp_path, ftype):
     kept = LLM(str(path), max_model_len=128, kv_cache_memory="8MiB")
     exact = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="8MiB")
     kinds = {type(m) for m in kept.engine.runner.model.modules()}
-    assert (Int4Linear if ftype == "q4_0" else QuantizedLinear) in kinds and GGUFVocabulary in kinds
+    eight_bit = NativeQ8Linear if native_kernels.usable() else QuantizedLinear     # Q8_0: kvflow's kernel where it runs
+    assert (Int4Linear if ftype == "q4_0" else eight_bit) in kinds and GGUFVocabulary in kinds
     assert kept.engine.runner.weights_bytes < 0.65 * exact.engine.runner.weights_bytes   # mostly the vocabulary
     assert len(kept.generate(["Hello there"], params)[0].outputs[0].token_ids) == 6

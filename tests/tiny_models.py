@@ -124,16 +124,46 @@ def _hf_tokenizer_metadata(hf_dir: Path) -> dict:
                 add_bos=bool(tc.get("add_bos_token", False)))
 
 
-_FTYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "bf16": 32}  # llama_ftype values
+_FTYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "bf16": 32}  # llama_ftype values
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """[rows, K] float32 (K a multiple of 256) -> GGUF Q4_K blocks [rows, K / 256 * 144] uint8, which gguf-py
+    cannot write: per block of 256, fp16 d and dmin, 6-bit scales and mins of its 8 sub-blocks of 32 (packed as
+    ggml's get_scale_min_k4 reads them), then 4-bit codes (bytes 32c..32c+31: sub-block 2c low, 2c + 1 high);
+    value = d * sc * q - dmin * m. Round to nearest, no search: a valid file, not llama.cpp's best rounding."""
+    rows, k = x.shape
+    sub = x.astype(np.float32).reshape(-1, 8, 32)                       # [blocks, sub-block, 32]
+    lo = np.minimum(sub.min(-1), 0.0)
+    scale = (sub.max(-1) - lo) / 15.0
+    d = np.maximum(scale.max(-1), 1e-12) / 63.0
+    dmin = np.maximum(-lo.min(-1), 1e-12) / 63.0
+    d, dmin = d.astype(np.float16), dmin.astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(scale / d32), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(-lo / dmin32), 0, 63).astype(np.uint8)
+    step = (d32 * sc)[..., None]
+    q = np.clip(np.round((sub + (dmin32 * m)[..., None]) / step), 0, 15).astype(np.uint8)
+    packed = np.empty((sub.shape[0], 12), dtype=np.uint8)
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    qs = q.reshape(-1, 4, 2, 32)
+    qs = qs[:, :, 0] | (qs[:, :, 1] << 4)                               # [blocks, 4, 32]
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed,
+                             qs.reshape(-1, 128)], axis=1)
+    return blocks.reshape(rows, k // 256 * 144)
 
 
 def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path:
-    """Write the HF folder's model as GGUF like llama.cpp's converter. ftype: f32 f16 bf16 q8_0 q4_0 q4_1."""
+    """Write the HF folder's model as GGUF like llama.cpp's converter. ftype: f32 f16 bf16 q8_0 q4_0 q4_1 q4_k
+    (q4_k: matrices whose rows are a multiple of 256 wide; the others Q8_0, as llama.cpp falls back)."""
     import gguf
     from gguf import GGMLQuantizationType as T
     from safetensors.numpy import load_file
 
-    qtypes = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1}
+    qtypes = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1,
+              "q4_k": T.Q4_K}
     qtype = qtypes[ftype]
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -191,6 +221,10 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
             w.add_tensor(gname, np.ascontiguousarray(data))
         elif qtype == T.F16:
             w.add_tensor(gname, data.astype(np.float16))
+        elif qtype == T.Q4_K and data.shape[1] % 256 == 0:
+            w.add_tensor(gname, quantize_q4_k(data), raw_dtype=T.Q4_K)
+        elif qtype == T.Q4_K:
+            w.add_tensor(gname, gguf.quants.quantize(data, T.Q8_0), raw_dtype=T.Q8_0)
         else:
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()

@@ -180,7 +180,8 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
     int8 / fp8: per-channel codes rounded from the float weights. int4: group-32 codes rounded to nearest from the
     float weights (layers whose K is not a multiple of 32 take int8). gguf: the file's own codes, as
     `iter_weights(keep_quantized=True)` attached them to the layers they were loaded into (`gguf_pieces`):
-    4-bit ones run as int4, 8-bit ones (Q8_0, re-rounded K-quants) as per-channel int8, float ones stay float."""
+    4-bit ones run as int4, 8-bit ones (Q8_0, re-rounded K-quants) through kvflow's kernel where it runs (else as
+    per-channel int8), float ones stay float."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
     if method in QUANT_DTYPES:
@@ -220,7 +221,26 @@ def _int4_linear(layer: nn.Linear, method: str, native: bool) -> nn.Module:
         return layer
     if codes.bits == 4:
         return Int4Linear(codes, layer.bias, native).to(layer.weight.device)
+    if native and _native_q8(codes):
+        return NativeQ8Linear(codes, layer.bias).to(layer.weight.device)
     return QuantizedLinear(layer, "int8")
+
+
+class NativeQ8Linear(nn.Module):
+    """8-bit group-32 codes (Q8_0, or K-quants re-rounded to it) multiplied by kvflow's kernel for steps of every
+    size, each row alone: where the 4-bit layers run kvflow's kernels, the 8-bit ones must too, or a row's bits
+    would depend on its step again (torch's int8 kernel takes bf16 activations and is not batch invariant)."""
+
+    def __init__(self, codes: GroupQuantized, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", native_kernels.pack_q8(codes.codes))
+        self.register_buffer("scale", native_kernels.pack_scales(codes.scale))
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = native_kernels.q8_linear(x.float(), self.codes, self.scale)[..., :self.out_features].to(x.dtype)
+        return y + self.bias if self.bias is not None else y
 
 
 class GGUFVocabulary(nn.Module):
@@ -256,7 +276,7 @@ class GGUFVocabulary(nn.Module):
         return self.head.project(hidden)
 
 
-def _native_head(codes: GroupQuantized) -> bool:
+def _native_q8(codes: GroupQuantized) -> bool:
     return codes.bits == 8 and codes.group == native_kernels.GROUP and codes.zero is None
 
 
@@ -275,7 +295,7 @@ def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype
         return QuantizedEmbedding(table, "int8", dtype)
     if not tied:
         return GGUFVocabulary(codes, None, dtype).to(device)
-    if native and _native_head(codes):
+    if native and _native_q8(codes):
         return GGUFVocabulary(codes, None, dtype, native_head=True).to(device)
     return GGUFVocabulary(codes, QuantizedEmbedding(table, "int8", dtype), dtype).to(device)
 
@@ -297,8 +317,8 @@ def _choose_int4_kernel(layers: list[Int4Linear], dtype: torch.dtype) -> str:
     if not layers:
         return "no int4 matrices"
     if all(m.native for m in layers):
-        return ("int4 matrices use kvflow's AVX2 kernel (int8 activations per group of 32) for every step; a tied "
-                "Q8_0 LM head reads the embedding's own codes the same way")
+        return (f"int4 matrices use kvflow's {native_kernels.isa().upper()} kernel (int8 activations per group of "
+                "32) for every step, as do Q8_0 matrices and a tied Q8_0 LM head (the embedding's own codes)")
     if not any(m.uses_kernel for m in layers):
         return "int4 matrices dequantized per matrix before each matmul (no usable torch int4 CPU kernel here)"
     rows, table = int4.choose_kernel_rows(layers, dtype)
