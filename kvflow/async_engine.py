@@ -134,6 +134,9 @@ class AsyncEngine:
             log_stats_interval=log_stats_interval)
         self.metrics.weights_bytes.set(core.runner.weights_bytes)
         self.metrics.kv_cache_bytes.set(core.runner.kv_cache_bytes)
+        compiled = core.runner.compiled_decode        # the gauges before the first step (later steps update them)
+        self.metrics.compiled_decode_buckets_ready.set(len(compiled.ready) if compiled else 0)
+        self.metrics.compiled_decode_buckets_total.set(len(compiled.buckets) if compiled else 0)
         self.processor = OutputProcessor(tokenizer)
 
         # shared by both threads, under _cond
@@ -319,6 +322,9 @@ class AsyncEngine:
                     self._inbox.clear()
                 if not messages and not has_work:
                     core.check_health()         # raises when the engine cannot step any more
+                    if core.load_compiled_steps():      # a compiled decode graph is ready: /metrics says so
+                        t0 = time.time()
+                        self._deliver(self._on_step_result, StepResult([], core.stats(), t0, t0, 0, []))
                     continue
                 num_added, rejected = self._apply(messages)
                 outputs: list[EngineOutput] = []

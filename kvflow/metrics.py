@@ -114,6 +114,10 @@ class EngineMetrics:
         self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.compiled_decode_buckets_ready = gauge(
+            "kvflow:compiled_decode_buckets_ready", "Batch-size buckets whose compiled decode step is loaded.")
+        self.compiled_decode_buckets_total = gauge(
+            "kvflow:compiled_decode_buckets_total", "Batch-size buckets of the compiled decode step (0: off).")
         self.gpu_cache_usage = gauge(
             "vllm:gpu_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage. (older name of vllm:kv_cache_usage_perc)")
@@ -182,6 +186,8 @@ class EngineMetrics:
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.gpu_cache_usage.set(stats.kv_cache_usage)
+        self.compiled_decode_buckets_ready.set(stats.compiled_decode_buckets_ready)
+        self.compiled_decode_buckets_total.set(stats.compiled_decode_buckets_total)
         for delta, ctr in ((stats.prefix_cache_queries, self.prefix_cache_queries),
                            (stats.prefix_cache_hits, self.prefix_cache_hits),
                            (stats.num_preemptions, self.num_preemptions),

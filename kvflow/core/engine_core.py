@@ -91,6 +91,11 @@ class EngineCore:
         """Raise if the engine cannot step any more (a tensor-parallel worker died). Cheap; for idle loops."""
         self.executor.check_health()
 
+    def load_compiled_steps(self) -> bool:
+        """While idle: load the decode graphs compiled in the background since the last step; True when one
+        was (a step loads them too)."""
+        return self.runner.load_compiled_steps()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any. Call once no step is running."""
         executor = getattr(self, "executor", None)
@@ -127,6 +132,9 @@ class EngineCore:
         counters = (sched.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits)
         deltas = [now - before for now, before in zip(counters, self._counters)]
         self._counters = counters
+        compiled = self.runner.compiled_decode
         return StepStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
                          kv_cache_usage=kv.usage, num_preemptions=deltas[0], prefix_cache_queries=deltas[1],
-                         prefix_cache_hits=deltas[2], **step)
+                         prefix_cache_hits=deltas[2],
+                         compiled_decode_buckets_ready=len(compiled.ready) if compiled and not compiled.failed else 0,
+                         compiled_decode_buckets_total=len(compiled.buckets) if compiled else 0, **step)

@@ -60,3 +60,5 @@ class StepStats:
     batch_size: int = 0                     # requests in the step (0: no step ran)
     num_batched_tokens: int = 0
     duration_s: float = 0.0
+    compiled_decode_buckets_ready: int = 0  # compiled decode graphs loaded (runner/compiled_decode.py)
+    compiled_decode_buckets_total: int = 0  # buckets asked for (0: compiled decode off)

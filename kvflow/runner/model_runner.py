@@ -23,7 +23,7 @@ from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.loader import ModelFiles, iter_weights, resolve_model_files, weight_quantization
 from kvflow.models.model_config import ModelConfig
-from kvflow.runner.compiled_decode import CompiledDecode
+from kvflow.runner.compiled_decode import CompiledDecode, model_identity, plain_module_state
 from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
 from kvflow.runner.sampler import Sampler
 
@@ -77,10 +77,10 @@ class ModelRunner:
             if isinstance(norm, RMSNorm):
                 norm.native = self.native_attention
         self.sampler = Sampler(self.device, config.seed) if tp.is_first else None
-        self.compiled_decode = self._start_compiled_decode()
+        self.compiled_decode = self._start_compiled_decode(files)
 
     # ---- compiled decode steps ---------------------------------------------------------------------
-    def _start_compiled_decode(self) -> CompiledDecode | None:
+    def _start_compiled_decode(self, files: ModelFiles) -> CompiledDecode | None:
         """CPU, one rank: compile decode steps in the background (runner/compiled_decode.py). On CUDA the eager
         step stays (CUDA graphs are their own piece of work); under tensor parallelism the all-reduces stay
         outside any graph."""
@@ -90,9 +90,24 @@ class ModelRunner:
         sizes = self.config.compile_batch_sizes
         fits = [b for b in sizes if b >= self.config.max_num_seqs]
         buckets = tuple(b for b in sizes if b < self.config.max_num_seqs) + tuple(fits[:1])
-        compiled = CompiledDecode(self.model, buckets, self.threads_for)
-        compiled.start(self._padding_step)
+        model_path = Path(files.path)
+        # everything a decode graph depends on (the KV cache's block count is a dynamic dimension: not here)
+        key = {"model": model_identity(model_path), "model_config": repr(self.model_config),
+               "dtype": str(self.dtype), "kv_dtype": str(self.kv_dtype), "quantization": self.quantization,
+               "native_attention": self.native_attention, "native_kernels": native_kernels.library() is not None,
+               "block_size": self.block_size, "max_model_len": self.max_model_len,
+               "cpu_flags": sorted(platform.cpu_flags()), "module_state": repr(plain_module_state(self.model))}
+        per_block = self.kv_cache_bytes // self.num_blocks
+        job = {"config": self.config, "model_config": self.model_config, "model_path": model_path,
+               "max_model_len": self.max_model_len, "module_state": plain_module_state(self.model),
+               "kv_cache_memory": per_block * -(-self.max_model_len // self.block_size)}
+        compiled = CompiledDecode(self.model, buckets, self.threads_for, key, job)
+        compiled.start()
         return compiled
+
+    def load_compiled_steps(self) -> bool:
+        """Between steps (the server's idle loop): load the decode graphs compiled since; True when one was."""
+        return self.compiled_decode.poll() if self.compiled_decode is not None else False
 
     def threads_for(self, rows: int) -> int:
         """CPU threads for a step of `rows` rows: all of the runner's, or `small_step_threads` for small steps
@@ -107,6 +122,12 @@ class ModelRunner:
         batch = StepBatch(num_decodes=0, token_ids=[], num_computed_tokens=[], num_new_tokens=[], block_tables=[],
                           samples=[])
         ids, pos, meta, _ = self.prepare_inputs(batch, pad_to=bucket)
+        # the width of the block tables (the longest context) is a dynamic dimension of the compiled graph; the
+        # marks go on the compiler's inputs only (a graph loaded from a file rejects marked inputs it was not
+        # compiled with)
+        for t, dim in ((meta.seq_tables, 1), (meta.decode_block_tables, 1), (meta.decode_mask, 3)):
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, dim)
         return ids, pos, meta
 
     def shutdown(self) -> None:
@@ -169,16 +190,11 @@ class ModelRunner:
         if self.native_attention:
             # every row, decode or prefill, attends alone over its own keys (kvflow's kernel)
             meta.seq_tables, meta.row_seq, meta.positions = table, row_seq, pos
-            if pad_to:
-                torch._dynamo.maybe_mark_dynamic(meta.seq_tables, 1)
         else:
             if rows:
                 decode_width = max(max(len(t) for t in tables[:rows]), 2 if pad_to else 1)
                 meta.decode_block_tables = table[:rows, :decode_width].contiguous().to(self.device)
                 meta.decode_mask = self._causal_mask(torch.arange(decode_width * bs), pos[:rows, None])[:, None, None, :]
-                if pad_to:
-                    torch._dynamo.maybe_mark_dynamic(meta.decode_block_tables, 1)
-                    torch._dynamo.maybe_mark_dynamic(meta.decode_mask, 3)
             if nd < len(batch.num_new_tokens):
                 meta.prefill = self._prefill_batch(batch)
         logits_indices, row = [], 0
