@@ -57,7 +57,7 @@ def test_compiled_decode_gives_the_eager_greedy_tokens_and_padding_stays_in_the_
     expected, expected_alone = tokens(eager, prompts, max_tokens), tokens(eager, prompts[:1], max_tokens)
     llm = make_llm(tiny_dir, dtype, eager=False)
     scratch = llm.engine.runner.scratch_block
-    assert written_blocks(llm) == {scratch}         # the warm-up ran the graphs on padding rows only
+    assert written_blocks(llm) <= {scratch}     # nothing ran yet but, at most, padding rows
     assert tokens(llm, prompts, max_tokens) == expected                 # bucket 4
     assert tokens(llm, prompts[:1], max_tokens) == expected_alone       # bucket 1
     assert llm.engine.runner.compiled_decode.steps >= 2 * (max_tokens - 1)
