@@ -33,7 +33,8 @@ def main() -> None:
     engines = {"eager": LLM(enforce_eager=True, **kw), "compiled": LLM(enforce_eager=False, **kw)}
     compiled = engines["compiled"].engine.runner.compiled_decode
     compiled.wait()
-    print(f"compile seconds per bucket: {compiled.compile_seconds}, failed: {compiled.failed}")
+    print(f"compile seconds per bucket (in the compiler process; 0: from the cache): {compiled.compile_seconds}, "
+          f"load seconds: {compiled.load_seconds}, failed: {compiled.failed}")
     for llm in engines.values():
         tok_per_s(llm, 2, 4)                                   # warm-up
     for batch in args.batch:
