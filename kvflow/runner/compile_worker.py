@@ -4,8 +4,8 @@ Reads a pickled job on stdin: the engine settings, the model, the serving proces
 per bucket, its thread count and where to save its graph. Builds the same model with the same ModelRunner
 (enforce_eager, so it starts no compiler of its own; a KV cache of one request, its block count a dynamic
 dimension), compiles each bucket with `torch.compile(...).aot_compile` and saves it (atomically), printing
-"ready <bucket> <seconds>" after each. Runs at a low CPU priority (NICE), so serving on the same cores barely
-slows, and dies with its parent.
+"ready <bucket> <seconds>" after each. Runs on one core at a lower CPU priority (NICE) while serving keeps the
+others, and dies with its parent.
 """
 from __future__ import annotations
 
@@ -25,10 +25,12 @@ def _die_with_parent() -> None:
         pass
 
 
-# CPU priority: at nice 10 the scheduler gives the compiler ~10% of a core that serving also wants (weight 110
-# against 1024), so serving runs at ~0.9x while it compiles, and a busy server still finishes compiling; at 19
-# (weight 15) a test that stepped without pause starved it for 15 minutes
-NICE = 10
+# CPU priority and cores: while this process compiles, the serving process runs its eager steps on one core fewer
+# (ModelRunner.forward), and this one compiles on one core (Inductor's C++ builds one at a time), so neither waits
+# for the other. Measured on 2 cores: at nice 10 beside serving on both cores the compiler got ~10% of a core and a
+# busy server never finished compiling (bucket 1 not ready after 150 s); at 19 a test that stepped without pause
+# starved it for 15 minutes. Nice 5 still lets the server's event loop and tokenizer threads go first.
+NICE = 5
 
 
 def main() -> int:
@@ -50,6 +52,7 @@ def main() -> int:
     # (without it a tiny random model's greedy run flipped a near-tie one step early)
     torch._inductor.config.emulate_precision_casts = True
     torch._dynamo.config.enable_aot_compile = True
+    torch._inductor.config.compile_threads = 1          # one core: the serving process keeps the others
     for bucket, threads, path in job["buckets"]:
         if os.getppid() != parent:
             return 0

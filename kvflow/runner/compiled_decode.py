@@ -10,8 +10,8 @@ How:
   write their K/V to the scratch block and read only it (their outputs are dropped);
 - the block-table width (the longest context) and the KV cache's block count are dynamic dimensions, so one
   graph per bucket serves every context length and every cache size;
-- the graphs are compiled in a CHILD PROCESS (`compile_worker.py`, at nice 10: serving on the same cores barely
-  slows), which builds the same model from the same settings, compiles each bucket with torch's precompile API
+- the graphs are compiled in a CHILD PROCESS (`compile_worker.py`, on one core at nice 5 while eager steps run on
+  the other cores), which builds the same model from the same settings, compiles each bucket with torch's precompile API
   (`torch.compile(...).aot_compile`) and saves it under $KVFLOW_CACHE_DIR (default ~/.cache/kvflow)/
   compiled_decode, keyed by everything the graph depends on (`cache_key`). This process only LOADS saved graphs
   (no tracing, ~tens of ms a bucket once Inductor's own cache holds their C++), on the engine thread between
@@ -117,6 +117,7 @@ class CompiledDecode:
         self._child: subprocess.Popen | None = None
         self._watcher: threading.Thread | None = None
         self._stopped = False
+        self.compiling = False                  # the child is at work: eager steps leave it a core
         self._finalizer = None
 
     # ---- the engine thread -------------------------------------------------------------------------
@@ -188,6 +189,7 @@ class CompiledDecode:
         except Exception:  # noqa: BLE001
             self._fail("starting the decode-step compiler process failed")
             return
+        self.compiling = True
         # the child dies with this process even where shutdown is never called
         self._finalizer = weakref.finalize(self, _kill, self._child)
         self._watcher = threading.Thread(target=self._watch, args=(self._child,), name="kvflow-compile-watch",
@@ -206,6 +208,7 @@ class CompiledDecode:
             if len(words) == 3 and words[0] == "ready":
                 self._pending.append((int(words[1]), float(words[2])))
         rc = child.wait()
+        self.compiling = False
         if rc != 0 and not self._stopped:
             self._fail(f"the decode-step compiler process exited with status {rc} (its log: {self._log_path})",
                        exc_info=False)
@@ -241,6 +244,7 @@ class CompiledDecode:
     def stop(self) -> None:
         """Compile nothing more: kill the child (a half-written graph is never read: saves are atomic)."""
         self._stopped = True
+        self.compiling = False
         if self._child is not None:
             _kill(self._child)
         if self._watcher is not None:

@@ -242,6 +242,8 @@ class ModelRunner:
         size has a compiled graph ready runs that graph (eagerly if the graph fails)."""
         bucket = self.compiled_decode.bucket_for(batch) if self.compiled_decode else None
         threads = self.threads_for(bucket or len(batch.num_new_tokens))
+        if not bucket and threads > 1 and self.compiled_decode is not None and self.compiled_decode.compiling:
+            threads -= 1        # a core for the compiler process (compile_worker.py says why)
         if threads != torch.get_num_threads():     # only when it changes: the call is not free
             torch.set_num_threads(threads)
         hidden = None
