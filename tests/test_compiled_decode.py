@@ -169,3 +169,17 @@ def test_small_steps_on_fewer_threads_use_their_compiled_graphs(tiny_dir):
     assert not runner.compiled_decode.failed          # a graph run on other threads would fail its guards
     assert runner.compiled_decode.steps == 2 * 15 and all(len(t) == 16 for t in out)
     torch.set_num_threads(threads)
+
+
+def test_the_graph_cache_keeps_the_most_recently_used_and_this_engines_own(tmp_path):
+    from kvflow.runner.compiled_decode import prune_saved_graphs
+    files = []
+    for i in range(10):
+        f = tmp_path / f"{i}.bin"
+        f.write_bytes(b"x")
+        os.utime(f, (1000 + i, 1000 + i))               # 9 is the most recently used
+        files.append(f)
+    (tmp_path / "compile_worker.log").write_text("kept")
+    prune_saved_graphs(tmp_path, keep={files[0]}, most=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.bin", "7.bin", "8.bin", "9.bin", "compile_worker.log"]
+    prune_saved_graphs(tmp_path / "missing", keep=set())         # no folder yet: nothing to do

@@ -48,6 +48,9 @@ from kvflow.runner.step import StepBatch
 log = logging.getLogger("kvflow")
 
 FORMAT = 1          # bump when what is saved changes shape
+# saved graphs kept in the cache folder besides this engine's own (each code change or model makes new keys;
+# a graph of the embedded model is ~0.35 MB): the least recently used beyond this are deleted at start
+MAX_SAVED = 64
 
 
 def cache_root() -> Path:
@@ -170,6 +173,7 @@ class CompiledDecode:
             if self.ready:
                 log.info("compiled decode steps: %d/%d loaded from %s in %.2f s", len(self.ready), len(self.buckets),
                          self.dir, sum(self.load_seconds.values()))
+            prune_saved_graphs(self.dir, set(self.paths.values()))
             if not missing:
                 return
             log.info("compiling decode steps for batch sizes %s in a background process (low priority): %d/%d ready, "
@@ -216,6 +220,10 @@ class CompiledDecode:
     def _load(self, bucket: int, quiet: bool = False) -> bool:
         t = time.perf_counter()
         try:
+            os.utime(self.paths[bucket])            # used now: pruning keeps it
+        except OSError:
+            pass
+        try:
             torch._dynamo.config.enable_aot_compile = True
             # guards are rebuilt against the thread-local state: inference mode, as the steps run
             with open(self.paths[bucket], "rb") as f, torch.inference_mode():
@@ -254,6 +262,19 @@ class CompiledDecode:
         if not self.failed:
             self.failed = True
             log.warning("%s; every step runs eagerly from now on", what, exc_info=exc_info)
+
+
+def prune_saved_graphs(folder: Path, keep: set[Path], most: int = MAX_SAVED) -> None:
+    """Delete the saved graphs in `folder` beyond the `most` most recently used, never those in `keep`. Another
+    process may prune or save at the same time: a file that vanishes meanwhile is fine."""
+    def used(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:
+            return 0.0
+    others = sorted((p for p in folder.glob("*.bin") if p not in keep), key=used, reverse=True)
+    for p in others[most:]:
+        p.unlink(missing_ok=True)
 
 
 def _kill(child: subprocess.Popen) -> None:
