@@ -126,6 +126,8 @@ def test_default_for_a_quantized_gguf_is_to_keep_it_quantized(smollm2_path):
     files = resolve_model_files(smollm2_path)
     assert weight_quantization(files, None, "auto") == "gguf"
     assert weight_quantization(files, None, "float32") is None          # bit-exact float32 stays reachable
+    assert weight_quantization(files, None, "bfloat16") == "gguf"       # bf16: the activations' dtype (vLLM's GGUF)
+    assert weight_quantization(files, None, "float16") is None
     assert weight_quantization(files, "none", "auto") is None
     assert weight_quantization(files, "int4", "float32") == "int4"
     assert weight_quantization(files, None, "auto", tp_size=2) is None

@@ -214,3 +214,16 @@ def test_native_kernels_inside_a_compiled_graph():
     x = torch.randn(3, 96, generator=g)
     compiled = torch.compile(lambda t: layer(t * 2) + 1, fullgraph=True)
     torch.testing.assert_close(compiled(x), layer(x * 2) + 1)
+
+
+def test_paged_attention_reads_bfloat16_caches_as_the_floats_they_hold():
+    """bf16 compute: the caches hold bfloat16; the kernel widens each value exactly and sums in float32, so it gives
+    the bits of the float32 kernel over the same values, and a bf16 query gets them rounded once."""
+    q, kc, vc, tables, pos = paged(4)
+    kb, vb = kc.bfloat16(), vc.bfloat16()
+    rows, scale = torch.arange(4), 64 ** -0.5
+    wide = native_kernels.paged_attention(q, kb.float(), vb.float(), tables, rows, pos, scale)
+    assert torch.equal(native_kernels.paged_attention(q, kb, vb, tables, rows, pos, scale), wide)
+    assert torch.equal(native_kernels.paged_attention(q.bfloat16(), kb, vb, tables, rows, pos, scale),
+                       native_kernels.paged_attention(q.bfloat16().float(), kb.float(), vb.float(), tables, rows, pos,
+                                                      scale).bfloat16())

@@ -197,10 +197,20 @@ static void softmax(float *p, int64_t len) {
 // Each row's sums run over its own keys in one fixed order, whatever else is in the step, however its
 // sequence was chunked, and on however many threads: the result of a row depends on that row's inputs only
 // (batch invariance). D must be a multiple of 8 and at most 256.
+// 8 cache values as floats: float32, or bfloat16 (its bits are the top half of a float32's)
+static inline __m256 load8(const void *cache, int64_t i, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i))), 16));
+    return _mm256_loadu_ps((const float *)cache + i);
+}
+
+// `bf16`: the caches hold bfloat16 (bf16 compute); q and out stay float32, and every sum is the same float32
+// arithmetic either way
 int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                           const float *k_cache, const float *v_cache, int64_t block_size,
+                           const void *k_cache, const void *v_cache, int64_t block_size,
                            const int64_t *tables, int64_t width, const int64_t *row_seq,
-                           const int64_t *positions, float scale, float *out, int threads) {
+                           const int64_t *positions, float scale, float *out, int threads, int bf16) {
     const int64_t G = Hq / Hkv, V = D / 8;
     int64_t longest = 1;
     for (int64_t t = 0; t < T; t++) longest = positions[t] + 1 > longest ? positions[t] + 1 : longest;
@@ -220,11 +230,11 @@ int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, i
             const float *qh = q + (t * Hq + h * G) * D;
             float *oh = out + (t * Hq + h * G) * D;
             for (int64_t j = 0; j < len; j++) {
-                const float *k = k_cache + ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
+                const int64_t k = ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
                 for (int64_t g = 0; g < G; g++) {
                     __m256 acc = _mm256_setzero_ps();
                     for (int64_t v = 0; v < V; v++)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 8 * v), _mm256_loadu_ps(k + 8 * v), acc);
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 8 * v), load8(k_cache, k + 8 * v, bf16), acc);
                     p[g * longest + j] = hsum(acc) * scale;
                 }
             }
@@ -233,9 +243,9 @@ int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, i
                 __m256 acc[32];                     // D <= 256: checked by the caller
                 for (int64_t c = 0; c < V; c++) acc[c] = _mm256_setzero_ps();
                 for (int64_t j = 0; j < len; j++) {
-                    const float *v = v_cache + ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
+                    const int64_t v = ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
                     const __m256 w = _mm256_set1_ps(p[g * longest + j]);
-                    for (int64_t c = 0; c < V; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+                    for (int64_t c = 0; c < V; c++) acc[c] = _mm256_fmadd_ps(w, load8(v_cache, v + 8 * c, bf16), acc[c]);
                 }
                 for (int64_t c = 0; c < V; c++) _mm256_storeu_ps(oh + g * D + 8 * c, acc[c]);
             }

@@ -34,9 +34,12 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 GROUP = 32
 
 
-def wanted(device: torch.device, dtype: torch.dtype) -> bool:
-    """Where these kernels run: CPU, float32 compute, AVX2 + FMA."""
-    if os.environ.get("KVFLOW_NATIVE_KERNELS", "1") == "0" or device.type != "cpu" or dtype != torch.float32:
+def wanted(device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> bool:
+    """Where these kernels run: CPU with AVX2 + FMA, float32 compute, or bfloat16 compute where they also multiply
+    the weights (4-bit codes: `quantization` "gguf" or "int4"; a float checkpoint's bf16 matmuls are oneDNN's)."""
+    if os.environ.get("KVFLOW_NATIVE_KERNELS", "1") == "0" or device.type != "cpu":
+        return False
+    if dtype != torch.float32 and not (dtype == torch.bfloat16 and quantization in ("gguf", "int4")):
         return False
     flags = platform.cpu_flags()
     return "avx2" in flags and "fma" in flags
@@ -103,7 +106,7 @@ def library() -> ctypes.CDLL | None:
     lib.kvflow_q8_linear.argtypes = lib.kvflow_q8_linear_x16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr,
                                                                           ctypes.c_int]
     lib.kvflow_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr,
-                                           ctypes.c_float, ptr, ctypes.c_int]
+                                           ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
     lib.kvflow_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
     lib.kvflow_rms_norm.restype = None
     for fn in (lib.kvflow_q4_linear, lib.kvflow_q8_linear, lib.kvflow_q4_linear_x16, lib.kvflow_q8_linear_x16,
@@ -215,19 +218,20 @@ def _out_rows(codes: torch.Tensor) -> int:
 
 def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      row_seq: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, Hq, D] float32 attending, row t, to keys 0..positions[t] of sequence row_seq[t], whose block table
-    is tables[row_seq[t]] (int64), in caches [blocks, block_size, Hkv, D] -> [T, Hq, D]. Every row is computed
-    alone, in a fixed order (batch invariant)."""
-    q = q.contiguous()
+    """q [T, Hq, D] attending, row t, to keys 0..positions[t] of sequence row_seq[t], whose block table is
+    tables[row_seq[t]] (int64), in caches [blocks, block_size, Hkv, D] (float32 or bfloat16, q's dtype) ->
+    [T, Hq, D]. Every row is computed alone, in a fixed order, in float32 (batch invariant)."""
+    dtype = q.dtype
+    q = q.float().contiguous()
     out = torch.empty_like(q)
     T, Hq, D = q.shape
     if T:
         if library().kvflow_paged_attention(
                 q.data_ptr(), T, Hq, k_cache.shape[2], D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
                 tables.data_ptr(), tables.shape[1], row_seq.data_ptr(), positions.data_ptr(), scale, out.data_ptr(),
-                torch.get_num_threads()):
+                torch.get_num_threads(), int(k_cache.dtype == torch.bfloat16)):
             raise MemoryError("native kernel: out of memory for attention scores")
-    return out
+    return out.to(dtype)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -256,7 +260,7 @@ rms_norm = torch.ops.kvflow.rms_norm.default
 
 
 def attention_supports(head_dim: int, kv_dtype: torch.dtype) -> bool:
-    return kv_dtype == torch.float32 and head_dim % 8 == 0 and head_dim <= 256
+    return kv_dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
 
 
 def _run(fn, x: torch.Tensor, codes: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:

@@ -192,7 +192,7 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
     else:
         tied = getattr(model, "lm_head", True) is None
         device = next(model.parameters()).device
-        native = native_kernels.wanted(device, dtype) and native_kernels.library() is not None
+        native = native_kernels.wanted(device, dtype, method) and native_kernels.library() is not None
         swap_matrices(model, linear=lambda layer: _int4_linear(layer, method, native),
                       table=lambda table: _vocabulary(table, method, dtype, tied, native))
     how = _choose_matmul(model, method, dtype)

@@ -137,12 +137,13 @@ def weight_quantization(files: ModelFiles, quantization: str | None, dtype_setti
     """What `quantize_model` is asked to do with these files (None: nothing, the weights stay float).
 
     An explicit `quantization` wins ("none": float). Unset, a GGUF whose matrices are quantized stays quantized
-    ("gguf": the file's own codes, 4-8x fewer bytes per step than floats) unless the user asked for a float
-    dtype (`dtype=float32` stays bit-exact with transformers' float load of the same file), the model is split
+    ("gguf": the file's own codes, 4-8x fewer bytes per step than floats; `dtype=bfloat16` then sets the
+    activations' dtype, as vLLM's GGUF support does) unless the user asked for float32 or float16
+    (`dtype=float32` stays bit-exact with transformers' float load of the same file), the model is split
     over tensor-parallel ranks, or it runs on a GPU (the int4 kernel used here is torch's CPU one)."""
     if quantization is not None:
         return None if quantization == "none" else quantization
-    if files.format != "gguf" or dtype_setting != "auto" or tp_size > 1 or device_type != "cpu":
+    if files.format != "gguf" or dtype_setting not in ("auto", "bfloat16") or tp_size > 1 or device_type != "cpu":
         return None
     from gguf import GGMLQuantizationType
 

@@ -71,7 +71,8 @@ class ModelRunner:
         self.num_blocks = self._allocate_kv_cache()
         # kvflow's attention kernel where its linear kernels run: faster than gathering the context for SDPA, and
         # each row's result depends on that row alone (batch invariance; native_kernels.c)
-        self.native_attention = (native_kernels.wanted(self.device, self.dtype) and native_kernels.library() is not None
+        self.native_attention = (native_kernels.wanted(self.device, self.dtype, self.quantization)
+                                 and native_kernels.library() is not None
                                  and native_kernels.attention_supports(model_config.head_dim, self.kv_dtype))
         for norm in self.model.modules():
             if isinstance(norm, RMSNorm):
