@@ -1,6 +1,7 @@
 """The default engine's kernels against torch's, end to end, on the embedded model: kvflow's own kernels (float32
-compute; what dtype=auto picks wherever they run, batch invariant) against torch's bf16 int4 / int8 kernels with
-SDPA attention (what dtype=auto picked on CPUs with fast bf16 before; `KVFLOW_NATIVE_KERNELS=0` gives it).
+compute; what dtype=auto picks wherever they run, batch invariant), the same kernels with bf16 activations and KV
+cache (`dtype=bfloat16`), and torch's bf16 int4 / int8 kernels with SDPA attention (what dtype=auto picked on CPUs
+with fast bf16 before; `KVFLOW_NATIVE_KERNELS=0` gives it).
 
     python benchmarks/kernel_paths.py [--batch 1 32] [--max-tokens 64] [--reps 3] [--buckets 1 32]
 
@@ -18,10 +19,10 @@ import time
 from kvflow import LLM, SamplingParams
 
 
-def build(native: bool, buckets: tuple[int, ...]) -> LLM:
+def build(native: bool, buckets: tuple[int, ...], dtype: str = "auto") -> LLM:
     os.environ["KVFLOW_NATIVE_KERNELS"] = "1" if native else "0"       # read when the engine picks its kernels
     try:
-        return LLM(max_model_len=512, kv_cache_memory="256MiB", compile_batch_sizes=buckets)
+        return LLM(dtype=dtype, max_model_len=512, kv_cache_memory="256MiB", compile_batch_sizes=buckets)
     finally:
         os.environ.pop("KVFLOW_NATIVE_KERNELS")
 
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, nargs="+", default=[1, 32])
     args = ap.parse_args()
     engines = {"kvflow kernels (default)": build(True, tuple(args.buckets)),
+               "kvflow kernels, bf16": build(True, tuple(args.buckets), "bfloat16"),
                "torch int4 bf16": build(False, tuple(args.buckets))}
     for name, llm in engines.items():
         compiled = llm.engine.runner.compiled_decode
@@ -62,8 +64,10 @@ def main() -> None:
         print(f"{name:>26}  {cells}  differ: {differ}/{big}")
     base = "torch int4 bf16"
     for b in args.batch:
-        ratio = statistics.median(runs[("kvflow kernels (default)", b)]) / statistics.median(runs[(base, b)])
-        print(f"batch {b}: kvflow kernels / torch's = {ratio:.2f}x")
+        for name in engines:
+            if name != base:
+                ratio = statistics.median(runs[(name, b)]) / statistics.median(runs[(base, b)])
+                print(f"batch {b}: {name} / torch's = {ratio:.2f}x")
 
 
 if __name__ == "__main__":
