@@ -134,9 +134,9 @@ class AsyncEngine:
             log_stats_interval=log_stats_interval)
         self.metrics.weights_bytes.set(core.runner.weights_bytes)
         self.metrics.kv_cache_bytes.set(core.runner.kv_cache_bytes)
-        compiled = core.runner.compiled_decode        # the gauges before the first step (later steps update them)
-        self.metrics.compiled_decode_buckets_ready.set(len(compiled.ready) if compiled else 0)
-        self.metrics.compiled_decode_buckets_total.set(len(compiled.buckets) if compiled else 0)
+        stats = core.stats()                          # the gauges before the first step (later steps update them)
+        self.metrics.compiled_decode_buckets_ready.set(stats.compiled_decode_buckets_ready)
+        self.metrics.compiled_decode_buckets_total.set(stats.compiled_decode_buckets_total)
         self.processor = OutputProcessor(tokenizer)
 
         # shared by both threads, under _cond

@@ -92,15 +92,16 @@ class ModelRunner:
         fits = [b for b in sizes if b >= self.config.max_num_seqs]
         buckets = tuple(b for b in sizes if b < self.config.max_num_seqs) + tuple(fits[:1])
         model_path = Path(files.path)
+        module_state = plain_module_state(self.model)
         # everything a decode graph depends on (the KV cache's block count is a dynamic dimension: not here)
         key = {"model": model_identity(model_path), "model_config": repr(self.model_config),
                "dtype": str(self.dtype), "kv_dtype": str(self.kv_dtype), "quantization": self.quantization,
                "native_attention": self.native_attention, "native_kernels": native_kernels.library() is not None,
                "block_size": self.block_size, "max_model_len": self.max_model_len,
-               "cpu_flags": sorted(platform.cpu_flags()), "module_state": repr(plain_module_state(self.model))}
+               "cpu_flags": sorted(platform.cpu_flags()), "module_state": repr(module_state)}
         per_block = self.kv_cache_bytes // self.num_blocks
         job = {"config": self.config, "model_config": self.model_config, "model_path": model_path,
-               "max_model_len": self.max_model_len, "module_state": plain_module_state(self.model),
+               "max_model_len": self.max_model_len, "module_state": module_state,
                "kv_cache_memory": per_block * -(-self.max_model_len // self.block_size)}
         compiled = CompiledDecode(self.model, buckets, self.threads_for, key, job)
         compiled.start()
