@@ -66,9 +66,9 @@ def main() -> None:
             config = EngineConfig(model=args.model, dtype=args.dtype, max_model_len=2048, kv_cache_memory="1GiB",
                                   enable_prefix_caching=prefix)
             with ServerThread(config) as server:
-                before = server.engine.core.num_prompt_tokens_computed
+                before = server.core("counters")["num_prompt_tokens_computed"]
                 ttfts = asyncio.run(run_questions(server.base_url, args.concurrency))
-                computed = server.engine.core.num_prompt_tokens_computed - before
+                computed = server.core("counters")["num_prompt_tokens_computed"] - before
             rows[prefix].append((pct(ttfts, 0.5), pct(ttfts, 0.95), computed))
     print(f"32 questions with a shared system prompt, concurrency {args.concurrency}, median of {args.reps} reps")
     print(f"{'prefix caching':<16}{'TTFT p50 (s)':>14}{'TTFT p95 (s)':>14}{'prompt tokens computed':>24}")

@@ -1,37 +1,30 @@
-"""AsyncEngine: the bridge between one engine thread, which runs EngineCore's step loop, and the asyncio event
-loop, where requests are submitted and read as streams.
+"""AsyncEngine: the frontend's side of the engine. The engine (EngineCore's step loop) runs in its own process
+(`engine_process.py`); the asyncio event loop submits requests and reads them as streams.
 
-Who owns what: the engine thread owns the core and nothing else; everything per request (routing, text,
-stop strings, timings, metrics) lives on the event loop, in the OutputProcessor. Only typed messages cross:
-`AddRequest` / `AbortRequests` into the engine's inbox, one `StepResult` per loop turn back to the event loop
-(`loop.call_soon_threadsafe`). The engine thread sleeps on a condition variable while there is nothing to do.
+Who owns what: the engine process owns the core and nothing else; everything per request (routing, text,
+stop strings, timings, metrics) lives on the event loop, in the OutputProcessor. Only typed messages cross
+(`core/messages.py`): `AddRequest` / `AbortRequests` to the engine, one `StepResult` per turn of its loop back,
+handed from a reader thread to the event loop (`loop.call_soon_threadsafe`).
 """
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
 import logging
-import os
-import threading
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator
 
-from kvflow.core.outputs import EngineOutput, StepStats
+from kvflow.core.messages import AbortRequests, AddRequest, EngineDead, EngineReady, StepResult
+from kvflow.core.request_validator import RequestValidator
+from kvflow.engine_process import EngineProcess
 from kvflow.errors import InvalidRequestError
 from kvflow.metrics import EngineMetrics, FinishedRequest
-from kvflow.output_processor import CompletionDelta, CoreRequest, OutputProcessor, RequestState
+from kvflow.output_processor import CompletionDelta, OutputProcessor, RequestState
 from kvflow.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "RequestStream", "CompletionDelta", "RequestFailedError", "EngineDeadError",
-           "EngineOverloadedError", "EngineShutdownError"]
+           "EngineOverloadedError", "EngineShutdownError", "AddRequest", "AbortRequests", "StepResult"]
 
 logger = logging.getLogger("kvflow.async_engine")
-
-# An idle engine thread wakes this often to ask the core whether it can still step (a tensor-parallel worker
-# may have died while nothing ran): an idle server notices, reports unhealthy and can exit.
-HEALTH_CHECK_INTERVAL_S = 1.0
 
 
 class RequestFailedError(RuntimeError):
@@ -48,25 +41,6 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineShutdownError(RuntimeError):
     """The engine is shutting down and accepts no new requests."""
-
-
-# ---- the messages between the threads ---------------------------------------------------------------------------
-AddRequest = CoreRequest          # event loop -> engine: one core request (one choice)
-
-
-@dataclass(frozen=True)
-class AbortRequests:              # event loop -> engine
-    request_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class StepResult:                 # engine -> event loop, once per turn of the engine loop
-    outputs: list[EngineOutput]
-    stats: StepStats
-    started: float                # wall clock of the step's start and end
-    finished: float
-    num_added: int                # AddRequests the core took this turn
-    rejected: list[tuple[str, str]]   # (core id, why) of adds the core refused
 
 
 class RequestStream:
@@ -114,48 +88,45 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Runs `EngineCore` on its own thread and serves asyncio callers (on one event loop)."""
+    """Serves asyncio callers (on one event loop) from one engine process."""
 
-    def __init__(self, core, tokenizer=None, *, served_model_name: str | None = None,
-                 max_queue_len: int | None = None, request_log: str | None = None,
-                 log_stats_interval: float = 5.0) -> None:
-        self.core = core
+    def __init__(self, process: EngineProcess, ready: EngineReady, tokenizer, config, model_path, *,
+                 served_model_name: str | None = None, max_queue_len: int | None = None,
+                 request_log: str | None = None, log_stats_interval: float = 5.0) -> None:
+        self.process = process
         self.tokenizer = tokenizer
-        config = core.config
+        self.config = config
+        self.model_path = model_path
         # as vLLM: the model argument as given; the embedded default by its name, without file suffixes
         self.served_model_name = (served_model_name or config.served_model_name or config.model
-                                  or core.model_path.name.split(".")[0])
-        self.max_model_len: int = int(core.max_model_len)
-        self.vocab_size: int = core.validator.vocab_size
+                                  or model_path.name.split(".")[0])
+        self.max_model_len: int = ready.max_model_len
+        self.vocab_size: int = ready.vocab_size
+        self.validator = RequestValidator(ready.vocab_size, ready.max_model_len)
         self.max_queue_len = max_queue_len
         self.metrics = EngineMetrics(
             self.served_model_name, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, request_log=request_log,
             log_stats_interval=log_stats_interval)
-        self.metrics.weights_bytes.set(core.runner.weights_bytes)
-        self.metrics.kv_cache_bytes.set(core.runner.kv_cache_bytes)
-        stats = core.stats()                          # the gauges before the first step (later steps update them)
-        self.metrics.compiled_decode_buckets_ready.set(stats.compiled_decode_buckets_ready)
-        self.metrics.compiled_decode_buckets_total.set(stats.compiled_decode_buckets_total)
+        self.metrics.weights_bytes.set(ready.weights_bytes)
+        self.metrics.kv_cache_bytes.set(ready.kv_cache_bytes)
+        self.metrics.compiled_decode_buckets_ready.set(ready.stats.compiled_decode_buckets_ready)
+        self.metrics.compiled_decode_buckets_total.set(ready.stats.compiled_decode_buckets_total)
         self.processor = OutputProcessor(tokenizer)
 
-        # shared by both threads, under _cond
-        self._cond = threading.Condition()
-        self._inbox: collections.deque[AddRequest | AbortRequests] = collections.deque()
-        self._stop = False
-        self.death_reason: str | None = None      # why the engine loop died; None while it lives
+        self.death_reason: str | None = None      # why the engine died; None while it lives
         # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = True
+        self._listening = False
+        self._stopped = False
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds = 0      # sent to the engine, not yet taken by the core
         self._core_waiting = 0      # num_waiting of the last step
-        self.last_stats = StepStats()
+        self.last_stats = ready.stats
         self.num_steps = 0
         self.max_batch_size = 0
-        # engine thread only
-        self._thread: threading.Thread | None = None
-        # called once, on the engine thread, after the engine died and its requests were failed
+        # called once, on the reader thread, after the engine died and its requests were failed
         # (`kvflow serve` sets it to stop the server, which then exits non-zero)
         self.on_death = None
 
@@ -163,46 +134,43 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config, *, max_queue_len: int | None = None, request_log: str | None = None,
                     log_stats_interval: float = 5.0) -> "AsyncEngine":
-        from kvflow.core.engine_core import EngineCore
         from kvflow.models.model_files import resolve_model_files
         from kvflow.tokenizer import Tokenizer
 
         t0 = time.perf_counter()
-        if config.small_step_threads is None and (os.cpu_count() or 1) > 1:
-            # the event loop shares the cores: small steps leave it one (docs/performance.md, AVX2 session)
-            config = dataclasses.replace(config, small_step_threads=(os.cpu_count() or 1) - 1)
         files = resolve_model_files(config.model, config.tokenizer)
         tokenizer = Tokenizer.from_files(files)
-        core = EngineCore(config, tokenizer.eos_token_ids, files)   # logs weights, load time, KV size
-        engine = cls(core, tokenizer, max_queue_len=max_queue_len, request_log=request_log,
-                     log_stats_interval=log_stats_interval)
-        logger.info("engine ready in %.2fs: serving %s, max_model_len %d", time.perf_counter() - t0,
-                    engine.served_model_name, core.max_model_len)
+        process = EngineProcess(config, tokenizer.eos_token_ids)
+        ready = process.start()                     # the child logs weights, load time, KV size
+        engine = cls(process, ready, tokenizer, config, files.path, max_queue_len=max_queue_len,
+                     request_log=request_log, log_stats_interval=log_stats_interval)
+        logger.info("engine ready in %.2fs (engine process pid %d): serving %s, max_model_len %d",
+                    time.perf_counter() - t0, ready.pid, engine.served_model_name, engine.max_model_len)
         return engine
 
     def start(self) -> "AsyncEngine":
-        """Start the engine thread; its results are delivered to the running event loop (or the one given
-        to the first `submit`)."""
-        if self._thread is None:
+        """Start delivering the engine's results to the running event loop (or the one given to the first
+        `submit`)."""
+        if not self._listening:
             try:
                 self._loop = asyncio.get_running_loop()
             except RuntimeError:
                 pass
-            self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
-            self._thread.start()
+            self._listening = True
+            self.process.listen(self._on_message)
             self.metrics.engine_alive.set(1)
         return self
 
     @property
     def is_alive(self) -> bool:
-        return self.death_reason is None and self._thread is not None and self._thread.is_alive()
+        return self.death_reason is None and self._listening and self.process.is_alive
 
     @property
     def is_accepting(self) -> bool:
         return self._accepting and self.is_alive
 
     async def shutdown(self, grace_period: float = 30.0) -> None:
-        """Stop accepting, let in-flight requests finish within `grace_period`, fail the rest, stop the thread."""
+        """Stop accepting, let in-flight requests finish within `grace_period`, fail the rest, stop the engine."""
         self._accepting = False
         deadline = time.monotonic() + grace_period
         while self._streams and self.is_alive and time.monotonic() < deadline:
@@ -215,17 +183,19 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, self.stop)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread (does not wait for requests: see `shutdown`)."""
+        """Stop the engine process (does not wait for requests: see `shutdown`)."""
         self._accepting = False
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-        if self._thread is None or not self._thread.is_alive():    # never while a step may still run
-            self.core.shutdown()
+        if self._stopped:
+            return
+        self._stopped = True
+        self.process.stop(timeout)
         self.metrics.engine_alive.set(0)
         self.metrics.close()
+
+    def call_core(self, method: str, *args):
+        """`EngineCore.<method>(*args)` run in the engine between steps (one of its UTILITY_METHODS); blocks, so
+        not from the event loop."""
+        return self.process.call(method, *args)
 
     # ---- event loop side ---------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -239,7 +209,7 @@ class AsyncEngine:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         prompt_token_ids = list(prompt_token_ids)
-        self.core.validator.validate(prompt_token_ids, params)
+        self.validator.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         limit = self.max_queue_len
@@ -260,9 +230,10 @@ class AsyncEngine:
         return stream
 
     def _send(self, *messages) -> None:
-        with self._cond:
-            self._inbox.extend(messages)
-            self._cond.notify()
+        try:
+            self.process.send(*messages)
+        except OSError:     # the engine is gone: its death is being reported
+            pass
 
     def _finish(self, stream: RequestStream, reason: str) -> None:
         """A request is done (finished, failed, or its consumer went away): abort what is left of it in the
@@ -307,54 +278,12 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(message)
 
-    # ---- engine thread -----------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        core = self.core
-        try:
-            has_work = False
-            while True:
-                with self._cond:
-                    if not self._inbox and not has_work and not self._stop:
-                        self._cond.wait(HEALTH_CHECK_INTERVAL_S)
-                    if self._stop:
-                        break
-                    messages = list(self._inbox)
-                    self._inbox.clear()
-                if not messages and not has_work:
-                    core.check_health()         # raises when the engine cannot step any more
-                    if core.load_compiled_steps():      # a compiled decode graph is ready: /metrics says so
-                        t0 = time.time()
-                        self._deliver(self._on_step_result, StepResult([], core.stats(), t0, t0, 0, []))
-                    continue
-                num_added, rejected = self._apply(messages)
-                outputs: list[EngineOutput] = []
-                t0 = t1 = time.time()
-                if core.has_unfinished_requests():
-                    outputs = core.step()
-                    t1 = time.time()
-                    stats = core.last_stats
-                else:
-                    stats = core.stats()
-                has_work = core.has_unfinished_requests()
-                self._deliver(self._on_step_result, StepResult(outputs, stats, t0, t1, num_added, rejected))
-        except BaseException as e:  # noqa: BLE001 - the loop must report any death
-            self._on_death(e)
-            if not isinstance(e, Exception):
-                raise
-
-    def _apply(self, messages: list) -> tuple[int, list[tuple[str, str]]]:
-        """Hand the inbox to the core. A request the core refuses fails alone."""
-        num_added, rejected = 0, []
-        for m in messages:
-            if isinstance(m, AbortRequests):
-                self.core.abort(m.request_ids)
-                continue
-            num_added += 1
-            try:
-                self.core.add_request(m.request_id, m.prompt_token_ids, m.params, arrival_time=m.arrival_time)
-            except Exception as e:  # noqa: BLE001 - validated on submit; a refusal here fails this request only
-                rejected.append((m.request_id, f"{type(e).__name__}: {e}"))
-        return num_added, rejected
+    # ---- the reader thread -------------------------------------------------------------------------------------
+    def _on_message(self, message) -> None:
+        if isinstance(message, EngineDead):
+            self._on_death(message.reason)
+        else:
+            self._deliver(self._on_step_result, message)
 
     def _deliver(self, fn, *args) -> None:
         if self._loop is None:
@@ -364,11 +293,10 @@ class AsyncEngine:
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
-    def _on_death(self, exc: BaseException) -> None:
-        logger.exception("the engine loop died: %r", exc)
-        message = f"the engine loop died: {type(exc).__name__}: {exc}"
-        with self._cond:
-            self.death_reason = message
+    def _on_death(self, reason: str) -> None:
+        logger.error("the engine died: %s", reason)
+        message = reason if reason.startswith("the engine loop died") else f"the engine loop died: {reason}"
+        self.death_reason = message
         self._accepting = False
         self.metrics.engine_alive.set(0)
         self._deliver(self._fail_all, message)

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
+from kvflow.core.messages import AddRequest
 from kvflow.core.outputs import EngineOutput
 from kvflow.detokenizer import IncrementalDetokenizer
 from kvflow.metrics import RequestTimings
@@ -69,15 +70,6 @@ class RequestState:
         return sum(len(c.token_ids) for c in self.choices)
 
 
-@dataclass(frozen=True)
-class CoreRequest:
-    """One core request (one choice) to add."""
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-
-
 @dataclass
 class ProcessedOutputs:
     deltas: dict[str, list[CompletionDelta]]    # request id -> this step's deltas, in output order
@@ -92,7 +84,7 @@ class OutputProcessor:
         self._choice_of: dict[str, tuple[RequestState, ChoiceState]] = {}   # core id -> its request and choice
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float) -> list[CoreRequest]:
+                    arrival_time: float) -> list[AddRequest]:
         """Register a request; returns the core requests to add, one per choice."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -108,7 +100,7 @@ class OutputProcessor:
                                  logprobs=[] if self.keep_logprobs and child.logprobs is not None else None)
             state.choices.append(choice)
             self._choice_of[core_id] = (state, choice)
-            core.append(CoreRequest(core_id, state.prompt_token_ids, child, arrival_time))
+            core.append(AddRequest(core_id, state.prompt_token_ids, child, arrival_time))
         self.requests[request_id] = state
         return core
 

@@ -16,7 +16,7 @@ LAYERS = [
     {"executor"},
     {"core"},
     {"tokenizer", "detokenizer", "metrics", "outputs"},
-    {"output_processor"},
+    {"output_processor", "engine_process"},
     {"llm", "async_engine"},
     {"server", "bench"},
     {"cli"},

@@ -131,7 +131,7 @@ def test_after_the_fuzzer_the_server_serves_and_holds_nothing(server):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     server.wait_idle()
     assert server.engine.last_stats.kv_cache_usage == 0
-    server.engine.core.kv_cache_manager.check()
+    server.core("check")
 
 
 # ---- the same with tensor parallelism: the faults must stay on rank 0's side of the step -------------------------
@@ -173,4 +173,4 @@ def test_after_the_tp_fuzzer_the_server_serves_and_holds_nothing(tp_server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     tp_server.wait_idle()
     assert tp_server.engine.last_stats.kv_cache_usage == 0
-    tp_server.engine.core.kv_cache_manager.check()
+    tp_server.core("check")

@@ -112,4 +112,4 @@ def test_cached_tokens_reported_through_the_api(tiny_dir):
             assert u.prompt_tokens_details.cached_tokens >= u.prompt_tokens - 32
             assert u.prompt_tokens_details.cached_tokens % 16 == 0
         server.wait_idle()
-        server.engine.core.kv_cache_manager.check()
+        server.core("check")

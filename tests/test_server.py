@@ -54,7 +54,7 @@ def chat(client, content="Hello, who are you?", **kw):
 def assert_idle_and_empty(server):
     server.wait_idle()
     assert server.engine.last_stats.kv_cache_usage == 0
-    server.engine.core.kv_cache_manager.check()
+    server.core("check")
 
 
 # ---- happy paths ------------------------------------------------------------------------------------------------
@@ -349,7 +349,7 @@ def test_disconnect_mid_stream_frees_kv(server, http):
                 seen += 1
             if seen >= 4:
                 break
-        assert server.engine.core.has_unfinished_requests()
+        assert server.core("has_unfinished_requests")
     t0 = time.monotonic()
     server.wait_idle(timeout=10)
     assert time.monotonic() - t0 < 5

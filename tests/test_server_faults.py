@@ -16,6 +16,7 @@ import pytest
 
 from kvflow.config import EngineConfig
 from kvflow.server.testing import ServerThread, free_port
+from engine_faults import inject_into_engine
 from tiny_models import make_tiny_hf_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +92,7 @@ def test_overload_429_and_accepted_requests_finish(model_path):
             text_b = "".join(e["choices"][0]["text"] for e in events_b[:-1])
             assert len(text_b) > 0
         server.wait_idle()
-        server.engine.core.kv_cache_manager.check()
+        server.core("check")
 
 
 def test_engine_death_gives_errors_and_503(model_path):
@@ -117,10 +118,7 @@ def test_engine_death_gives_errors_and_503(model_path):
         t.start()
         time.sleep(0.3)
 
-        def boom():
-            raise RuntimeError("simulated engine failure")
-
-        server.engine.core.step = boom
+        os.kill(server.engine.process.pid, signal.SIGKILL)      # the engine process dies mid-step
         with pytest.raises(openai.APIError, match="engine loop died"):
             for _ in it:
                 pass
@@ -130,6 +128,7 @@ def test_engine_death_gives_errors_and_503(model_path):
         assert httpx.get(server.url + "/health").status_code == 503
         r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
         error_of(r, 503)
+        assert "SIGKILL" in httpx.get(server.url + "/health").json()["error"]["message"]
         text = httpx.get(server.url + "/metrics").text
         assert 'kvflow:engine_alive{model_name="tiny"} 0.0' in text
 
@@ -294,17 +293,19 @@ def test_sigterm_past_the_grace_period_ends_every_stream_with_error_and_done(mod
 
 
 # ---- failure isolation: one request's fault ends that request, not the engine ------------------------------------
-def test_a_fault_in_one_requests_sampling_fails_it_alone(model_path, monkeypatch):
-    from kvflow.runner.sampler import Sampler
+def test_a_fault_in_one_requests_sampling_fails_it_alone(model_path, monkeypatch, tmp_path):
+    inject_into_engine(monkeypatch, tmp_path / "fault", """
+        from kvflow.runner.sampler import Sampler
 
-    real = Sampler.__call__
+        real = Sampler.__call__
 
-    def faulty(self, logits, rows):        # an injected bug that only this request's data triggers
-        if any(r.params.seed == 13 for r in rows):
-            raise RuntimeError("injected sampling fault")
-        return real(self, logits, rows)
+        def faulty(self, logits, rows):        # an injected bug that only this request's data triggers
+            if any(r.params.seed == 13 for r in rows):
+                raise RuntimeError("injected sampling fault")
+            return real(self, logits, rows)
 
-    monkeypatch.setattr(Sampler, "__call__", faulty)
+        Sampler.__call__ = faulty
+    """)
     with ServerThread(config(model_path)) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
         results = {}
@@ -326,7 +327,7 @@ def test_a_fault_in_one_requests_sampling_fails_it_alone(model_path, monkeypatch
         assert results == {"ok0": 24, "ok1": 24, "ok2": 24, "ok3": 24, "bad": 500}
         assert server.engine.is_alive and httpx.get(server.url + "/health").status_code == 200
         server.wait_idle()
-        server.engine.core.kv_cache_manager.check()
+        server.core("check")
 
 
 def test_a_fault_in_one_requests_detokenization_fails_it_alone(model_path, monkeypatch):
@@ -349,7 +350,7 @@ def test_a_fault_in_one_requests_detokenization_fails_it_alone(model_path, monke
         assert chunks[-1].choices[0].finish_reason == "length"
         assert server.engine.is_alive
         server.wait_idle()
-        server.engine.core.kv_cache_manager.check()
+        server.core("check")
 
 
 def test_offline_llm_with_tensor_parallel_exits_with_the_scripts_status(model_path, tmp_path):

@@ -208,10 +208,9 @@ def test_server_answers_the_openai_client_and_an_idle_worker_death_turns_health_
                                               max_tokens=8, stream=True)
         assert len([c for c in chat if c.choices and c.choices[0].delta.content]) > 0
         server.wait_idle()
-        server.engine.core.kv_cache_manager.check()
+        server.core("check")
 
-        worker = server.engine.core.executor.workers[0][1]
-        os.kill(worker.pid, signal.SIGKILL)            # the server is idle: the health check must notice
+        os.kill(server.core("worker_pids")[0], signal.SIGKILL)            # the server is idle: the health check must notice
         deadline = time.monotonic() + 10
         while httpx.get(server.url + "/health").status_code != 503:
             assert time.monotonic() < deadline, "an idle server did not notice its dead worker"

@@ -22,6 +22,9 @@ log = logging.getLogger("kvflow")
 
 
 class EngineCore:
+    # what the frontend may call in the engine process between steps (`EngineProcess.call`): checks and numbers
+    UTILITY_METHODS = frozenset({"check", "has_unfinished_requests", "worker_pids", "counters"})
+
     def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] | None = None,
                  files: ModelFiles | None = None):
         """`files`: the model resolved once by the caller (its tokenizer came from the same parse)."""
@@ -90,6 +93,19 @@ class EngineCore:
     def check_health(self) -> None:
         """Raise if the engine cannot step any more (a tensor-parallel worker died). Cheap; for idle loops."""
         self.executor.check_health()
+
+    def check(self) -> None:
+        """Raise AssertionError if the KV cache manager's books do not balance (for tests, between steps)."""
+        self.kv_cache_manager.check()
+
+    def worker_pids(self) -> list[int]:
+        """The tensor-parallel worker processes' pids (none with one rank)."""
+        return [proc.pid for _placement, proc in getattr(self.executor, "workers", [])]
+
+    def counters(self) -> dict[str, int]:
+        """Totals since start."""
+        return {"num_preemptions": self.scheduler.num_preemptions,
+                "num_prompt_tokens_computed": self.num_prompt_tokens_computed}
 
     def load_compiled_steps(self) -> bool:
         """While idle: load the decode graphs compiled in the background since the last step; True when one

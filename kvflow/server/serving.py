@@ -72,7 +72,7 @@ class OpenAIServing:
         self.names = list(served_model_names or [engine.served_model_name])
         self.max_n = max_n
         self.shutdown_grace_period = shutdown_grace_period
-        self.vocab_size = getattr(engine, "vocab_size", None) or engine.core.model_config.vocab_size
+        self.vocab_size = engine.vocab_size
         self._shutdown: asyncio.Future | None = None
         self.tool_call_parser = tool_call_parser     # None: tool_choice "auto" is refused
         self._grammar_compiler: GrammarCompiler | None = None
@@ -80,7 +80,7 @@ class OpenAIServing:
 
     # ---- routes ------------------------------------------------------------------------------------------------
     def models(self) -> ModelList:
-        root = str(getattr(self.engine.core, "model_path", self.names[0]))
+        root = str(getattr(self.engine, "model_path", None) or self.names[0])
         return ModelList(data=[ModelCard(id=name, root=root, max_model_len=self.engine.max_model_len)
                                for name in self.names])
 

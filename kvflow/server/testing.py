@@ -67,17 +67,20 @@ class ServerThread:
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
-        if self.engine._thread is not None and self.engine._thread.is_alive():
-            self.engine.stop()
+        self.engine.stop()       # a no-op after the server's own shutdown stopped it
+
+    def core(self, method: str, *args):
+        """`EngineCore.<method>(*args)` in the engine process (its UTILITY_METHODS: check, counters, ...)."""
+        return self.engine.call_core(method, *args)
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until no request is in flight on either side of the engine."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not self.engine._streams and not self.engine._inbox and self.engine.is_alive \
-                    and not self.engine.core.has_unfinished_requests():
-                time.sleep(0.05)   # let the engine thread finish its last stats snapshot and go to sleep
-                if not self.engine.core.has_unfinished_requests() and not self.engine._inbox:
+            if not self.engine._streams and not self.engine._pending_adds and self.engine.is_alive \
+                    and not self.core("has_unfinished_requests"):
+                time.sleep(0.05)   # let the engine send its last stats snapshot and go to sleep
+                if not self.engine._streams and not self.core("has_unfinished_requests"):
                     return
             time.sleep(0.02)
         raise TimeoutError("the engine did not become idle")

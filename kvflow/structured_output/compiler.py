@@ -50,6 +50,43 @@ class CompiledGrammar:
         """A fresh matcher in the initial state, for one sequence."""
         return Matcher(self._template.deep_copy(), self.vocab_size)
 
+    def __reduce__(self):
+        # crossing into the engine process: the grammar travels as llguidance's serialized text, and the matcher
+        # template is rebuilt there (once per grammar, cached) as the message is read, off the step loop
+        return _rebuild, (self.spec, self.grammar, self.vocab_size)
+
+
+# The engine process's side of the pickled grammars: `set_rebuild_tokenizer` (called at its start) gives the
+# tokenizer the templates are rebuilt with, built on first use; rebuilt templates are kept by grammar text.
+_rebuild_tokenizer = None
+_rebuilt: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+_rebuild_lock = threading.Lock()
+REBUILT_CACHE_SIZE = 256
+
+
+def set_rebuild_tokenizer(make_ll_tokenizer) -> None:
+    """`make_ll_tokenizer()` -> llguidance.LLTokenizer, called once, on the first grammar that arrives."""
+    global _rebuild_tokenizer
+    _rebuild_tokenizer = make_ll_tokenizer
+
+
+def _rebuild(spec: StructuredSpec, grammar: str, vocab_size: int) -> CompiledGrammar:
+    global _rebuild_tokenizer
+    with _rebuild_lock:
+        template = _rebuilt.get(grammar)
+        if template is None:
+            if _rebuild_tokenizer is None:
+                raise RuntimeError("a compiled grammar arrived in a process with no tokenizer to rebuild it")
+            if not isinstance(_rebuild_tokenizer, llguidance.LLTokenizer):
+                _rebuild_tokenizer = _rebuild_tokenizer()
+            template = llguidance.LLMatcher(_rebuild_tokenizer, grammar, log_level=0)
+            _rebuilt[grammar] = template
+            while len(_rebuilt) > REBUILT_CACHE_SIZE:
+                _rebuilt.popitem(last=False)
+        else:
+            _rebuilt.move_to_end(grammar)
+    return CompiledGrammar(spec, grammar, template, vocab_size)
+
 
 class GrammarCompiler:
     def __init__(self, tokenizer, *, cache_size: int = 256, max_workers: int = 2,

@@ -1,0 +1,75 @@
+"""The typed messages between the frontend (the server process: HTTP, text, the output processor) and the engine
+process (EngineCore's step loop, `core/engine_process.py`). Plain picklable dataclasses; nothing else crosses.
+
+    frontend -> engine:  AddRequest, AbortRequests, UtilityCall, Shutdown
+    engine -> frontend:  EngineReady (once, after the model is loaded), StepResult (one per turn of the loop),
+                         UtilityResult (one per UtilityCall), EngineDead (the last message of a dying engine)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.core.outputs import EngineOutput, StepStats
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """One core request (one choice: `n` > 1 is fanned out by the output processor before it is sent)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class UtilityCall:
+    """Call one of `EngineCore.UTILITY_METHODS` between steps (checks and counters for tests and tools)."""
+    call_id: int
+    method: str
+    args: tuple = ()
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Stop after the current step (requests still running are the frontend's to fail or drain first)."""
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """What the frontend needs to know of the loaded engine."""
+    pid: int
+    max_model_len: int
+    vocab_size: int
+    weights_bytes: int
+    kv_cache_bytes: int
+    stats: StepStats                  # the gauges before the first step
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Once per turn of the engine loop (a step, or an idle look when something changed)."""
+    outputs: list[EngineOutput]
+    stats: StepStats
+    started: float                    # wall clock of the step's start and end
+    finished: float
+    num_added: int                    # AddRequests the core took this turn
+    rejected: list[tuple[str, str]]   # (core id, why) of adds the core refused
+
+
+@dataclass(frozen=True)
+class UtilityResult:
+    call_id: int
+    value: Any = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineDead:
+    reason: str
