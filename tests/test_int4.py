@@ -25,8 +25,9 @@ def tiny_hf(tmp_path_factory):
 
 
 def bf16_rounded(gq: GroupQuantized) -> torch.Tensor:
-    """The matrix as the kernel holds it: codes untouched, scale and zero rounded to bf16."""
-    zero = gq.zero if gq.zero is not None else torch.zeros_like(gq.scale)
+    """The matrix as the kernel holds it: codes untouched, scale and zero (for codes - 8, torch's convention)
+    rounded to bf16."""
+    zero = gq.zero_for_offset(8)
     return GroupQuantized(gq.codes, gq.scale.bfloat16().float(), zero.bfloat16().float(), gq.group, 4).dequantize()
 
 

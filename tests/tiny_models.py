@@ -124,7 +124,35 @@ def _hf_tokenizer_metadata(hf_dir: Path) -> dict:
                 add_bos=bool(tc.get("add_bos_token", False)))
 
 
-_FTYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q4_k": 14, "bf16": 32}  # llama_ftype values
+_FTYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q4_k": 14, "q4_k_m": 15,
+           "q5_k": 17, "q6_k": 18, "bf16": 32}  # llama_ftype values
+
+
+def _k_scales_mins(sub: np.ndarray, levels: int) -> tuple:
+    """Q4_K / Q5_K's two-level scales for sub-blocks [blocks, 8, 32]: fp16 d and dmin per block, 6-bit sc and m
+    per sub-block, and the codes 0..levels of value d * sc * q - dmin * m (round to nearest, no search)."""
+    lo = np.minimum(sub.min(-1), 0.0)
+    scale = (sub.max(-1) - lo) / levels
+    d = np.maximum(scale.max(-1), 1e-12) / 63.0
+    dmin = np.maximum(-lo.min(-1), 1e-12) / 63.0
+    d, dmin = d.astype(np.float16), dmin.astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(scale / d32), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(-lo / dmin32), 0, 63).astype(np.uint8)
+    step = (d32 * sc)[..., None]
+    q = np.clip(np.round((sub + (dmin32 * m)[..., None]) / step), 0, levels).astype(np.uint8)
+    packed = np.empty((sub.shape[0], 12), dtype=np.uint8)
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    head = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed], axis=1)
+    return head, q
+
+
+def _low_nibbles(q: np.ndarray) -> np.ndarray:
+    """Codes [blocks, 8, 32] -> Q4_K / Q5_K's 128 bytes: bytes 32c..32c+31 hold sub-block 2c low, 2c + 1 high."""
+    qs = (q & 0x0F).reshape(-1, 4, 2, 32)
+    return (qs[:, :, 0] | (qs[:, :, 1] << 4)).reshape(-1, 128)
 
 
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:
@@ -133,37 +161,71 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     ggml's get_scale_min_k4 reads them), then 4-bit codes (bytes 32c..32c+31: sub-block 2c low, 2c + 1 high);
     value = d * sc * q - dmin * m. Round to nearest, no search: a valid file, not llama.cpp's best rounding."""
     rows, k = x.shape
-    sub = x.astype(np.float32).reshape(-1, 8, 32)                       # [blocks, sub-block, 32]
-    lo = np.minimum(sub.min(-1), 0.0)
-    scale = (sub.max(-1) - lo) / 15.0
-    d = np.maximum(scale.max(-1), 1e-12) / 63.0
-    dmin = np.maximum(-lo.min(-1), 1e-12) / 63.0
-    d, dmin = d.astype(np.float16), dmin.astype(np.float16)
-    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
-    sc = np.clip(np.round(scale / d32), 1, 63).astype(np.uint8)
-    m = np.clip(np.round(-lo / dmin32), 0, 63).astype(np.uint8)
-    step = (d32 * sc)[..., None]
-    q = np.clip(np.round((sub + (dmin32 * m)[..., None]) / step), 0, 15).astype(np.uint8)
-    packed = np.empty((sub.shape[0], 12), dtype=np.uint8)
-    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
-    packed[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
-    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
-    qs = q.reshape(-1, 4, 2, 32)
-    qs = qs[:, :, 0] | (qs[:, :, 1] << 4)                               # [blocks, 4, 32]
-    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed,
-                             qs.reshape(-1, 128)], axis=1)
-    return blocks.reshape(rows, k // 256 * 144)
+    head, q = _k_scales_mins(x.astype(np.float32).reshape(-1, 8, 32), 15)
+    return np.concatenate([head, _low_nibbles(q)], axis=1).reshape(rows, k // 256 * 144)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """As `quantize_q4_k` with 5-bit codes (0..31): d, dmin, the 12 scale bytes, then qh [32] (bit j of byte i:
+    the high bit of sub-block j's element i) and the 128 bytes of low nibbles. [rows, K / 256 * 176]."""
+    rows, k = x.shape
+    head, q = _k_scales_mins(x.astype(np.float32).reshape(-1, 8, 32), 31)
+    qh = ((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1).astype(np.uint8)     # [blocks, 32]
+    return np.concatenate([head, qh, _low_nibbles(q)], axis=1).reshape(rows, k // 256 * 176)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """[rows, K] float32 (K a multiple of 256) -> GGUF Q6_K blocks [rows, K / 256 * 210]: per block of 256, ql [128]
+    (low 4 bits), qh [64] (high 2 bits), 16 int8 scales (one per 16 values), fp16 d; value = d * scale * (q - 32),
+    q 0..63, laid out as ggml's dequantize_row_q6_K reads them. Round to nearest."""
+    rows, k = x.shape
+    g = x.astype(np.float32).reshape(-1, 16, 16)                          # [blocks, group of 16, 16]
+    pos = np.argmax(np.abs(g), -1)
+    peak = np.take_along_axis(g, pos[..., None], -1)[..., 0]               # the signed value of largest size
+    scale = peak / -32.0
+    top = np.take_along_axis(scale, np.argmax(np.abs(scale), -1)[:, None], -1)[:, 0]
+    d = (top / -128.0).astype(np.float16)
+    d32 = d.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32[:, None] != 0, np.round(scale / d32[:, None]), 0)
+        sc = np.clip(sc, -128, 127).astype(np.int8)
+        step = d32[:, None] * sc.astype(np.float32)
+        q = np.where(step[..., None] != 0, np.round(g / step[..., None]), 0)
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)    # [blocks, half, 128]
+    ql = (q[:, :, :64] & 0x0F) | ((q[:, :, 64:] & 0x0F) << 4)               # [blocks, 2, 64]
+    high = (q >> 4).reshape(-1, 2, 4, 32)
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)   # [blocks, 2, 32]
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8),
+                             d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(rows, k // 256 * 210)
+
+
+_K_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+# llama.cpp's fallback for a matrix whose rows are not a multiple of 256 wide (llama_tensor_get_type)
+_K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def _q4_k_m_type(gname: str, layers: int) -> str:
+    """What llama-quantize's Q4_K_M picks, simplified: Q6_K for the embedding/head and for attn_v / ffn_down of
+    the first and last eighth of the layers and every third between, Q4_K elsewhere."""
+    if not gname.startswith("blk."):
+        return "Q6_K"
+    i = int(gname.split(".")[1])
+    more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+    return "Q6_K" if more_bits and (".attn_v." in gname or ".ffn_down." in gname) else "Q4_K"
 
 
 def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path:
-    """Write the HF folder's model as GGUF like llama.cpp's converter. ftype: f32 f16 bf16 q8_0 q4_0 q4_1 q4_k
-    (q4_k: matrices whose rows are a multiple of 256 wide; the others Q8_0, as llama.cpp falls back)."""
+    """Write the HF folder's model as GGUF like llama.cpp's converter. ftype: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1,
+    the K-quants q4_k q5_k q6_k (for matrices whose rows are a multiple of 256 wide; q4_k writes the others Q8_0,
+    q5_k and q6_k take llama.cpp's fallbacks Q5_1 and Q8_0), or q4_k_m (llama-quantize's mix, `_q4_k_m_type`,
+    with its fallbacks: Q4_K -> Q5_0, Q6_K -> Q8_0)."""
     import gguf
     from gguf import GGMLQuantizationType as T
     from safetensors.numpy import load_file
 
     qtypes = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1,
-              "q4_k": T.Q4_K}
+              "q5_0": T.Q5_0, "q5_1": T.Q5_1, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K, "q4_k_m": T.Q4_K}
     qtype = qtypes[ftype]
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -221,10 +283,13 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
             w.add_tensor(gname, np.ascontiguousarray(data))
         elif qtype == T.F16:
             w.add_tensor(gname, data.astype(np.float16))
-        elif qtype == T.Q4_K and data.shape[1] % 256 == 0:
-            w.add_tensor(gname, quantize_q4_k(data), raw_dtype=T.Q4_K)
-        elif qtype == T.Q4_K:
-            w.add_tensor(gname, gguf.quants.quantize(data, T.Q8_0), raw_dtype=T.Q8_0)
+        elif qtype.name in _K_QUANTIZERS:
+            kind = _q4_k_m_type(gname, cfg["num_hidden_layers"]) if ftype == "q4_k_m" else qtype.name
+            if data.shape[1] % 256 == 0:
+                w.add_tensor(gname, _K_QUANTIZERS[kind](data), raw_dtype=T[kind])
+            else:
+                fallback = T[_K_FALLBACK[kind]] if ftype != "q4_k" else T.Q8_0
+                w.add_tensor(gname, gguf.quants.quantize(data, fallback), raw_dtype=fallback)
         else:
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()

@@ -1,10 +1,17 @@
-"""A weight matrix as integer codes with a scale and zero per group of columns: what a GGUF's Q4_0 / Q4_1 / Q8_0
-blocks are, and what torch's int4 kernel multiplies.
+"""A weight matrix as integer codes with a scale and zero per group of columns: what a GGUF's Q4_0 / Q4_1 / Q8_0 /
+Q5_0 / Q4_K blocks are, and what torch's int4 kernel and kvflow's kernels multiply.
 
-value[n, k] = (code[n, k] - offset) * scale[n, g] + zero[n, g], g = k // group, offset 8 for 4-bit codes
-(0..15) and 0 for 8-bit ones (-128..127). That is torch's int4 convention ((q - 8) * scale + zero), into which
-every GGUF 4-bit block maps without touching the codes: Q4_0's d * (q - 8) is scale d, zero 0; Q4_1's
-d * q + m is scale d, zero m + 8d. Kept in float32 here, so `dequantize` gives the file's own float32 values.
+value[n, k] = (code[n, k] - offset) * scale[n, g] + zero[n, g], g = k // group. Every GGUF block format kept here
+maps into it without touching the codes, and with the file's own float32 arithmetic, so `dequantize` gives
+gguf's float32 values bit for bit: one exact product, then at most one rounded addition, as gguf computes them.
+  Q4_0  d * (q - 8)           offset 8, scale d, no zero            4-bit codes 0..15
+  Q4_1  d * q + m             offset 0, scale d, zero m             4-bit
+  Q4_K  d*sc * q - dmin*m     offset 0, scale d*sc, zero -(dmin*m)  4-bit, per sub-block of 32 (both products
+                                                                    exact in float32: 11 x 6 mantissa bits)
+  Q8_0  d * q                 offset 0, scale d, no zero            8-bit codes -128..127
+  Q5_0  d * (q - 16)          offset 0, scale d, no zero            8-bit codes q - 16 (-16..15)
+(torch's int4 kernel takes (q - 8) * scale + zero': `zero_for_offset(8)` converts, rounding, for it alone.)
+The 4-bit codes default to offset 8 (round_to_nearest's and torch's convention), the 8-bit ones to 0.
 """
 from __future__ import annotations
 
@@ -21,14 +28,27 @@ class GroupQuantized:
     group: int
     bits: int                      # 4 or 8
     exact: bool = True             # the file's own codes (False: re-rounded at load from another format)
+    offset: int | None = None      # subtracted from the codes (None: 8 for 4-bit codes, 0 for 8-bit ones)
+
+    def __post_init__(self):
+        if self.offset is None:
+            object.__setattr__(self, "offset", 8 if self.bits == 4 else 0)
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
-    @property
-    def offset(self) -> int:
-        return 8 if self.bits == 4 else 0
+    def minimum(self) -> torch.Tensor:
+        """Per group, the value of code 0: value = code * scale + minimum (what kvflow's kernels take)."""
+        if self.offset == 0 and self.zero is not None:
+            return self.zero
+        zero = self.zero if self.zero is not None else torch.zeros_like(self.scale)
+        return zero - self.offset * self.scale
+
+    def zero_for_offset(self, offset: int) -> torch.Tensor:
+        """The zero that gives the same values with the codes shifted by `offset` instead (rounded in float32)."""
+        zero = self.zero if self.zero is not None else torch.zeros_like(self.scale)
+        return zero if offset == self.offset else zero + (offset - self.offset) * self.scale
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.codes.shape
@@ -42,18 +62,23 @@ class GroupQuantized:
 
     def take_rows(self, index: torch.Tensor) -> "GroupQuantized":
         pick = lambda t: None if t is None else t[index]     # noqa: E731
-        return GroupQuantized(self.codes[index], self.scale[index], pick(self.zero), self.group, self.bits, self.exact)
+        return GroupQuantized(self.codes[index], self.scale[index], pick(self.zero), self.group, self.bits, self.exact,
+                              self.offset)
 
     @staticmethod
     def cat(parts: list["GroupQuantized"]) -> "GroupQuantized":
-        """Row-wise concatenation (fused q/k/v or gate/up); all parts share group and bits."""
+        """Row-wise concatenation (fused q/k/v or gate/up); all parts share group and bits. Parts with different
+        offsets (Q4_0's 8 beside Q4_K's 0) are brought to offset 0, their zeros then rounded: not exact."""
         first = parts[0]
         if any((p.group, p.bits, p.shape[1]) != (first.group, first.bits, first.shape[1]) for p in parts):
             raise ValueError("cannot stack group-quantized matrices of different formats")
-        zeros = [p.zero if p.zero is not None else torch.zeros_like(p.scale) for p in parts]
+        offsets = {p.offset for p in parts}
+        offset = first.offset if len(offsets) == 1 else 0
+        zeros = [p.zero_for_offset(offset) for p in parts]
+        no_zero = all(p.zero is None for p in parts) and len(offsets) == 1
         return GroupQuantized(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                              None if all(p.zero is None for p in parts) else torch.cat(zeros),
-                              first.group, first.bits, all(p.exact for p in parts))
+                              None if no_zero else torch.cat(zeros), first.group, first.bits,
+                              all(p.exact for p in parts) and len(offsets) == 1, offset)
 
     @staticmethod
     def round_to_nearest(weight: torch.Tensor, bits: int = 4, group: int = 32) -> "GroupQuantized":

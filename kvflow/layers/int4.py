@@ -90,19 +90,18 @@ class Int4Linear(nn.Module):
         self.bias = bias
         self.native = native and weight.group == native_kernels.GROUP and k % native_kernels.GROUP == 0
         if self.native:
-            zero = weight.zero if weight.zero is not None else torch.zeros_like(weight.scale)
             self.uses_kernel, self.kernel_rows = False, ALWAYS
             self.padded_out = native_kernels.padded_rows(n)
             self.register_buffer("packed", native_kernels.pack_q4(weight.codes))
             self.register_buffer("scale", native_kernels.pack_scales(weight.scale))
-            self.register_buffer("minimum", native_kernels.pack_scales(zero - weight.offset * weight.scale))
+            self.register_buffer("minimum", native_kernels.pack_scales(weight.minimum()))    # exact for GGUF's
             return
         self.uses_kernel = weight.codes.device.type == "cpu" and kernel_supports(k, weight.group)
         pad_to = max(ROW_PADDING, packed_layout()[0]) if self.uses_kernel else 1
         self.padded_out = -(-n // pad_to) * pad_to
         pad = self.padded_out - n
         codes = F.pad(weight.codes, (0, 0, 0, pad)) if pad else weight.codes
-        zero = weight.zero if weight.zero is not None else torch.zeros_like(weight.scale)
+        zero = weight.zero_for_offset(8)        # torch's convention: (q - 8) * scale + zero
         # [K / group, N, 2] as the kernel takes them; padded rows are zero
         scale_zero = torch.stack([weight.scale, zero], -1).transpose(0, 1)
         self.register_buffer("scale_zero", F.pad(scale_zero, (0, 0, 0, pad)).to(torch.bfloat16).contiguous())
