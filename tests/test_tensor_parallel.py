@@ -242,9 +242,15 @@ def serve(args: list[str], log: Path) -> subprocess.Popen:
 
 
 def children(pid: int) -> set[int]:
+    """Every descendant (the engine process, its workers, their helpers)."""
     found = set()
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        found |= {int(c) for c in task.read_text().split()}
+        for c in task.read_text().split():
+            found.add(int(c))
+            try:
+                found |= children(int(c))
+            except OSError:     # already gone
+                pass
     return found
 
 
