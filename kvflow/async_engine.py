@@ -9,6 +9,7 @@ handed from a reader thread to the event loop (`loop.call_soon_threadsafe`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import AsyncIterator
@@ -16,6 +17,7 @@ from typing import AsyncIterator
 from kvflow.core.messages import AbortRequests, AddRequest, EngineDead, EngineReady, StepResult
 from kvflow.core.request_validator import RequestValidator
 from kvflow.engine_process import EngineProcess
+from kvflow.engine_router import EngineRouter
 from kvflow.errors import InvalidRequestError
 from kvflow.metrics import EngineMetrics, FinishedRequest
 from kvflow.output_processor import CompletionDelta, OutputProcessor, RequestState
@@ -88,12 +90,15 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Serves asyncio callers (on one event loop) from one engine process."""
+    """Serves asyncio callers (on one event loop) from one engine process, or several (data parallel: each
+    request goes to one of them, `engine_router.py`)."""
 
-    def __init__(self, process: EngineProcess, ready: EngineReady, tokenizer, config, model_path, *,
+    def __init__(self, processes: list[EngineProcess], ready: EngineReady, tokenizer, config, model_path, *,
                  served_model_name: str | None = None, max_queue_len: int | None = None,
                  request_log: str | None = None, log_stats_interval: float = 5.0) -> None:
-        self.process = process
+        self.processes = processes
+        self.process = processes[0]
+        self.router = EngineRouter(len(processes), config.block_size)
         self.tokenizer = tokenizer
         self.config = config
         self.model_path = model_path
@@ -108,8 +113,8 @@ class AsyncEngine:
             self.served_model_name, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, request_log=request_log,
             log_stats_interval=log_stats_interval)
-        self.metrics.weights_bytes.set(ready.weights_bytes)
-        self.metrics.kv_cache_bytes.set(ready.kv_cache_bytes)
+        self.metrics.weights_bytes.set(ready.weights_bytes * len(processes))
+        self.metrics.kv_cache_bytes.set(ready.kv_cache_bytes * len(processes))
         self.metrics.compiled_decode_buckets_ready.set(ready.stats.compiled_decode_buckets_ready)
         self.metrics.compiled_decode_buckets_total.set(ready.stats.compiled_decode_buckets_total)
         self.processor = OutputProcessor(tokenizer)
@@ -121,8 +126,10 @@ class AsyncEngine:
         self._listening = False
         self._stopped = False
         self._streams: dict[str, RequestStream] = {}
-        self._pending_adds = 0      # sent to the engine, not yet taken by the core
-        self._core_waiting = 0      # num_waiting of the last step
+        self._pending_adds = 0      # sent to the engines, not yet taken by a core
+        self._core_waiting = 0      # num_waiting of the engines' last steps
+        self._engine_of: dict[str, int] = {}       # core id -> the engine running it
+        self._engine_stats = [ready.stats] * len(processes)     # each engine's last gauges
         self.last_stats = ready.stats
         self.num_steps = 0
         self.max_batch_size = 0
@@ -140,12 +147,20 @@ class AsyncEngine:
         t0 = time.perf_counter()
         files = resolve_model_files(config.model, config.tokenizer)
         tokenizer = Tokenizer.from_files(files)
-        process = EngineProcess(config, tokenizer.eos_token_ids)
-        ready = process.start()                     # the child logs weights, load time, KV size
-        engine = cls(process, ready, tokenizer, config, files.path, max_queue_len=max_queue_len,
+        processes = [EngineProcess(config, tokenizer.eos_token_ids) for _ in range(config.data_parallel_size)]
+        try:
+            for process in processes:           # they load at once; each logs weights, load time, KV size
+                process.spawn()
+            readies = [process.wait_ready() for process in processes]
+        except BaseException:
+            for process in processes:
+                process.kill()
+            raise
+        engine = cls(processes, readies[0], tokenizer, config, files.path, max_queue_len=max_queue_len,
                      request_log=request_log, log_stats_interval=log_stats_interval)
-        logger.info("engine ready in %.2fs (engine process pid %d): serving %s, max_model_len %d",
-                    time.perf_counter() - t0, ready.pid, engine.served_model_name, engine.max_model_len)
+        logger.info("engine ready in %.2fs (engine process pid %s): serving %s, max_model_len %d",
+                    time.perf_counter() - t0, " ".join(str(r.pid) for r in readies), engine.served_model_name,
+                    engine.max_model_len)
         return engine
 
     def start(self) -> "AsyncEngine":
@@ -157,13 +172,14 @@ class AsyncEngine:
             except RuntimeError:
                 pass
             self._listening = True
-            self.process.listen(self._on_message)
+            for rank, process in enumerate(self.processes):
+                process.listen(lambda message, rank=rank: self._on_message(message, rank))
             self.metrics.engine_alive.set(1)
         return self
 
     @property
     def is_alive(self) -> bool:
-        return self.death_reason is None and self._listening and self.process.is_alive
+        return self.death_reason is None and self._listening and all(p.is_alive for p in self.processes)
 
     @property
     def is_accepting(self) -> bool:
@@ -188,14 +204,15 @@ class AsyncEngine:
         if self._stopped:
             return
         self._stopped = True
-        self.process.stop(timeout)
+        for process in self.processes:
+            process.stop(timeout)
         self.metrics.engine_alive.set(0)
         self.metrics.close()
 
-    def call_core(self, method: str, *args):
-        """`EngineCore.<method>(*args)` run in the engine between steps (one of its UTILITY_METHODS); blocks, so
-        not from the event loop."""
-        return self.process.call(method, *args)
+    def call_core(self, method: str, *args, rank: int = 0):
+        """`EngineCore.<method>(*args)` run in engine `rank` between steps (one of its UTILITY_METHODS); blocks,
+        so not from the event loop."""
+        return self.processes[rank].call(method, *args)
 
     # ---- event loop side ---------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -226,24 +243,45 @@ class AsyncEngine:
         stream = RequestStream(self, self.processor.requests[request_id])
         self._streams[request_id] = stream
         self._pending_adds += len(adds)
-        self._send(*adds)
+        rank = self.router.choose(prompt_token_ids)     # every choice of a request on one engine: one prefill
+        for add in adds:
+            self._engine_of[add.request_id] = rank
+        self.router.load[rank] += len(adds)
+        try:
+            self.processes[rank].send(*adds)
+        except OSError:     # the engine is gone: its death is being reported, and fails this stream too
+            pass
         return stream
 
-    def _send(self, *messages) -> None:
-        try:
-            self.process.send(*messages)
-        except OSError:     # the engine is gone: its death is being reported
-            pass
+    def _abort(self, core_ids) -> None:
+        """Tell each engine to stop its share of these core requests."""
+        by_engine: dict[int, list[str]] = {}
+        for core_id in core_ids:
+            rank = self._engine_of.get(core_id)
+            if rank is not None:
+                by_engine.setdefault(rank, []).append(core_id)
+        for rank, ids in by_engine.items():
+            try:
+                self.processes[rank].send(AbortRequests(tuple(ids)))
+            except OSError:     # the engine is gone: its death is being reported
+                pass
+
+    def _forget(self, state: RequestState) -> None:
+        for choice in state.choices:
+            rank = self._engine_of.pop(choice.core_id, None)
+            if rank is not None:
+                self.router.load[rank] -= 1
 
     def _finish(self, stream: RequestStream, reason: str) -> None:
         """A request is done (finished, failed, or its consumer went away): abort what is left of it in the
         core, forget it, record its metrics."""
         unfinished = self.processor.finish(stream.request_id, reason, time.time())
         if unfinished:
-            self._send(AbortRequests(tuple(unfinished)))
+            self._abort(unfinished)
+        state = stream.state
+        self._forget(state)
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
-        state = stream.state
         try:
             self.metrics.record_finished(FinishedRequest(
                 request_id=state.request_id, model=self.served_model_name, prompt_tokens=state.num_prompt_tokens,
@@ -253,22 +291,29 @@ class AsyncEngine:
         except Exception:  # metrics must never break a request
             logger.exception("recording metrics of %s failed", state.request_id)
 
-    def _on_step_result(self, result: StepResult) -> None:
+    def _on_step_result(self, result: StepResult, rank: int = 0) -> None:
         """On the event loop: account for the step, then route its outputs to their streams."""
         self._pending_adds = max(0, self._pending_adds - result.num_added)
-        self._core_waiting = result.stats.num_waiting
-        self.last_stats = result.stats
-        if result.stats.batch_size:
+        stats = self._engine_stats[rank] = result.stats
+        if len(self.processes) > 1:        # the gauges over every engine, this step's counters
+            every = self._engine_stats
+            stats = dataclasses.replace(
+                stats, num_running=sum(s.num_running for s in every), num_waiting=sum(s.num_waiting for s in every),
+                kv_cache_usage=sum(s.kv_cache_usage for s in every) / len(every),
+                compiled_decode_buckets_ready=min(s.compiled_decode_buckets_ready for s in every))
+        self._core_waiting = stats.num_waiting
+        self.last_stats = stats
+        if stats.batch_size:
             self.num_steps += 1
-            self.max_batch_size = max(self.max_batch_size, result.stats.batch_size)
-        self.metrics.record_step(result.stats)
+            self.max_batch_size = max(self.max_batch_size, stats.batch_size)
+        self.metrics.record_step(stats)
         for core_id, message in result.rejected:
             state = self.processor.request_of(core_id)
             if state is not None and state.request_id in self._streams:
                 self._streams[state.request_id].queue.put_nowait(message)
         processed = self.processor.process(result.outputs, result.started, result.finished)
         if processed.to_abort:
-            self._send(AbortRequests(tuple(processed.to_abort)))
+            self._abort(processed.to_abort)
         for request_id, deltas in processed.deltas.items():
             stream = self._streams.get(request_id)
             if stream is not None:
@@ -279,11 +324,12 @@ class AsyncEngine:
             stream.queue.put_nowait(message)
 
     # ---- the reader thread -------------------------------------------------------------------------------------
-    def _on_message(self, message) -> None:
+    def _on_message(self, message, rank: int) -> None:
         if isinstance(message, EngineDead):
-            self._on_death(message.reason)
+            if self.death_reason is None:
+                self._on_death(message.reason)
         else:
-            self._deliver(self._on_step_result, message)
+            self._deliver(self._on_step_result, message, rank)
 
     def _deliver(self, fn, *args) -> None:
         if self._loop is None:

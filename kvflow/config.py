@@ -65,6 +65,10 @@ class EngineConfig:
     kv_cache_dtype: str = _option("auto", "auto, or fp8: KV stored as float8 e4m3, half of bf16's bytes")
     tensor_parallel_size: int = _option(1, "split the model over N processes (gloo on CPU, NCCL on CUDA, one GPU "
                                            "each)", aliases=("-tp",))
+    data_parallel_size: int = _option(1, "engine processes behind the one HTTP frontend, each with its own copy of "
+                                         "the model and a share of the KV cache and the cores; a request goes to "
+                                         "the engine most likely holding its prompt's prefix, then the least "
+                                         "loaded", aliases=("-dp",))
     distributed_init_method: str | None = _option(None, "rendezvous of a multi-machine run: tcp://HOST:PORT of node "
                                                         "0, which every node can reach (default: one machine, a free "
                                                         "local port)", metavar="tcp://HOST:PORT")
@@ -96,7 +100,8 @@ class EngineConfig:
                                  f"got {getattr(self, name)!r}")
         for name, least in (("max_model_len", 1), ("kv_cache_memory", 1), ("max_num_seqs", 1),
                             ("max_num_batched_tokens", 1), ("max_prefill_tokens_while_decoding", 0),
-                            ("tensor_parallel_size", 1), ("nnodes", 1), ("small_step_threads", 1)):
+                            ("tensor_parallel_size", 1), ("data_parallel_size", 1), ("nnodes", 1),
+                            ("small_step_threads", 1)):
             if getattr(self, name) is not None and getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
@@ -112,6 +117,9 @@ class EngineConfig:
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of "
                              f"nnodes={self.nnodes} (every machine runs the same number of ranks)")
+        if self.data_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.nnodes > 1):
+            raise ValueError("data_parallel_size > 1 runs whole engines on this machine: it does not combine with "
+                             "tensor_parallel_size > 1 or nnodes > 1 yet")
         if self.nnodes > 1 and self.distributed_init_method is None:
             raise ValueError("nnodes > 1 needs distributed_init_method=tcp://HOST:PORT, an address of node 0 "
                              "that every node can reach")

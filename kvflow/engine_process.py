@@ -77,6 +77,11 @@ class EngineProcess:
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> EngineReady:
         """Spawn the child, send it its settings, wait until its model is loaded."""
+        self.spawn()
+        return self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the child and send it its settings (several engines load at once: spawn each, then wait)."""
         parent_sock, child_sock = socket.socketpair()
         level = logging.getLogger("kvflow").getEffectiveLevel()
         try:
@@ -86,6 +91,8 @@ class EngineProcess:
             child_sock.close()
         self._conn = Connection(parent_sock.detach())
         self._conn.send((self.config, self.eos_token_ids, level))
+
+    def wait_ready(self) -> EngineReady:
         try:
             first = self._recv_first()
         except BaseException:

@@ -16,7 +16,7 @@ LAYERS = [
     {"executor"},
     {"core"},
     {"tokenizer", "detokenizer", "metrics", "outputs"},
-    {"output_processor", "engine_process"},
+    {"output_processor", "engine_process", "engine_router"},
     {"llm", "async_engine"},
     {"server", "bench"},
     {"cli"},

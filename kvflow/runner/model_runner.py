@@ -47,7 +47,9 @@ class ModelRunner:
         self.quantization = weight_quantization(files, config.quantization, config.dtype, tp.size, self.device.type)
         self.dtype = (native_kernels.compute_dtype(self.device, config.dtype, self.quantization)
                       or platform.pick_dtype(config.dtype, self.device))
-        platform.setup_threads(self.device, tp.local_size)
+        # the processes sharing this machine's cores: its tensor-parallel ranks, or the data-parallel engines
+        self.processes_here = tp.local_size * config.data_parallel_size
+        platform.setup_threads(self.device, self.processes_here)
         self.threads = torch.get_num_threads()
 
         t0 = time.perf_counter()
@@ -145,7 +147,7 @@ class ModelRunner:
         per_block = 2 * cfg.num_hidden_layers * self.block_size * num_kv_heads * cfg.head_dim * elem
         budget = platform.kv_cache_budget(self.device, self.config.kv_cache_memory,
                                           self.config.gpu_memory_utilization, self.weights_bytes,
-                                          self.tp.size, self.tp.local_size)
+                                          self.tp.size * self.config.data_parallel_size, self.processes_here)
         # every rank indexes the same block ids: the rank that fits the fewest blocks sets the number
         num_blocks = self.tp.min_over_ranks(max(budget, 0) // per_block)
         need = -(-self.max_model_len // self.block_size)

@@ -73,14 +73,18 @@ class ServerThread:
         """`EngineCore.<method>(*args)` in the engine process (its UTILITY_METHODS: check, counters, ...)."""
         return self.engine.call_core(method, *args)
 
+    def _any_unfinished(self) -> bool:
+        return any(self.engine.call_core("has_unfinished_requests", rank=rank)
+                   for rank in range(len(self.engine.processes)))
+
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until no request is in flight on either side of the engine."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.engine._streams and not self.engine._pending_adds and self.engine.is_alive \
-                    and not self.core("has_unfinished_requests"):
-                time.sleep(0.05)   # let the engine send its last stats snapshot and go to sleep
-                if not self.engine._streams and not self.core("has_unfinished_requests"):
+                    and not self._any_unfinished():
+                time.sleep(0.05)   # let the engines send their last stats snapshot and go to sleep
+                if not self.engine._streams and not self._any_unfinished():
                     return
             time.sleep(0.02)
         raise TimeoutError("the engine did not become idle")
