@@ -70,3 +70,82 @@ def test_q4_k_file_kept_as_its_own_codes(wide_hf, tmp_path):
     for name, gq in codes.items():
         assert gq.exact and gq.bits == 4 and gq.offset == 0, name
         assert torch.equal(gq.dequantize(), floats[name]), name       # Q/K rows un-permuted alike
+
+
+# --------------------------------------------------------------------------- re-rounded formats, slice by slice
+
+@pytest.mark.parametrize("qtype,writer", [("Q6_K", quantize_q6_k), ("Q5_K", quantize_q5_k)])
+def test_other_k_quants_are_rerounded_to_8_bits_in_slices(qtype, writer, monkeypatch):
+    from kvflow.models import loader
+    from kvflow.models.gguf_reader import GGUFTensorInfo
+
+    x = matrix(300, 512, 0.05)
+    raw = writer(x)
+    values = torch.from_numpy(dequantize(raw, T[qtype], x.shape))
+    whole = GroupQuantized.round_to_nearest(values, bits=8)
+    seen = []
+    real = loader.dequantize
+    monkeypatch.setattr(loader, "dequantize", lambda r, t, shape: (seen.append(shape), real(r, t, shape))[1])
+    monkeypatch.setattr(loader, "REROUND_VALUES", 64 * 512)
+    info = GGUFTensorInfo("w", x.shape, T[qtype], 0, raw.nbytes)
+    gq = loader._rerounded(raw, info, bits=8)
+    assert seen == [(64, 512)] * 4 + [(44, 512)]                      # never the whole tensor as floats
+    assert not gq.exact and gq.bits == 8 and gq.zero is None
+    assert torch.equal(gq.codes, whole.codes) and torch.equal(gq.scale, whole.scale)
+    step = values.abs().view(300, -1, 32).amax(-1) / 127
+    assert ((gq.dequantize() - values).abs().view(300, -1, 32) <= step[..., None] / 2 * 1.001).all()
+
+
+def test_mixed_stacks_keep_8_bit_pieces_as_the_files_codes():
+    from kvflow.layers.quantization import _gguf_codes
+
+    x = matrix(64, 256, 0.05)
+    q8 = group_quantized(gguf.quants.quantize(x, T.Q8_0), T.Q8_0, x.shape)
+    q5 = group_quantized(gguf.quants.quantize(x, T.Q5_0), T.Q5_0, x.shape)
+    q40 = group_quantized(gguf.quants.quantize(x, T.Q4_0), T.Q4_0, x.shape)
+    q4k = group_quantized(quantize_q4_k(x), T.Q4_K, x.shape)
+    layer = torch.nn.Linear(256, 256)
+    layer.gguf_pieces = [q4k, q8, q5, q40]
+    stacked = _gguf_codes(layer)
+    assert stacked.bits == 8 and stacked.zero is None
+    for i, piece in enumerate((q8, q5, q40)):                            # exactly their own values
+        assert torch.equal(stacked.take_rows(torch.arange(64 * (i + 1), 64 * (i + 2))).dequantize(), piece.dequantize())
+    got = stacked.take_rows(torch.arange(64)).dequantize()
+    assert (got - q4k.dequantize()).abs().max() <= q4k.dequantize().abs().max() / 254 * 1.001
+
+
+def test_q4_k_m_file_serves_from_its_codes(wide_hf, tmp_path):
+    from kvflow import LLM, SamplingParams
+    from kvflow.layers import native_kernels
+    from kvflow.layers.int4 import Int4Linear
+    from kvflow.layers.quantization import NativeQ8Linear
+
+    path = write_gguf_from_hf(wide_hf, tmp_path / "m-q4_k_m.gguf", ftype="q4_k_m")
+    kinds = {t.qtype for t in resolve_model_files(path).gguf.tensors.values()}
+    assert {T.Q4_K, T.Q6_K} <= kinds
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory="8MiB", enforce_eager=True)
+    model = llm.engine.runner.model
+    assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)            # Q4_K
+    if native_kernels.usable():
+        assert isinstance(model.layers[1].self_attn.qkv_proj, NativeQ8Linear)    # Q4_K q/k + Q6_K v: 8-bit
+    out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6
+
+
+@pytest.mark.parametrize("ftype", ["q8_0", "q5_0"])
+def test_untied_8_bit_head_multiplies_the_files_codes(tmp_path, ftype):
+    from kvflow import LLM
+    from kvflow.layers import native_kernels
+    from kvflow.layers.quantization import NativeQ8Linear
+
+    if not native_kernels.usable():
+        pytest.skip("kvflow's kernels do not run here")
+    hf = make_tiny_hf_model(tmp_path / "hf", "qwen2", seed=2)
+    path = write_gguf_from_hf(hf, tmp_path / f"m-{ftype}.gguf", ftype=ftype)
+    llm = LLM(str(path), max_model_len=64, kv_cache_memory="4MiB", enforce_eager=True)
+    head = llm.engine.runner.model.lm_head
+    assert isinstance(head, NativeQ8Linear)
+    files = resolve_model_files(path)
+    want = dict(iter_weights(files, keep_quantized=True))["lm_head.weight"]
+    assert torch.equal(native_kernels.q8_rows(head.codes, torch.arange(want.shape[0])), want.codes)
+

@@ -206,9 +206,20 @@ def _gguf_codes(module: nn.Module) -> GroupQuantized | None:
     pieces = getattr(module, "gguf_pieces", None)
     if not pieces or any(p is None for p in pieces):
         return None
-    if len({(p.bits, p.group) for p in pieces}) > 1:      # e.g. Q4_1 q/k with a Q8_0 v: the finer format for all
-        return GroupQuantized.round_to_nearest(torch.cat([p.dequantize() for p in pieces]), bits=8)
+    if len({(p.bits, p.group) for p in pieces}) > 1:      # e.g. Q4_K q/k with a Q6_K v: the finer format for all
+        return GroupQuantized.cat([_as_8_bit(p) for p in pieces])
     return GroupQuantized.cat(pieces)
+
+
+def _as_8_bit(codes: GroupQuantized) -> GroupQuantized:
+    """8-bit symmetric group codes of the same values: 8-bit pieces (Q8_0, Q5_0) and Q4_0's codes (q - 8, scale d)
+    as they are, exactly; 4-bit codes with a minimum (Q4_1, Q4_K) rounded to nearest, piece by piece."""
+    if codes.bits == 8 and codes.zero is None and codes.offset == 0:
+        return codes
+    if codes.bits == 4 and codes.zero is None:
+        return GroupQuantized((codes.codes.to(torch.int16) - codes.offset).to(torch.int8), codes.scale, None,
+                              codes.group, 8, codes.exact)
+    return GroupQuantized.round_to_nearest(codes.dequantize(), bits=8, group=codes.group)
 
 
 def _int4_linear(layer: nn.Linear, method: str, native: bool) -> nn.Module:
@@ -239,8 +250,12 @@ class NativeQ8Linear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = native_kernels.q8_linear(x.float(), self.codes, self.scale)[..., :self.out_features].to(x.dtype)
+        y = self.project(x)
         return y + self.bias if self.bias is not None else y
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """As an (untied) LM head."""
+        return native_kernels.q8_linear(hidden.float(), self.codes, self.scale)[..., :self.out_features].to(hidden.dtype)
 
 
 class GGUFVocabulary(nn.Module):
@@ -292,6 +307,8 @@ def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype
     if isinstance(table, nn.Linear):
         if codes.bits == 4:
             return Int4Linear(codes, None, native).to(device)
+        if native and _native_q8(codes):                   # Q8_0 / Q5_0 / re-rounded: the codes themselves
+            return NativeQ8Linear(codes, None).to(device)
         return QuantizedEmbedding(table, "int8", dtype)
     if not tied:
         return GGUFVocabulary(codes, None, dtype).to(device)

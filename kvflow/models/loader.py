@@ -5,7 +5,8 @@ Two formats: a Hugging Face folder (config.json + *.safetensors, sharded or not)
 `model_files.resolve_model_files`; the functions here take that `ModelFiles` (`iter_weights` also a path).
 GGUF weights come out dequantized to float32, with HF names and HF shapes ([out, in]), and with
 llama.cpp's Q/K row permutation undone for the llama family, so a model sees one layout whatever the file.
-With `keep_quantized`, 2-D quantized GGUF tensors come out as `GroupQuantized` codes instead (below).
+With `keep_quantized`, 2-D quantized GGUF tensors come out as `GroupQuantized` codes instead (below): the file's
+own codes where the format maps exactly, else re-rounded slice by slice.
 """
 from __future__ import annotations
 
@@ -63,11 +64,17 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-# GGUF types kept as codes with `keep_quantized`: Q4_0 / Q4_1 / Q8_0 exactly as stored; the K-quants re-rounded at
-# load to the nearest format torch multiplies (4-bit group 32 for the 4-bit ones, 8-bit otherwise)
-_FOUR_BITS_OR_FEWER = {"Q2_K", "Q3_K", "Q4_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
-                       "IQ4_NL", "IQ4_XS"}
+# GGUF types kept as codes with `keep_quantized`: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K exactly as stored
+# (gguf_reader.group_quantized). The others are re-rounded at load to the nearest format kvflow multiplies, by
+# round to nearest on the file's float values, slice by slice (`_rerounded`): 4-bit group 32 for the types of 4
+# bits or fewer, 8-bit group 32 (symmetric, Q8_0's format) for the rest. None of those has an exact mapping to a
+# kernel format: Q6_K's groups are 16 wide with an int8 scale each (two per group of 32, and codes times scale
+# ratios overflow int8), Q5_K / Q5_1 are 5-bit codes with a minimum (kvflow's 8-bit kernels have none), Q2_K /
+# Q3_K have 16-wide groups, the IQ types are codebooks.
+_FOUR_BITS_OR_FEWER = {"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
+                       "IQ4_XS"}
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}                   # stay float
+REROUND_VALUES = 1 << 22      # float32 values dequantized at once when re-rounding (16 MiB): never a whole tensor
 
 
 def _iter_gguf(g: GGUFFile, config: ModelConfig, keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -97,10 +104,27 @@ def _gguf_tensor(g: GGUFFile, info: GGUFTensorInfo, keep_quantized: bool) -> tor
     codes = group_quantized(raw, info.qtype, info.shape) if quantized else None
     if codes is not None:
         return codes
-    w = torch.from_numpy(dequantize(raw, info.qtype, info.shape))
     if quantized and info.shape[1] % 32 == 0:
-        return GroupQuantized.round_to_nearest(w, bits=4 if kind in _FOUR_BITS_OR_FEWER else 8)
-    return w
+        return _rerounded(raw, info, bits=4 if kind in _FOUR_BITS_OR_FEWER else 8)
+    return torch.from_numpy(dequantize(raw, info.qtype, info.shape))
+
+
+def _rerounded(raw, info: GGUFTensorInfo, bits: int) -> GroupQuantized:
+    """Group-32 codes rounded to nearest from the tensor's float values, a slice of rows at a time: the float32
+    copy of the whole tensor (4-8x its bytes in the file) is never held."""
+    n, k = info.shape
+    step = max(1, REROUND_VALUES // k)
+    codes = torch.empty(n, k, dtype=torch.uint8 if bits == 4 else torch.int8)
+    scale = torch.empty(n, k // 32)
+    zero = torch.empty(n, k // 32) if bits == 4 else None
+    for r in range(0, n, step):
+        rows = min(step, n - r)
+        part = GroupQuantized.round_to_nearest(
+            torch.from_numpy(dequantize(raw[r:r + rows], info.qtype, (rows, k))), bits=bits)
+        codes[r:r + rows], scale[r:r + rows] = part.codes, part.scale
+        if zero is not None:
+            zero[r:r + rows] = part.zero
+    return GroupQuantized(codes, scale, zero, 32, bits, exact=False)
 
 
 def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
