@@ -12,7 +12,8 @@ from kvflow.layers.group_quant import GroupQuantized
 from kvflow.layers.int4 import Int4Linear, choose_kernel_rows, packed_layout
 from kvflow.layers.quantization import (GGUFVocabulary, NativeQ8Linear, QuantizedEmbedding, QuantizedLinear,
                                        quantize_model)
-from kvflow.models.loader import iter_weights, resolve_model_files, weight_quantization
+from kvflow.models.gguf_reader import dequantize, read_gguf
+from kvflow.models.loader import default_model_path, iter_weights, resolve_model_files, weight_quantization
 from tiny_models import make_tiny_hf_model, write_gguf_from_hf
 
 HAS_KERNEL = packed_layout() is not None
@@ -144,10 +145,13 @@ def test_embedded_model_serves_within_130_mib():
     assert Int4Linear in kinds and GGUFVocabulary in kinds and nn.Linear not in kinds
     table = runner.model.embed_tokens
     if all(m.native for m in runner.model.modules() if isinstance(m, Int4Linear)):
-        # kvflow's kernel multiplies the Q8_0 codes themselves (held in its layout; lookups read them back)
-        assert table.head is None and table.native_head
-        assert torch.equal(native_kernels.q8_rows(table.codes, torch.arange(3)).float(),
-                           table(torch.arange(3)) / table.scale[:3].repeat_interleave(32, 1))
+        # kvflow's kernel multiplies the Q8_0 codes themselves (held in its layout; lookups read them back): one copy
+        assert table.native_head and isinstance(table.head, NativeQ8Linear) and not hasattr(table, "codes")
+        g = read_gguf(default_model_path())
+        info = g.tensors["token_embd.weight"]
+        rows = torch.tensor([0, 17, 49151])
+        want = torch.from_numpy(dequantize(g.raw(info), info.qtype, info.shape))[rows]
+        assert torch.equal(table(rows), want)                   # the file's own values, from the head's codes
     else:
         assert table.codes.dtype == torch.int8
         assert isinstance(table.head, QuantizedEmbedding)                                # Q8_0: head apart

@@ -149,3 +149,40 @@ def test_untied_8_bit_head_multiplies_the_files_codes(tmp_path, ftype):
     want = dict(iter_weights(files, keep_quantized=True))["lm_head.weight"]
     assert torch.equal(native_kernels.q8_rows(head.codes, torch.arange(want.shape[0])), want.codes)
 
+
+# --------------------------------------------------------------------------- a tied table held once
+
+@pytest.mark.parametrize("ftype", ["q4_k", "q4_0", "q4_1", "q8_0", "q4_k_m"])
+def test_tied_table_is_held_once_and_looks_up_the_files_values(wide_hf, tmp_path, ftype):
+    from kvflow import LLM, SamplingParams
+    from kvflow.layers import native_kernels
+    from kvflow.layers.quantization import GGUFVocabulary
+
+    if not native_kernels.usable():
+        pytest.skip("kvflow's kernels do not run here")
+    path = write_gguf_from_hf(wide_hf, tmp_path / f"m-{ftype}.gguf", ftype=ftype)
+    llm = LLM(str(path), max_model_len=64, kv_cache_memory="4MiB", enforce_eager=True)
+    model = llm.engine.runner.model
+    table = model.embed_tokens
+    assert model.lm_head is None and isinstance(table, GGUFVocabulary) and table.native_head
+    assert not hasattr(table, "codes")            # one copy: the head's, in its kernel's layout
+    vocab, hidden = table.num_rows, model.config.hidden_size
+    held = sum(t.numel() * t.element_size() for t in [*table.parameters(), *table.buffers()])
+    eight_bit = ftype in ("q8_0", "q4_k_m")        # (q4_k_m: a Q6_K table, re-rounded to 8-bit codes)
+    per_value = 1 + 4 / 32 if eight_bit else 0.5 + 8 / 32   # codes + float32 scale (and minimum) per 32
+    assert held <= vocab * hidden * per_value * 1.01
+    files = resolve_model_files(path)
+    gq = dict(iter_weights(files, keep_quantized=True))["model.embed_tokens.weight"]
+    ids = torch.tensor([[0, 5, vocab - 1], [3, 3, 1000]])
+    want = gq.dequantize()[ids]
+    if gq.exact:
+        assert torch.equal(table(ids), want)
+    else:                                         # Q6_K re-rounded: the codes kvflow holds
+        assert torch.allclose(table(ids), want)
+    hidden_states = torch.randn(5, hidden)
+    logits = table.project(hidden_states)
+    assert logits.shape == (5, vocab)
+    ref = hidden_states @ gq.dequantize().T
+    assert ((logits - ref).norm() / ref.norm()).item() < 0.02       # int8 activations
+    assert len(llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+               .outputs[0].token_ids) == 3

@@ -123,6 +123,21 @@ class Int4Linear(nn.Module):
         scale, zero = self.scale_zero.to(dtype).transpose(0, 1).unbind(-1)
         return (q * scale[..., None] + zero[..., None]).view(n, k)[:self.out_features]
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 values of rows `ids` (native layouts): a tied embedding's lookups from the head's own codes,
+        code * scale + minimum as the file defines them (exact for GGUF's formats)."""
+        k, g = self.in_features, self.in_features // native_kernels.GROUP
+        if self.packed.dim() == 4:               # x16: [N / 16, G, 4, 64], low nibbles quads 0..3, high 4..7
+            quads = self.packed.view(-1, g, 4, native_kernels.X16, 4)[ids // native_kernels.X16, :, :,
+                                                                         ids % native_kernels.X16]
+            codes = torch.cat([quads & 15, quads >> 4], dim=-2)                        # [*ids, G, 8, 4]
+        else:                                    # rows: [N, K / 2], per group byte j = columns j, j + 16
+            halves = self.packed[ids].view(*ids.shape, g, native_kernels.GROUP // 2)
+            codes = torch.cat([halves & 15, halves >> 4], dim=-1)
+        codes = codes.reshape(*ids.shape, g, native_kernels.GROUP).to(torch.float32)
+        scale, minimum = (native_rows(t, ids)[..., None] for t in (self.scale, self.minimum))
+        return (codes * scale + minimum).view(*ids.shape, k)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
             # kvflow's kernel at every step size: dequantizing + MKL is faster above ~192 rows (8 matrices of
@@ -159,6 +174,13 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, group={self.group}, native={self.native}, "
                 f"kernel_rows={self.kernel_rows}")
+
+
+def native_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of per-group scales held in `native_kernels.pack_scales`'s layout: [*ids, G]."""
+    if t.dim() == 3:                             # x16: [N / 16, G, 16]
+        return t[ids // native_kernels.X16, :, ids % native_kernels.X16]
+    return t[ids]
 
 
 def choose_kernel_rows(layers: list[Int4Linear], dtype: torch.dtype) -> tuple[int, dict[int, tuple[float, float]]]:

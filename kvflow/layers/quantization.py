@@ -254,30 +254,39 @@ class NativeQ8Linear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """As an (untied) LM head."""
+        """As an LM head."""
         return native_kernels.q8_linear(hidden.float(), self.codes, self.scale)[..., :self.out_features].to(hidden.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 values of rows `ids` (a tied embedding's lookups from the head's own codes)."""
+        codes = native_kernels.q8_rows(self.codes, ids).to(torch.float32).view(*ids.shape, -1, native_kernels.GROUP)
+        return (codes * int4.native_rows(self.scale, ids)[..., None]).flatten(-2)
 
 
 class GGUFVocabulary(nn.Module):
     """The vocabulary table kept as the file stores it: lookups dequantize the rows they need from the file's own
-    codes (exact values); the LM head, when tied, is a separate matrix (`head`) quantized for matmuls, or, with
-    `native_head` for 8-bit group-32 codes (Q8_0), these same codes through kvflow's kernel (no second copy)."""
+    codes (exact values). The LM head, when tied: with `native_head` (kvflow's kernels run here, 4-bit or 8-bit
+    group-32 codes), the one table in its kernel's layout (`head`, an Int4Linear or NativeQ8Linear) serves both
+    the head's matmuls and the lookups (`head.rows`): no second copy; otherwise a separate matrix (`head`)
+    quantized for matmuls."""
 
     def __init__(self, codes: GroupQuantized, head: nn.Module | None, dtype: torch.dtype, native_head: bool = False):
         super().__init__()
         self.group, self.offset, self.dtype = codes.group, codes.offset, dtype
         self.num_rows = codes.shape[0]
-        # the native head multiplies these very codes: they are kept in its kernel's layout, and lookups read
-        # their rows out of it (native_kernels.q8_rows)
         self.native_head = native_head
-        self.register_buffer("codes", native_kernels.pack_q8(codes.codes) if self.native_head else codes.codes)
+        if native_head:
+            self.head = Int4Linear(codes, None, native=True) if codes.bits == 4 else NativeQ8Linear(codes, None)
+            return
+        self.register_buffer("codes", codes.codes)
         self.register_buffer("scale", codes.scale)
-        self.register_buffer("head_scale", native_kernels.pack_scales(codes.scale) if self.native_head else None)
         self.register_buffer("zero", codes.zero)          # None for symmetric codes (Q4_0, Q8_0)
         self.head = head
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        q = (native_kernels.q8_rows(self.codes, ids) if self.native_head else self.codes[ids]).to(torch.float32)
+        if self.native_head:
+            return self.head.rows(ids).to(self.dtype)
+        q = self.codes[ids].to(torch.float32)
         q = q.view(*ids.shape, -1, self.group) - self.offset
         rows = q * self.scale[ids][..., None]
         if self.zero is not None:
@@ -285,10 +294,7 @@ class GGUFVocabulary(nn.Module):
         return rows.flatten(-2).to(self.dtype)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.native_head:
-            logits = native_kernels.q8_linear(hidden.float(), self.codes, self.head_scale)
-            return logits[..., :self.num_rows].to(hidden.dtype)
-        return self.head.project(hidden)
+        return self.head.project(hidden)[..., :self.num_rows]
 
 
 def _native_q8(codes: GroupQuantized) -> bool:
@@ -298,8 +304,9 @@ def _native_q8(codes: GroupQuantized) -> bool:
 def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype, tied: bool,
                 native: bool) -> nn.Module:
     """int4: int8 rows shared by lookups and the head, as the int8 mode. gguf: an untied LM head from 4-bit codes
-    runs as int4, from anything else as int8; the embedding keeps the file's codes for its lookups, and when it
-    doubles as the head, the head is its own int8 matrix (the int8 kernel; 8-bit keeps the logits closest)."""
+    runs as int4, from 8-bit group codes through kvflow's kernel where it runs, else as int8; the embedding keeps
+    the file's codes for its lookups, and when it doubles as the head, kvflow's kernels multiply those same codes
+    where they run (one copy), else the head is its own int8 matrix (the int8 kernel)."""
     codes = _gguf_codes(table) if method == "gguf" else None
     if codes is None:
         return QuantizedEmbedding(table, "int8", dtype) if method == "int4" else table
@@ -312,7 +319,7 @@ def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype
         return QuantizedEmbedding(table, "int8", dtype)
     if not tied:
         return GGUFVocabulary(codes, None, dtype).to(device)
-    if native and _native_q8(codes):
+    if native and (_native_q8(codes) or (codes.bits == 4 and codes.group == native_kernels.GROUP)):
         return GGUFVocabulary(codes, None, dtype, native_head=True).to(device)
     return GGUFVocabulary(codes, QuantizedEmbedding(table, "int8", dtype), dtype).to(device)
 
@@ -335,7 +342,7 @@ def _choose_int4_kernel(layers: list[Int4Linear], dtype: torch.dtype) -> str:
         return "no int4 matrices"
     if all(m.native for m in layers):
         return (f"int4 matrices use kvflow's {native_kernels.isa().upper()} kernel (int8 activations per group of "
-                "32) for every step, as do Q8_0 matrices and a tied Q8_0 LM head (the embedding's own codes)")
+                "32) for every step, as do 8-bit matrices and a tied LM head (the embedding's own codes)")
     if not any(m.uses_kernel for m in layers):
         return "int4 matrices dequantized per matrix before each matmul (no usable torch int4 CPU kernel here)"
     rows, table = int4.choose_kernel_rows(layers, dtype)
