@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -86,16 +87,22 @@ def total_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-# On CPU, without a budget, the KV cache takes this much (bounded by a quarter of free RAM): a few GiB is
-# hundreds of thousands of tokens for small models, and reserving most of RAM would starve everything else.
+# On CPU, without a budget, the KV cache takes the smallest of: this much, an eighth of the machine's RAM, a quarter
+# of what is free now, and (where the caller says) what max_num_seqs requests of max_model_len tokens can use. A
+# few GiB is hundreds of thousands of tokens for small models; reserving most of RAM would starve everything else,
+# and on a 2-core 8 GB laptop 2 GiB of cache beside the weights, torch and a browser is too much (1 GiB there).
 CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
+CPU_DEFAULT_RAM_FRACTION = 8
 
 
 def kv_cache_budget(device: torch.device, kv_cache_memory: int | None, utilization: float | None,
-                    weights_bytes: int, tensor_parallel_size: int = 1, ranks_on_this_machine: int = 1) -> int:
+                    weights_bytes: int, tensor_parallel_size: int = 1, ranks_on_this_machine: int = 1, *,
+                    full_context_bytes: int | None = None) -> int:
     """Bytes this rank may give its KV cache. `kv_cache_memory` is the total over all tensor-parallel ranks
     (each rank gets an equal share); `utilization` is per device on CUDA; on CPU the ranks of one machine
-    share its RAM, so its fraction (or the default budget) is split among them. `weights_bytes`: this rank's."""
+    share its RAM, so its fraction (or the default budget) is split among them. `weights_bytes`: this rank's.
+    `full_context_bytes`: this rank's KV bytes for max_num_seqs requests of max_model_len tokens each, the most
+    the cache can ever use (bounds the CPU default only)."""
     if kv_cache_memory is not None:
         return kv_cache_memory // tensor_parallel_size
     if device.type == "cuda":
@@ -104,4 +111,14 @@ def kv_cache_budget(device: torch.device, kv_cache_memory: int | None, utilizati
         return int(total * (utilization or 0.9)) - torch.cuda.memory_allocated(device) - used_by_others
     if utilization is not None:
         return int(total_memory(device) * utilization) // ranks_on_this_machine - weights_bytes
-    return min(CPU_DEFAULT_KV_CACHE_BYTES, available_memory(device) // 4) // ranks_on_this_machine
+    bounds = {"the default": CPU_DEFAULT_KV_CACHE_BYTES,
+              f"1/{CPU_DEFAULT_RAM_FRACTION} of RAM": total_memory(device) // CPU_DEFAULT_RAM_FRACTION,
+              "1/4 of free RAM": available_memory(device) // 4}
+    shared = {k: v // ranks_on_this_machine for k, v in bounds.items()}
+    if full_context_bytes is not None:
+        shared["max_num_seqs x max_model_len tokens"] = full_context_bytes
+    why = min(shared, key=shared.get)
+    logging.getLogger("kvflow").info(
+        "KV cache: %.0f MiB by default (%s; %s) — set --kv-cache-memory to choose", shared[why] / 2**20, why,
+        ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in shared.items()))
+    return shared[why]
