@@ -168,9 +168,13 @@ def test_tied_table_is_held_once_and_looks_up_the_files_values(wide_hf, tmp_path
     assert not hasattr(table, "codes")            # one copy: the head's, in its kernel's layout
     vocab, hidden = table.num_rows, model.config.hidden_size
     held = sum(t.numel() * t.element_size() for t in [*table.parameters(), *table.buffers()])
-    eight_bit = ftype in ("q8_0", "q4_k_m")        # (q4_k_m: a Q6_K table, re-rounded to 8-bit codes)
-    per_value = 1 + 4 / 32 if eight_bit else 0.5 + 8 / 32   # codes + float32 scale (and minimum) per 32
-    assert held <= vocab * hidden * per_value * 1.01
+    # codes + a scale (and a minimum) per 32 values: fp16 as the file stores them (Q4_0, Q4_1, Q8_0), float32 for
+    # Q4_K's d * sc products and for re-rounded scales (q4_k_m: a Q6_K table, re-rounded to 8-bit codes)
+    per_value = {"q8_0": 1 + 2 / 32, "q4_0": 0.5 + 4 / 32, "q4_1": 0.5 + 4 / 32, "q4_k": 0.5 + 8 / 32,
+                 "q4_k_m": 1 + 4 / 32}[ftype]
+    assert held <= vocab * hidden * per_value * 1.001
+    if ftype in ("q8_0", "q4_0", "q4_1"):
+        assert {t.dtype for t in table.buffers() if t.is_floating_point()} == {torch.float16}
     files = resolve_model_files(path)
     gq = dict(iter_weights(files, keep_quantized=True))["model.embed_tokens.weight"]
     ids = torch.tensor([[0, 5, vocab - 1], [3, 3, 1000]])
@@ -186,3 +190,34 @@ def test_tied_table_is_held_once_and_looks_up_the_files_values(wide_hf, tmp_path
     assert ((logits - ref).norm() / ref.norm()).item() < 0.02       # int8 activations
     assert len(llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
                .outputs[0].token_ids) == 3
+
+
+# --------------------------------------------------------------------------- scales as the file stores them
+
+@pytest.mark.parametrize("layout", ["rows", "x16"])
+def test_fp16_scales_give_the_kernels_the_same_bits_as_float32(layout):
+    from kvflow.layers import native_kernels as nk
+
+    if not nk.usable() or (layout == "x16" and not nk.x16_supported()):
+        pytest.skip("kvflow's kernels (this layout) do not run here")
+    lib = nk.library()
+    g = torch.Generator().manual_seed(1)
+    n, k = 45, 128
+    c4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    c8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+    m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+    x16 = layout == "x16"
+    q4 = lib.kvflow_q4_linear_x16 if x16 else lib.kvflow_q4_linear
+    q8 = lib.kvflow_q8_linear_x16 if x16 else lib.kvflow_q8_linear
+    half = [nk.pack_scales(t, layout, compact=True) for t in (d, m)]
+    assert all(t.dtype == torch.float16 for t in half)
+    assert nk.pack_scales(d + 1e-7, layout, compact=True).dtype == torch.float32      # not fp16 values: kept
+    for rows in (1, 7, 70):
+        x = torch.randn(rows, k, generator=g)
+        for mixed in ((half[0], nk.pack_scales(m, layout)), (nk.pack_scales(d, layout), half[1]), half):
+            assert torch.equal(nk._run(q4, x, nk.pack_q4(c4, layout), *mixed),
+                               nk._run(q4, x, nk.pack_q4(c4, layout), nk.pack_scales(d, layout),
+                                       nk.pack_scales(m, layout)))
+        assert torch.equal(nk._run(q8, x, nk.pack_q8(c8, layout), half[0]),
+                           nk._run(q8, x, nk.pack_q8(c8, layout), nk.pack_scales(d, layout)))

@@ -78,8 +78,9 @@ def kernel_supports(in_features: int, group: int) -> bool:
 class Int4Linear(nn.Module):
     """y = x @ W.T (+ bias) with W held as 4-bit codes. `kernel_rows`: steps of up to that many rows use the
     kernel, larger ones dequantize (set by `choose_kernel_rows`; ALWAYS where the layout could not be learned).
-    `native`: the codes and float32 scales in the layout of kvflow's own kernel for this CPU (native_kernels.py:
-    AVX2 or AVX-512 VNNI), which multiplies steps of every size, each row alone (batch invariance)."""
+    `native`: the codes and scales (fp16 where exact, else float32) in the layout of kvflow's own kernel for this
+    CPU (native_kernels.py: AVX2 or AVX-512 VNNI), which multiplies steps of every size, each row alone (batch
+    invariance)."""
 
     def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None = None, native: bool = False):
         super().__init__()
@@ -93,8 +94,10 @@ class Int4Linear(nn.Module):
             self.uses_kernel, self.kernel_rows = False, ALWAYS
             self.padded_out = native_kernels.padded_rows(n)
             self.register_buffer("packed", native_kernels.pack_q4(weight.codes))
-            self.register_buffer("scale", native_kernels.pack_scales(weight.scale))
-            self.register_buffer("minimum", native_kernels.pack_scales(weight.minimum()))    # exact for GGUF's
+            # fp16 where the values are (GGUF's d and m, Q4_0's -8d: as the file stores them), else float32 (Q4_K's
+            # d * sc products): the kernel widens fp16 exactly, so the results are the same bits either way
+            self.register_buffer("scale", native_kernels.pack_scales(weight.scale, compact=True))
+            self.register_buffer("minimum", native_kernels.pack_scales(weight.minimum(), compact=True))
             return
         self.uses_kernel = weight.codes.device.type == "cpu" and kernel_supports(k, weight.group)
         pad_to = max(ROW_PADDING, packed_layout()[0]) if self.uses_kernel else 1
@@ -135,7 +138,7 @@ class Int4Linear(nn.Module):
             halves = self.packed[ids].view(*ids.shape, g, native_kernels.GROUP // 2)
             codes = torch.cat([halves & 15, halves >> 4], dim=-1)
         codes = codes.reshape(*ids.shape, g, native_kernels.GROUP).to(torch.float32)
-        scale, minimum = (native_rows(t, ids)[..., None] for t in (self.scale, self.minimum))
+        scale, minimum = (native_rows(t, ids).float()[..., None] for t in (self.scale, self.minimum))
         return (codes * scale + minimum).view(*ids.shape, k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@
 //          j + 16 (high nibble), code 0..15; value = code * d[n, g] + m[n, g]
 //   8-bit: codes [N, K] int8; value = code * d[n, g]
 // Activations x [M, K] float32, row-major; y [M, N] float32. K must be a multiple of 32.
+// Scales d and minimums m: float32, or fp16 as GGUF stores them (`flags` bit 0: d, bit 1: m), widened to float32
+// exactly as they are read, so either gives the same bits.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -44,6 +46,14 @@ static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *q
     }
 }
 
+#define HALF_D 1
+#define HALF_M 2
+
+// element i of a per-group scale array: float32, or fp16 widened (exactly)
+static inline float scale_at(const void *p, int64_t i, int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
 static inline float hsum(__m256 v) {
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -65,9 +75,10 @@ static inline __m256i load_q4(const uint8_t *p) {
 
 // One weight row times rows [m0, m1) of the quantized activations, 4 rows at a time (the unpacked weights
 // are reused by each of them). bits 4: codes as above, `wm` the per-group minimum; bits 8: wm unused.
-static inline void row_times_block(int bits, const uint8_t *w, const float *wd, const float *wm, int64_t G,
-                                   const int8_t *q, const float *d, const float *s, int64_t K,
+static inline void row_times_block(int bits, const uint8_t *w, const void *wd, const void *wm, int64_t at,
+                                   int flags, int64_t G, const int8_t *q, const float *d, const float *s, int64_t K,
                                    int64_t m0, int64_t m1, float *y, int64_t N, int64_t n) {
+    const int hd = flags & HALF_D, hm = flags & HALF_M;      // scales of this row: elements at .. at + G - 1
     int64_t m = m0;
     for (; m + 4 <= m1; m += 4) {
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -87,8 +98,9 @@ static inline void row_times_block(int bits, const uint8_t *w, const float *wd, 
                     a = _mm256_sign_epi8(a, wv);
                     u = _mm256_sign_epi8(wv, wv);
                 }
-                acc[r] = _mm256_fmadd_ps(dot_u8s8(u, a), _mm256_set1_ps(wd[g] * d[row * G + g]), acc[r]);
-                if (bits == 4) bias[r] += wm[g] * s[row * G + g];
+                acc[r] = _mm256_fmadd_ps(dot_u8s8(u, a), _mm256_set1_ps(scale_at(wd, at + g, hd) * d[row * G + g]),
+                                         acc[r]);
+                if (bits == 4) bias[r] += scale_at(wm, at + g, hm) * s[row * G + g];
             }
         }
         for (int r = 0; r < 4; r++) y[(m + r) * N + n] = hsum(acc[r]) + bias[r];
@@ -101,20 +113,20 @@ static inline void row_times_block(int bits, const uint8_t *w, const float *wd, 
             __m256i u;
             if (bits == 4) {
                 u = load_q4(w + g * (QK / 2));
-                bias += wm[g] * s[m * G + g];
+                bias += scale_at(wm, at + g, hm) * s[m * G + g];
             } else {
                 const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
                 a = _mm256_sign_epi8(a, wv);
                 u = _mm256_sign_epi8(wv, wv);
             }
-            acc = _mm256_fmadd_ps(dot_u8s8(u, a), _mm256_set1_ps(wd[g] * d[m * G + g]), acc);
+            acc = _mm256_fmadd_ps(dot_u8s8(u, a), _mm256_set1_ps(scale_at(wd, at + g, hd) * d[m * G + g]), acc);
         }
         y[m * N + n] = hsum(acc) + bias;
     }
 }
 
-static int linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *wd,
-                  const float *wm, int64_t N, float *y, int threads) {
+static int linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *wd,
+                  const void *wm, int64_t N, float *y, int threads, int flags) {
     const int64_t G = K / QK;
     int8_t *q = malloc((size_t)(M * K));
     float *d = malloc((size_t)(M * G) * sizeof(float));
@@ -129,21 +141,20 @@ static int linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t 
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
         #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t n = 0; n < N; n++)
-            row_times_block(bits, codes + n * row_bytes, wd + n * G, wm ? wm + n * G : NULL, G, q, d, s, K,
-                            m0, m1, y, N, n);
+            row_times_block(bits, codes + n * row_bytes, wd, wm, n * G, flags, G, q, d, s, K, m0, m1, y, N, n);
     }
     free(q); free(d); free(s);
     return 0;
 }
 
-int kvflow_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d, const float *m,
-                     int64_t N, float *y, int threads) {
-    return linear(4, x, M, K, codes, d, m, N, y, threads);
+int kvflow_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, const void *m,
+                     int64_t N, float *y, int threads, int flags) {
+    return linear(4, x, M, K, codes, d, m, N, y, threads, flags);
 }
 
-int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *d, int64_t N,
-                     float *y, int threads) {
-    return linear(8, x, M, K, (const uint8_t *)codes, d, NULL, N, y, threads);
+int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const void *d, int64_t N,
+                     float *y, int threads, int flags) {
+    return linear(8, x, M, K, (const uint8_t *)codes, d, NULL, N, y, threads, flags);
 }
 
 // e^x for x <= 0 (scores minus their maximum), 8 lanes: Cephes' expf polynomial, ~1 ulp; results below
@@ -285,16 +296,23 @@ void kvflow_rms_norm(const float *x, int64_t M, int64_t H, const float *w, float
 //          ones; value = code * d + m
 //   8-bit: [N/16, G, 8, 64] bytes holding code + 128 (vpdpbusd wants its weight operand unsigned); the extra
 //          128 * sum(activation codes) is subtracted in integers, exactly
-//   scales and minimums: [N/16, G, 16] float32
+//   scales and minimums: [N/16, G, 16] float32 or fp16 (flags, as above)
 // Each output is sum over groups, in order, of float(integer dot) * (d_w * d_x) by one FMA per group (+ the
 // minimum's term), whatever the number of rows, their block, or the thread count: batch invariant.
 #define X16 16
 #define ROWS_X16 4          // activation rows per pass over a block's unpacked weights (registers: 8 + 3 * 4)
 
+// 16 per-group scales from element i on: float32, or fp16 widened (exactly)
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline void block_x16(int bits, int R, const uint8_t *w, const float *wd, const float *wm, int64_t G,
-                             const int8_t *q, const float *d, const float *s, const int32_t *qs, int64_t K,
-                             int64_t m, float *y, int64_t N, int64_t n0) {
+static inline __m512 load16(const void *p, int64_t i, int half) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static inline void block_x16(int bits, int R, const uint8_t *w, const void *wd, const void *wm, int64_t at,
+                             int flags, int64_t G, const int8_t *q, const float *d, const float *s,
+                             const int32_t *qs, int64_t K, int64_t m, float *y, int64_t N, int64_t n0) {
     __m512 acc[ROWS_X16], bias[ROWS_X16];
     for (int r = 0; r < R; r++) acc[r] = bias[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -311,8 +329,8 @@ static inline void block_x16(int bits, int R, const uint8_t *w, const float *wd,
             const uint8_t *wg = w + g * 8 * 64;
             for (int c = 0; c < 8; c++) wq[c] = _mm512_loadu_si512((const void *)(wg + c * 64));
         }
-        const __m512 sd = _mm512_loadu_ps(wd + g * X16);
-        const __m512 sm = bits == 4 ? _mm512_loadu_ps(wm + g * X16) : _mm512_setzero_ps();
+        const __m512 sd = load16(wd, at + g * X16, flags & HALF_D);
+        const __m512 sm = bits == 4 ? load16(wm, at + g * X16, flags & HALF_M) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
             const int64_t row = m + r;
             const int32_t *a = (const int32_t *)(q + row * K + g * QK);
@@ -333,8 +351,8 @@ static inline void block_x16(int bits, int R, const uint8_t *w, const float *wd,
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *wd,
-                      const float *wm, int64_t N, float *y, int threads) {
+static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *wd,
+                      const void *wm, int64_t N, float *y, int threads, int flags) {
     const int64_t G = K / QK, blocks = N / X16;
     const int64_t block_bytes = G * (bits == 4 ? 4 : 8) * 64;
     int8_t *q = malloc((size_t)(M * K));
@@ -351,23 +369,23 @@ static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint
         #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *w = codes + b * block_bytes;
-            const float *bd = wd + b * G * X16, *bm = wm ? wm + b * G * X16 : NULL;
+            const int64_t at = b * G * X16;                  // this block's scales (and minimums)
             int64_t m = m0;
             for (; m + ROWS_X16 <= m1; m += ROWS_X16)
-                block_x16(bits, ROWS_X16, w, bd, bm, G, q, d, s, qs, K, m, y, N, b * X16);
-            if (m < m1) block_x16(bits, (int)(m1 - m), w, bd, bm, G, q, d, s, qs, K, m, y, N, b * X16);
+                block_x16(bits, ROWS_X16, w, wd, wm, at, flags, G, q, d, s, qs, K, m, y, N, b * X16);
+            if (m < m1) block_x16(bits, (int)(m1 - m), w, wd, wm, at, flags, G, q, d, s, qs, K, m, y, N, b * X16);
         }
     }
     free(q); free(d); free(s); free(qs);
     return 0;
 }
 
-int kvflow_q4_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d,
-                         const float *m, int64_t N, float *y, int threads) {
-    return linear_x16(4, x, M, K, codes, d, m, N, y, threads);
+int kvflow_q4_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d,
+                         const void *m, int64_t N, float *y, int threads, int flags) {
+    return linear_x16(4, x, M, K, codes, d, m, N, y, threads, flags);
 }
 
-int kvflow_q8_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d, int64_t N,
-                         float *y, int threads) {
-    return linear_x16(8, x, M, K, codes, d, NULL, N, y, threads);
+int kvflow_q8_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
+                         float *y, int threads, int flags) {
+    return linear_x16(8, x, M, K, codes, d, NULL, N, y, threads, flags);
 }

@@ -102,9 +102,9 @@ def library() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.kvflow_q4_linear.argtypes = lib.kvflow_q4_linear_x16.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
-                                                                          ctypes.c_int]
+                                                                          ctypes.c_int, ctypes.c_int]
     lib.kvflow_q8_linear.argtypes = lib.kvflow_q8_linear_x16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr,
-                                                                          ctypes.c_int]
+                                                                          ctypes.c_int, ctypes.c_int]
     lib.kvflow_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr,
                                            ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
     lib.kvflow_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
@@ -167,9 +167,12 @@ def q8_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return (quads ^ 0x80).view(torch.int8).reshape(*rows.shape, g * GROUP)
 
 
-def pack_scales(t: torch.Tensor, layout: str | None = None) -> torch.Tensor:
-    """Per-group scales or minimums [N, G] float32 -> the kernel's layout (AVX-512: [N / 16, G, 16])."""
+def pack_scales(t: torch.Tensor, layout: str | None = None, compact: bool = False) -> torch.Tensor:
+    """Per-group scales or minimums [N, G] float32 -> the kernel's layout (AVX-512: [N / 16, G, 16]). `compact`:
+    held in fp16 where every value is one (GGUF's own d and m are), which the kernels widen back exactly."""
     t = t.float()
+    if compact and torch.equal(t.half().float(), t):
+        t = t.half()
     if _layout(layout) != "x16":
         return t.contiguous()
     n, g = t.shape
@@ -269,10 +272,13 @@ def _run(fn, x: torch.Tensor, codes: torch.Tensor, *scales: torch.Tensor) -> tor
     n = _out_rows(codes)
     if any(s.numel() != n * (k // GROUP) for s in scales) or codes.numel() * (2 if len(scales) == 2 else 1) != n * k:
         raise ValueError("native kernel: weights and scales not in one layout of this shape")  # never read past them
+    if any(s.dtype not in (torch.float32, torch.float16) or not s.is_contiguous() for s in scales):
+        raise ValueError("native kernel: scales must be contiguous float32 or float16")
+    flags = sum(1 << i for i, s in enumerate(scales) if s.dtype == torch.float16)     # bit 0: d, bit 1: m
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     if rows.shape[0]:
         err = fn(rows.data_ptr(), rows.shape[0], k, codes.data_ptr(), *[s.data_ptr() for s in scales],
-                 n, y.data_ptr(), torch.get_num_threads())
+                 n, y.data_ptr(), torch.get_num_threads(), flags)
         if err:
             raise MemoryError("native kernel: out of memory for its int8 activations")
     return y.view(*x.shape[:-1], n)

@@ -246,7 +246,7 @@ class NativeQ8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.register_buffer("codes", native_kernels.pack_q8(codes.codes))
-        self.register_buffer("scale", native_kernels.pack_scales(codes.scale))
+        self.register_buffer("scale", native_kernels.pack_scales(codes.scale, compact=True))   # Q8_0's fp16 d
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,7 +260,7 @@ class NativeQ8Linear(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 values of rows `ids` (a tied embedding's lookups from the head's own codes)."""
         codes = native_kernels.q8_rows(self.codes, ids).to(torch.float32).view(*ids.shape, -1, native_kernels.GROUP)
-        return (codes * int4.native_rows(self.scale, ids)[..., None]).flatten(-2)
+        return (codes * int4.native_rows(self.scale, ids).float()[..., None]).flatten(-2)
 
 
 class GGUFVocabulary(nn.Module):
