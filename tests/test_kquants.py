@@ -221,3 +221,22 @@ def test_fp16_scales_give_the_kernels_the_same_bits_as_float32(layout):
                                        nk.pack_scales(m, layout)))
         assert torch.equal(nk._run(q8, x, nk.pack_q8(c8, layout), half[0]),
                            nk._run(q8, x, nk.pack_q8(c8, layout), nk.pack_scales(d, layout)))
+
+
+def test_untied_4_bit_embedding_is_held_packed_and_looks_up_the_files_values(tmp_path):
+    from kvflow import LLM
+    from kvflow.layers import native_kernels
+    from kvflow.layers.quantization import GGUFVocabulary
+
+    if not native_kernels.usable():
+        pytest.skip("kvflow's kernels do not run here")
+    hf = make_tiny_hf_model(tmp_path / "hf", "qwen2", seed=4)
+    path = write_gguf_from_hf(hf, tmp_path / "m-q4_1.gguf", ftype="q4_1")
+    llm = LLM(str(path), max_model_len=64, kv_cache_memory="4MiB", enforce_eager=True)
+    model = llm.engine.runner.model
+    table = model.embed_tokens
+    assert model.lm_head is not None and isinstance(table, GGUFVocabulary) and not hasattr(table, "codes")
+    assert table.head.packed.numel() * 2 == table.num_rows * model.config.hidden_size      # two codes a byte
+    gq = dict(iter_weights(resolve_model_files(path), keep_quantized=True))["model.embed_tokens.weight"]
+    ids = torch.tensor([1, 2, 49151, 7])
+    assert torch.equal(table(ids), gq.dequantize()[ids])

@@ -265,10 +265,10 @@ class NativeQ8Linear(nn.Module):
 
 class GGUFVocabulary(nn.Module):
     """The vocabulary table kept as the file stores it: lookups dequantize the rows they need from the file's own
-    codes (exact values). The LM head, when tied: with `native_head` (kvflow's kernels run here, 4-bit or 8-bit
-    group-32 codes), the one table in its kernel's layout (`head`, an Int4Linear or NativeQ8Linear) serves both
-    the head's matmuls and the lookups (`head.rows`): no second copy; otherwise a separate matrix (`head`)
-    quantized for matmuls."""
+    codes (exact values). With `native_head` (kvflow's kernels run here, 4-bit or 8-bit group-32 codes) the table
+    is held in its kernel's layout (`head`, an Int4Linear or NativeQ8Linear), which serves the lookups
+    (`head.rows`) and, when tied, the LM head's matmuls: no second copy. Otherwise, when tied, the head is a
+    separate matrix (`head`) quantized for matmuls."""
 
     def __init__(self, codes: GroupQuantized, head: nn.Module | None, dtype: torch.dtype, native_head: bool = False):
         super().__init__()
@@ -317,9 +317,10 @@ def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype
         if native and _native_q8(codes):                   # Q8_0 / Q5_0 / re-rounded: the codes themselves
             return NativeQ8Linear(codes, None).to(device)
         return QuantizedEmbedding(table, "int8", dtype)
-    if not tied:
-        return GGUFVocabulary(codes, None, dtype).to(device)
-    if native and (_native_q8(codes) or (codes.bits == 4 and codes.group == native_kernels.GROUP)):
+    kernel_layout = native and (_native_q8(codes) or (codes.bits == 4 and codes.group == native_kernels.GROUP))
+    if not tied:        # lookups only: in the kernel's layout too where it runs (4-bit codes packed two a byte)
+        return GGUFVocabulary(codes, None, dtype, native_head=kernel_layout).to(device)
+    if kernel_layout:
         return GGUFVocabulary(codes, None, dtype, native_head=True).to(device)
     return GGUFVocabulary(codes, QuantizedEmbedding(table, "int8", dtype), dtype).to(device)
 
