@@ -253,7 +253,8 @@ def workload_for(level, waves: int):
 
 
 def slots_for(level) -> int:
-    return 64 if level != LONG and level > 32 else 32
+    # one server serves every level of a repetition (a start per level made the run ~3 h): slots for the largest
+    return 64
 
 
 def _gauge(text: str, name: str) -> float | None:
@@ -465,18 +466,21 @@ def main() -> None:
               flush=True)
         save()
 
-    def measure(name: str, model: str, level, rep: int, retry: bool = True) -> dict:
-        log = out / f"{Path(model).stem}-{name}-rep{rep + 1}-{level}.log"
-        server = LaunchedServer(launches[name](model, level), {}, log)
+    def measure(name: str, model: str, rep: int, retry: bool = True) -> dict:
+        """One server start, every level on it in turn; {level: result}."""
+        log = out / f"{Path(model).stem}-{name}-rep{rep + 1}.log"
+        first = levels[0]
+        server = LaunchedServer(launches[name](model, first), {}, log)
         mem = TreeMemory(server).start()
+        runs: dict = {}
         try:
             server.start(timeout=600.0)
             extra = {"startup_s": server.startup_seconds}
             tokens, dtype = parse_kv_tokens(name, log.read_text(errors="replace"))
-            if (name == "kvflow" and kv_tokens(level) and tokens != kv_tokens(level) and dtype in DTYPE_BYTES
+            if (name == "kvflow" and kv_tokens(first) and tokens != kv_tokens(first) and dtype in DTYPE_BYTES
                     and dtype != kv_dtype[model] and retry):
                 print(f"kvflow's KV cache is {dtype}, not {kv_dtype[model]}: starting it again with "
-                      f"{kv_tokens(level)} tokens of {dtype}", flush=True)
+                      f"{kv_tokens(first)} tokens of {dtype}", flush=True)
                 kv_dtype[model] = dtype
                 redo = True
             else:
@@ -485,16 +489,20 @@ def main() -> None:
                     waited, compiled = wait_for_compiled_steps(server, args.compile_timeout)
                     extra.update(compile_wait_s=waited, compiled_steps=compiled)
                 mem.mark("ready")
-                r = run_level(server, level, args.waves)
-                mem.mark("end")
+                for level in levels:
+                    r = run_level(server, level, args.waves)
+                    end = mem.mark("end")
+                    runs[level] = {**r, **extra, "rss_peak_bytes": mem.peak, "rss_end_bytes": end,
+                                   "rss_ready_bytes": mem.marks.get("ready"),
+                                   "max_processes": mem.peak_procs, "kv_tokens": tokens, "kv_dtype": dtype or "f16"}
         finally:
             server.stop()
-            memory = mem.stop()
+            mem.stop()
         if redo:
-            return measure(name, model, level, rep, retry=False)
-        if kv_tokens(level) and tokens != kv_tokens(level):
-            print(f"warning: {name} holds {tokens} KV tokens, not {kv_tokens(level)} (its own flags win?)")
-        return {**r, **extra, **memory, "kv_tokens": tokens, "kv_dtype": dtype or "f16"}
+            return measure(name, model, rep, retry=False)
+        if kv_tokens(first) and tokens != kv_tokens(first):
+            print(f"warning: {name} holds {tokens} KV tokens, not {kv_tokens(first)} (its own flags win?)")
+        return runs
 
     for rep in range(args.reps):
         if args.vllm:
@@ -515,9 +523,9 @@ def main() -> None:
         # the order of the servers alternates by repetition
         order = list(launches) if rep % 2 == 0 else list(reversed(launches))
         for model in models:
-            for level in levels:
-                for name in order:
-                    record(model, name, rep, level, measure(name, model, level, rep))
+            for name in order:
+                for level, r in measure(name, model, rep).items():
+                    record(model, name, rep, level, r)
 
     print(f"\nmedian of {args.reps} repetitions (servers alternating); levels: concurrency (shared 60-token system "
           f"prompt, 64 output tokens, streamed chat, temperature 0, ignore_eos) and 'long' (250 in, 256 out, 32 at "
