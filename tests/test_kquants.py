@@ -168,9 +168,10 @@ def test_tied_table_is_held_once_and_looks_up_the_files_values(wide_hf, tmp_path
     assert not hasattr(table, "codes")            # one copy: the head's, in its kernel's layout
     vocab, hidden = table.num_rows, model.config.hidden_size
     held = sum(t.numel() * t.element_size() for t in [*table.parameters(), *table.buffers()])
-    # codes + a scale (and a minimum) per 32 values: fp16 as the file stores them (Q4_0, Q4_1, Q8_0), float32 for
-    # Q4_K's d * sc products and for re-rounded scales (q4_k_m: a Q6_K table, re-rounded to 8-bit codes)
-    per_value = {"q8_0": 1 + 2 / 32, "q4_0": 0.5 + 4 / 32, "q4_1": 0.5 + 4 / 32, "q4_k": 0.5 + 8 / 32,
+    # codes + a scale (and a minimum) per 32 values as the file stores them: fp16 (Q4_0, Q4_1, Q8_0), Q4_K's
+    # 6-bit multiplier (a byte) per 32 and fp16 super-scale per 256; float32 for re-rounded scales (q4_k_m: a Q6_K
+    # table, re-rounded to 8-bit codes)
+    per_value = {"q8_0": 1 + 2 / 32, "q4_0": 0.5 + 4 / 32, "q4_1": 0.5 + 4 / 32, "q4_k": 0.5 + 2 * 1.25 / 32,
                  "q4_k_m": 1 + 4 / 32}[ftype]
     assert held <= vocab * hidden * per_value * 1.001
     if ftype in ("q8_0", "q4_0", "q4_1"):
@@ -240,3 +241,35 @@ def test_untied_4_bit_embedding_is_held_packed_and_looks_up_the_files_values(tmp
     gq = dict(iter_weights(resolve_model_files(path), keep_quantized=True))["model.embed_tokens.weight"]
     ids = torch.tensor([1, 2, 49151, 7])
     assert torch.equal(table(ids), gq.dequantize()[ids])
+
+
+@pytest.mark.parametrize("layout", ["rows", "x16"])
+def test_q4_k_scales_held_as_two_levels_give_the_same_bits(layout):
+    """Q4_K's scales and minimums held as the file stores them (a uint8 multiplier per 32 values, an fp16
+    super-scale per 256): the kernels multiply them out to the float32 values the file defines."""
+    from kvflow.layers import native_kernels as nk
+    from kvflow.layers.int4 import Int4Linear
+
+    if not nk.usable() or (layout == "x16" and not nk.x16_supported()):
+        pytest.skip("kvflow's kernels (this layout) do not run here")
+    lib = nk.library()
+    x = matrix(45, 512, 0.05)
+    gq = group_quantized(quantize_q4_k(x), T.Q4_K, x.shape)
+    fn = lib.kvflow_q4_linear_x16 if layout == "x16" else lib.kvflow_q4_linear
+    two = [nk.pack_scales(gq.scale, layout, True, gq.scale_parts), nk.pack_scales(gq.minimum(), layout, True,
+                                                                                  gq.zero_parts)]
+    plain = [nk.pack_scales(gq.scale, layout), nk.pack_scales(gq.minimum(), layout)]
+    assert all(t.dtype == torch.uint8 and t.numel() * 4 == p.numel() * 5 for t, p in zip(two, plain))
+    for t, p in zip(two, plain):
+        assert torch.equal(nk.widen_scales(t, 45, 16, layout), p)
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 6, 70):
+        a = torch.randn(rows, 512, generator=g)
+        assert torch.equal(nk._run(fn, a, nk.pack_q4(gq.codes, layout), *two),
+                           nk._run(fn, a, nk.pack_q4(gq.codes, layout), *plain))
+    with pytest.raises(ValueError, match="one layout"):
+        nk._run(fn, torch.randn(1, 512), nk.pack_q4(gq.codes, layout), two[0][:-2], two[1])
+    layer = Int4Linear(gq, native=True)                      # this machine's layout
+    assert layer.scale.dtype == torch.uint8
+    assert torch.equal(layer.dequantize(torch.float32), gq.dequantize())
+    assert torch.equal(layer.rows(torch.tensor([0, 44, 17])), gq.dequantize()[[0, 44, 17]])

@@ -29,6 +29,10 @@ class GroupQuantized:
     bits: int                      # 4 or 8
     exact: bool = True             # the file's own codes (False: re-rounded at load from another format)
     offset: int | None = None      # subtracted from the codes (None: 8 for 4-bit codes, 0 for 8-bit ones)
+    # Q4_K's two levels as the file stores them, (fp16 super-scale [N, K // 256], uint8 multiplier [N, K // 32]):
+    # scale == super * multiplier (and zero the same of -dmin and m), so kernels can hold 10 bits a group, not 32
+    scale_parts: tuple[torch.Tensor, torch.Tensor] | None = None
+    zero_parts: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self):
         if self.offset is None:
@@ -62,8 +66,9 @@ class GroupQuantized:
 
     def take_rows(self, index: torch.Tensor) -> "GroupQuantized":
         pick = lambda t: None if t is None else t[index]     # noqa: E731
+        parts = lambda p: None if p is None else (p[0][index], p[1][index])     # noqa: E731
         return GroupQuantized(self.codes[index], self.scale[index], pick(self.zero), self.group, self.bits, self.exact,
-                              self.offset)
+                              self.offset, parts(self.scale_parts), parts(self.zero_parts))
 
     @staticmethod
     def cat(parts: list["GroupQuantized"]) -> "GroupQuantized":
@@ -76,9 +81,15 @@ class GroupQuantized:
         offset = first.offset if len(offsets) == 1 else 0
         zeros = [p.zero_for_offset(offset) for p in parts]
         no_zero = all(p.zero is None for p in parts) and len(offsets) == 1
+
+        def two_levels(field):
+            if any(getattr(p, field) is None for p in parts):
+                return None
+            return tuple(torch.cat([getattr(p, field)[i] for p in parts]) for i in (0, 1))
         return GroupQuantized(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
                               None if no_zero else torch.cat(zeros), first.group, first.bits,
-                              all(p.exact for p in parts) and len(offsets) == 1, offset)
+                              all(p.exact for p in parts) and len(offsets) == 1, offset,
+                              two_levels("scale_parts"), two_levels("zero_parts") if len(offsets) == 1 else None)
 
     @staticmethod
     def round_to_nearest(weight: torch.Tensor, bits: int = 4, group: int = 32) -> "GroupQuantized":

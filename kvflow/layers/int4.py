@@ -94,10 +94,13 @@ class Int4Linear(nn.Module):
             self.uses_kernel, self.kernel_rows = False, ALWAYS
             self.padded_out = native_kernels.padded_rows(n)
             self.register_buffer("packed", native_kernels.pack_q4(weight.codes))
-            # fp16 where the values are (GGUF's d and m, Q4_0's -8d: as the file stores them), else float32 (Q4_K's
-            # d * sc products): the kernel widens fp16 exactly, so the results are the same bits either way
-            self.register_buffer("scale", native_kernels.pack_scales(weight.scale, compact=True))
-            self.register_buffer("minimum", native_kernels.pack_scales(weight.minimum(), compact=True))
+            # as the file stores them: fp16 (GGUF's d and m, Q4_0's -8d), or Q4_K's fp16 d per 256 and 6-bit sc per
+            # 32; float32 otherwise. The kernel widens them exactly, so the results are the same bits either way
+            self.register_buffer("scale", native_kernels.pack_scales(weight.scale, compact=True,
+                                                                     parts=weight.scale_parts))
+            minimum_parts = weight.zero_parts if weight.offset == 0 else None
+            self.register_buffer("minimum", native_kernels.pack_scales(weight.minimum(), compact=True,
+                                                                       parts=minimum_parts))
             return
         self.uses_kernel = weight.codes.device.type == "cpu" and kernel_supports(k, weight.group)
         pad_to = max(ROW_PADDING, packed_layout()[0]) if self.uses_kernel else 1
@@ -116,7 +119,9 @@ class Int4Linear(nn.Module):
         if self.native:
             n = self.out_features
             codes = native_kernels.unpack_q4(self.packed, n, k).view(n, k // self.group, self.group).to(dtype)
-            scale, minimum = (native_kernels.unpack_scales(t, n)[..., None].to(dtype) for t in (self.scale, self.minimum))
+            g = k // self.group
+            scale, minimum = (native_kernels.unpack_scales(native_kernels.widen_scales(t, n, g), n)[..., None].to(dtype)
+                              for t in (self.scale, self.minimum))
             return (codes * scale + minimum).view(n, k)
         if self.uses_kernel:
             codes = _unpack(self.packed, n, k, packed_layout())
@@ -138,7 +143,8 @@ class Int4Linear(nn.Module):
             halves = self.packed[ids].view(*ids.shape, g, native_kernels.GROUP // 2)
             codes = torch.cat([halves & 15, halves >> 4], dim=-1)
         codes = codes.reshape(*ids.shape, g, native_kernels.GROUP).to(torch.float32)
-        scale, minimum = (native_rows(t, ids).float()[..., None] for t in (self.scale, self.minimum))
+        scale, minimum = (native_rows(native_kernels.widen_scales(t, self.out_features, g), ids)[..., None]
+                          for t in (self.scale, self.minimum))
         return (codes * scale + minimum).view(*ids.shape, k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

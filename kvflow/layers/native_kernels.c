@@ -12,8 +12,12 @@
 //          j + 16 (high nibble), code 0..15; value = code * d[n, g] + m[n, g]
 //   8-bit: codes [N, K] int8; value = code * d[n, g]
 // Activations x [M, K] float32, row-major; y [M, N] float32. K must be a multiple of 32.
-// Scales d and minimums m: float32, or fp16 as GGUF stores them (`flags` bit 0: d, bit 1: m), widened to float32
-// exactly as they are read, so either gives the same bits.
+// Scales d and minimums m, each in one of three forms (`flags` bits 0-1: d's, bits 2-3: m's), all widened to the
+// same float32 values as they are read, so every form gives the same bits:
+//   0  float32 [N, G]
+//   1  fp16 [N, G], as GGUF stores Q4_0 / Q4_1 / Q8_0's d and m
+//   2  two levels, as Q4_K stores them: uint8 multipliers [N, G] then fp16 super-scales [N, G / 8] (one per 8
+//      groups: a block of 256), value = super * multiplier (exact in float32: 11 x 6 mantissa bits)
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -46,12 +50,22 @@ static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *q
     }
 }
 
-#define HALF_D 1
-#define HALF_M 2
+typedef struct {
+    const void *p;              // float32, fp16, or the uint8 multipliers
+    const uint16_t *super;      // form 2: the fp16 super-scales, after the N * G multipliers
+    int form;
+} scales_t;
 
-// element i of a per-group scale array: float32, or fp16 widened (exactly)
-static inline float scale_at(const void *p, int64_t i, int half) {
-    return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+static inline scales_t scales_of(const void *p, int form, int64_t N, int64_t G) {
+    scales_t s = {p, form == 2 ? (const uint16_t *)((const uint8_t *)p + N * G) : NULL, form};
+    return s;
+}
+
+// element i = n * G + g of a per-group scale array (rows layout)
+static inline float scale_at(scales_t s, int64_t i) {
+    if (s.form == 1) return _cvtsh_ss(((const uint16_t *)s.p)[i]);
+    if (s.form == 2) return (float)((const uint8_t *)s.p)[i] * _cvtsh_ss(s.super[i / 8]);
+    return ((const float *)s.p)[i];
 }
 
 static inline float hsum(__m256 v) {
@@ -75,10 +89,10 @@ static inline __m256i load_q4(const uint8_t *p) {
 
 // One weight row times rows [m0, m1) of the quantized activations, 4 rows at a time (the unpacked weights
 // are reused by each of them). bits 4: codes as above, `wm` the per-group minimum; bits 8: wm unused.
-static inline void row_times_block(int bits, const uint8_t *w, const void *wd, const void *wm, int64_t at,
-                                   int flags, int64_t G, const int8_t *q, const float *d, const float *s, int64_t K,
+static inline void row_times_block(int bits, const uint8_t *w, scales_t wd, scales_t wm, int64_t at,
+                                   int64_t G, const int8_t *q, const float *d, const float *s, int64_t K,
                                    int64_t m0, int64_t m1, float *y, int64_t N, int64_t n) {
-    const int hd = flags & HALF_D, hm = flags & HALF_M;      // scales of this row: elements at .. at + G - 1
+    // this row's scales and minimums: elements at .. at + G - 1
     int64_t m = m0;
     for (; m + 4 <= m1; m += 4) {
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -98,9 +112,9 @@ static inline void row_times_block(int bits, const uint8_t *w, const void *wd, c
                     a = _mm256_sign_epi8(a, wv);
                     u = _mm256_sign_epi8(wv, wv);
                 }
-                acc[r] = _mm256_fmadd_ps(dot_u8s8(u, a), _mm256_set1_ps(scale_at(wd, at + g, hd) * d[row * G + g]),
+                acc[r] = _mm256_fmadd_ps(dot_u8s8(u, a), _mm256_set1_ps(scale_at(wd, at + g) * d[row * G + g]),
                                          acc[r]);
-                if (bits == 4) bias[r] += scale_at(wm, at + g, hm) * s[row * G + g];
+                if (bits == 4) bias[r] += scale_at(wm, at + g) * s[row * G + g];
             }
         }
         for (int r = 0; r < 4; r++) y[(m + r) * N + n] = hsum(acc[r]) + bias[r];
@@ -113,13 +127,13 @@ static inline void row_times_block(int bits, const uint8_t *w, const void *wd, c
             __m256i u;
             if (bits == 4) {
                 u = load_q4(w + g * (QK / 2));
-                bias += scale_at(wm, at + g, hm) * s[m * G + g];
+                bias += scale_at(wm, at + g) * s[m * G + g];
             } else {
                 const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
                 a = _mm256_sign_epi8(a, wv);
                 u = _mm256_sign_epi8(wv, wv);
             }
-            acc = _mm256_fmadd_ps(dot_u8s8(u, a), _mm256_set1_ps(scale_at(wd, at + g, hd) * d[m * G + g]), acc);
+            acc = _mm256_fmadd_ps(dot_u8s8(u, a), _mm256_set1_ps(scale_at(wd, at + g) * d[m * G + g]), acc);
         }
         y[m * N + n] = hsum(acc) + bias;
     }
@@ -136,12 +150,13 @@ static int linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t 
         return 1;
     }
     quantize_activations(x, M, K, q, d, s, NULL, threads);
+    const scales_t sd = scales_of(wd, flags & 3, N, G), sm = scales_of(wm, (flags >> 2) & 3, N, G);
     const int64_t row_bytes = bits == 4 ? K / 2 : K;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
         #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t n = 0; n < N; n++)
-            row_times_block(bits, codes + n * row_bytes, wd, wm, n * G, flags, G, q, d, s, K, m0, m1, y, N, n);
+            row_times_block(bits, codes + n * row_bytes, sd, sm, n * G, G, q, d, s, K, m0, m1, y, N, n);
     }
     free(q); free(d); free(s);
     return 0;
@@ -296,22 +311,29 @@ void kvflow_rms_norm(const float *x, int64_t M, int64_t H, const float *w, float
 //          ones; value = code * d + m
 //   8-bit: [N/16, G, 8, 64] bytes holding code + 128 (vpdpbusd wants its weight operand unsigned); the extra
 //          128 * sum(activation codes) is subtracted in integers, exactly
-//   scales and minimums: [N/16, G, 16] float32 or fp16 (flags, as above)
+//   scales and minimums: [N/16, G, 16] float32 or fp16, or uint8 [N/16, G, 16] then fp16 [N/16, G/8, 16] (forms
+//   as above)
 // Each output is sum over groups, in order, of float(integer dot) * (d_w * d_x) by one FMA per group (+ the
 // minimum's term), whatever the number of rows, their block, or the thread count: batch invariant.
 #define X16 16
 #define ROWS_X16 4          // activation rows per pass over a block's unpacked weights (registers: 8 + 3 * 4)
 
-// 16 per-group scales from element i on: float32, or fp16 widened (exactly)
+// the 16 rows' scales of group g in the block whose scales start at element `at` (= block * G * 16)
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline __m512 load16(const void *p, int64_t i, int half) {
-    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
-    return _mm512_loadu_ps((const float *)p + i);
+static inline __m512 load16(scales_t s, int64_t at, int64_t g) {
+    const int64_t i = at + g * X16;
+    if (s.form == 1) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s.p + i)));
+    if (s.form == 2) {      // super-scales [N/16, G/8, 16]: this block's start at at / 8
+        const __m512 mult = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)s.p + i))));
+        const __m512 sup = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s.super + at / 8 + (g / 8) * X16)));
+        return _mm512_mul_ps(mult, sup);
+    }
+    return _mm512_loadu_ps((const float *)s.p + i);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline void block_x16(int bits, int R, const uint8_t *w, const void *wd, const void *wm, int64_t at,
-                             int flags, int64_t G, const int8_t *q, const float *d, const float *s,
+static inline void block_x16(int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at,
+                             int64_t G, const int8_t *q, const float *d, const float *s,
                              const int32_t *qs, int64_t K, int64_t m, float *y, int64_t N, int64_t n0) {
     __m512 acc[ROWS_X16], bias[ROWS_X16];
     for (int r = 0; r < R; r++) acc[r] = bias[r] = _mm512_setzero_ps();
@@ -329,8 +351,8 @@ static inline void block_x16(int bits, int R, const uint8_t *w, const void *wd, 
             const uint8_t *wg = w + g * 8 * 64;
             for (int c = 0; c < 8; c++) wq[c] = _mm512_loadu_si512((const void *)(wg + c * 64));
         }
-        const __m512 sd = load16(wd, at + g * X16, flags & HALF_D);
-        const __m512 sm = bits == 4 ? load16(wm, at + g * X16, flags & HALF_M) : _mm512_setzero_ps();
+        const __m512 sd = load16(wd, at, g);
+        const __m512 sm = bits == 4 ? load16(wm, at, g) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
             const int64_t row = m + r;
             const int32_t *a = (const int32_t *)(q + row * K + g * QK);
@@ -364,6 +386,7 @@ static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint
         return 1;
     }
     quantize_activations(x, M, K, q, d, s, qs, threads);
+    const scales_t sd = scales_of(wd, flags & 3, N, G), sm = scales_of(wm, (flags >> 2) & 3, N, G);
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
         #pragma omp parallel for schedule(static) num_threads(threads)
@@ -372,8 +395,8 @@ static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint
             const int64_t at = b * G * X16;                  // this block's scales (and minimums)
             int64_t m = m0;
             for (; m + ROWS_X16 <= m1; m += ROWS_X16)
-                block_x16(bits, ROWS_X16, w, wd, wm, at, flags, G, q, d, s, qs, K, m, y, N, b * X16);
-            if (m < m1) block_x16(bits, (int)(m1 - m), w, wd, wm, at, flags, G, q, d, s, qs, K, m, y, N, b * X16);
+                block_x16(bits, ROWS_X16, w, sd, sm, at, G, q, d, s, qs, K, m, y, N, b * X16);
+            if (m < m1) block_x16(bits, (int)(m1 - m), w, sd, sm, at, G, q, d, s, qs, K, m, y, N, b * X16);
         }
     }
     free(q); free(d); free(s); free(qs);

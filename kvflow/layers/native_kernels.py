@@ -167,17 +167,43 @@ def q8_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return (quads ^ 0x80).view(torch.int8).reshape(*rows.shape, g * GROUP)
 
 
-def pack_scales(t: torch.Tensor, layout: str | None = None, compact: bool = False) -> torch.Tensor:
+def pack_scales(t: torch.Tensor, layout: str | None = None, compact: bool = False,
+                parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Per-group scales or minimums [N, G] float32 -> the kernel's layout (AVX-512: [N / 16, G, 16]). `compact`:
-    held in fp16 where every value is one (GGUF's own d and m are), which the kernels widen back exactly."""
+    held as the file stores them, which the kernels widen back to the same float32 values: `parts` (Q4_K's
+    fp16 super-scale per 8 groups [N, G / 8] and uint8 multiplier [N, G], t == super * multiplier) as one uint8
+    buffer, the multipliers then the super-scales, each in the layout; else fp16 where every value is one (GGUF's
+    own d and m are); else float32."""
     t = t.float()
+    if compact and parts is not None:
+        sup, mult = parts
+        if t.shape[1] % 8 == 0 and torch.equal(sup.float().repeat_interleave(8, 1) * mult.float(), t):
+            return torch.cat([_scale_layout(mult.to(torch.uint8), layout).view(-1),
+                              _scale_layout(sup.half(), layout).view(-1).view(torch.uint8)])
     if compact and torch.equal(t.half().float(), t):
         t = t.half()
+    return _scale_layout(t, layout)
+
+
+def _scale_layout(t: torch.Tensor, layout: str | None) -> torch.Tensor:
     if _layout(layout) != "x16":
         return t.contiguous()
     n, g = t.shape
     t = torch.nn.functional.pad(t, (0, 0, 0, padded_rows(n, "x16") - n))
     return t.view(-1, X16, g).transpose(1, 2).contiguous()
+
+
+def widen_scales(t: torch.Tensor, n: int, g: int, layout: str | None = None) -> torch.Tensor:
+    """`pack_scales`'s output as float32 in the same layout ([n, g], or [N / 16, g, 16] for x16)."""
+    if t.dtype != torch.uint8:
+        return t.float()
+    rows = padded_rows(n, layout)
+    mult, sup = t[:rows * g], t[rows * g:].view(torch.float16)
+    if _layout(layout) == "x16":
+        mult, sup = mult.view(-1, g, X16), sup.view(-1, g // 8, X16).repeat_interleave(8, 1)
+    else:
+        mult, sup = mult.view(rows, g), sup.view(rows, g // 8).repeat_interleave(8, 1)
+    return mult.float() * sup.float()
 
 
 def unpack_scales(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -266,15 +292,21 @@ def attention_supports(head_dim: int, kv_dtype: torch.dtype) -> bool:
     return kv_dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
 
 
+_FORMS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
+
+
 def _run(fn, x: torch.Tensor, codes: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:
     k = x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
     n = _out_rows(codes)
-    if any(s.numel() != n * (k // GROUP) for s in scales) or codes.numel() * (2 if len(scales) == 2 else 1) != n * k:
+    forms = [_FORMS.get(s.dtype) for s in scales]       # float32, fp16, or two levels (uint8 + fp16, 10 bits each)
+    if None in forms or not all(s.is_contiguous() for s in scales):
+        raise ValueError("native kernel: scales must be contiguous float32, float16 or pack_scales' two levels")
+    groups = n * (k // GROUP)
+    if (any(s.numel() != (groups * 5 // 4 if f == 2 else groups) for s, f in zip(scales, forms))
+            or codes.numel() * (2 if len(scales) == 2 else 1) != n * k or (2 in forms and (k // GROUP) % 8)):
         raise ValueError("native kernel: weights and scales not in one layout of this shape")  # never read past them
-    if any(s.dtype not in (torch.float32, torch.float16) or not s.is_contiguous() for s in scales):
-        raise ValueError("native kernel: scales must be contiguous float32 or float16")
-    flags = sum(1 << i for i, s in enumerate(scales) if s.dtype == torch.float16)     # bit 0: d, bit 1: m
+    flags = sum(f << (2 * i) for i, f in enumerate(forms))         # bits 0-1: d's form, 2-3: m's
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     if rows.shape[0]:
         err = fn(rows.data_ptr(), rows.shape[0], k, codes.data_ptr(), *[s.data_ptr() for s in scales],

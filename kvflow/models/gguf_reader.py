@@ -195,10 +195,11 @@ def _q4_k(blocks: torch.Tensor, n: int, k: int) -> GroupQuantized:
     d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])                     # [n, k / 256]
     s = blocks[..., 4:16]
     a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]        # ggml's get_scale_min_k4: 6-bit sc and m of 8 sub-blocks
-    sc = torch.cat([a & 63, (c & 15) | ((a >> 2) & 48)], dim=-1).float()          # [n, k / 256, 8]
-    m = torch.cat([b & 63, (c >> 4) | ((b >> 2) & 48)], dim=-1).float()
+    sc = torch.cat([a & 63, (c & 15) | ((a >> 2) & 48)], dim=-1)                  # [n, k / 256, 8] uint8
+    m = torch.cat([b & 63, (c >> 4) | ((b >> 2) & 48)], dim=-1)
     qs = blocks[..., 16:].reshape(n, k // 256, 4, 1, 32)
     codes = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, k)                     # sub-block 2c low, 2c + 1 high
-    scale = (d[..., None] * sc).reshape(n, k // 32)
-    minimum = (-(dmin[..., None] * m)).reshape(n, k // 32)                          # d*sc*q + (-(dmin*m)): gguf's
-    return GroupQuantized(codes, scale, minimum, 32, 4, offset=0)
+    scale = (d[..., None] * sc.float()).reshape(n, k // 32)
+    minimum = (-(dmin[..., None] * m.float())).reshape(n, k // 32)                  # d*sc*q + (-(dmin*m)): gguf's
+    return GroupQuantized(codes, scale, minimum, 32, 4, offset=0, scale_parts=(d, sc.reshape(n, k // 32)),
+                          zero_parts=(-dmin, m.reshape(n, k // 32)))
