@@ -147,7 +147,8 @@ def test_untied_8_bit_head_multiplies_the_files_codes(tmp_path, ftype):
     assert isinstance(head, NativeQ8Linear)
     files = resolve_model_files(path)
     want = dict(iter_weights(files, keep_quantized=True))["lm_head.weight"]
-    assert torch.equal(native_kernels.q8_rows(head.codes, torch.arange(want.shape[0])), want.codes)
+    assert head.code_bits == (5 if ftype == "q5_0" else 8)                        # Q5_0: held in 5 bits
+    assert torch.equal(head.int8_codes(torch.arange(want.shape[0])), want.codes)
 
 
 # --------------------------------------------------------------------------- a tied table held once
@@ -273,3 +274,53 @@ def test_q4_k_scales_held_as_two_levels_give_the_same_bits(layout):
     assert layer.scale.dtype == torch.uint8
     assert torch.equal(layer.dequantize(torch.float32), gq.dequantize())
     assert torch.equal(layer.rows(torch.tensor([0, 44, 17])), gq.dequantize()[[0, 44, 17]])
+
+
+# --------------------------------------------------------------------------- Q5_0 in 5 bits
+
+@pytest.mark.parametrize("layout", ["rows", "x16"])
+def test_5_bit_kernel_gives_the_8_bit_kernels_bits_from_5_8_of_the_bytes(layout):
+    from kvflow.layers import native_kernels as nk
+
+    if not nk.usable() or (layout == "x16" and not nk.x16_supported()):
+        pytest.skip("kvflow's kernels (this layout) do not run here")
+    lib = nk.library()
+    x16 = layout == "x16"
+    g = torch.Generator().manual_seed(7)
+    for n, k in ((45, 96), (16, 576), (3, 32)):
+        codes = torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)
+        codes[0, :32] = torch.tensor([-16, 15] * 16, dtype=torch.int8)                  # both ends of the range
+        packed = nk.pack_q5(codes, layout)
+        assert packed.numel() * 8 == nk.padded_rows(n, layout) * k * 5
+        assert torch.equal(nk.q5_rows(packed, torch.arange(n)), codes)
+        pick = torch.tensor([[n - 1, 0]])
+        assert torch.equal(nk.q5_rows(packed, pick), codes[pick])
+        scale = nk.pack_scales((torch.rand(n, k // 32, generator=g) * 0.05).half().float(), layout, compact=True)
+        for rows in (1, 5, 70):
+            x = torch.randn(rows, k, generator=g)
+            eight = nk._run(lib.kvflow_q8_linear_x16 if x16 else lib.kvflow_q8_linear, x, nk.pack_q8(codes, layout),
+                            scale)
+            five = nk._run(lib.kvflow_q5_linear_x16 if x16 else lib.kvflow_q5_linear, x, packed, scale, bits=5)
+            assert torch.equal(five, eight), (n, k, rows)
+    assert not nk.fits_q5(torch.tensor([[16, 0]], dtype=torch.int8))
+    assert not nk.fits_q5(torch.tensor([[-17, 0]], dtype=torch.int8))
+
+
+def test_q5_0_matrix_held_in_5_bits_same_bits_eager_and_compiled():
+    from kvflow.layers import native_kernels as nk
+    from kvflow.layers.quantization import NativeQ8Linear
+
+    if not nk.usable():
+        pytest.skip("kvflow's kernels do not run here")
+    x = matrix(96, 256, 0.05)
+    gq = group_quantized(gguf.quants.quantize(x, T.Q5_0), T.Q5_0, x.shape)
+    five = NativeQ8Linear(gq, None)
+    eight = NativeQ8Linear(GroupQuantized(gq.codes.clone(), gq.scale, None, 32, 8), None)
+    eight.code_bits = 8
+    eight.codes = nk.pack_q8(gq.codes)
+    assert five.code_bits == 5 and five.codes.numel() * 8 == nk.padded_rows(96) * 256 * 5
+    a = torch.randn(9, 256)
+    assert torch.equal(five(a), eight(a))
+    assert torch.equal(five.rows(torch.arange(96)), gq.dequantize())
+    compiled = torch.compile(five, fullgraph=True)
+    assert torch.equal(compiled(a), five(a))

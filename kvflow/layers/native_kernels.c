@@ -11,6 +11,10 @@
 //   4-bit: codes [N, K/2] bytes; in each group of 32 columns byte j holds column j (low nibble) and column
 //          j + 16 (high nibble), code 0..15; value = code * d[n, g] + m[n, g]
 //   8-bit: codes [N, K] int8; value = code * d[n, g]
+//   5-bit: Q5_0's blocks without their d: [N, K/32 * 20] bytes, per group 16 bytes of nibbles as 4-bit's, then 4
+//          bytes whose bit j is column j's fifth bit; code 0..31, value = (code - 16) * d[n, g]. The products are
+//          summed in integers as sum(code * a) - 16 * sum(a): the same sums, so the same bits, as the 8-bit kernel
+//          on codes - 16 (what Q5_0 is as 8-bit codes), from 5/8 of the bytes
 // Activations x [M, K] float32, row-major; y [M, N] float32. K must be a multiple of 32.
 // Scales d and minimums m, each in one of three forms (`flags` bits 0-1: d's, bits 2-3: m's), all widened to the
 // same float32 values as they are read, so every form gives the same bits:
@@ -87,6 +91,25 @@ static inline __m256i load_q4(const uint8_t *p) {
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
+#define Q5_BYTES 20         // a 5-bit group's bytes: 16 of nibbles, 4 of fifth bits
+
+// 32 5-bit codes: the nibbles, plus 16 where bit j of the 4 bytes after them is set (byte j of the result)
+static inline __m256i load_q5(const uint8_t *p) {
+    uint32_t h;
+    memcpy(&h, p + QK / 2, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), _mm256_set_epi64x(
+        0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));   // byte j: h's byte j/8
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                          _mm256_set1_epi64x(-1));                            // bit j % 8 of it
+    return _mm256_or_si256(load_q4(p), _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+
+// 32 products (code - 16) * a of 5-bit codes, summed to 8 floats: the pair sums are the 8-bit path's exactly
+static inline __m256 dot_q5(__m256i w, __m256i a) {
+    const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(w, a), _mm256_maddubs_epi16(_mm256_set1_epi8(16), a));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
 // One weight row times rows [m0, m1) of the quantized activations, 4 rows at a time (the unpacked weights
 // are reused by each of them). bits 4: codes as above, `wm` the per-group minimum; bits 8: wm unused.
 static inline void row_times_block(int bits, const uint8_t *w, scales_t wd, scales_t wm, int64_t at,
@@ -101,6 +124,8 @@ static inline void row_times_block(int bits, const uint8_t *w, scales_t wd, scal
             __m256i wv;
             if (bits == 4) {
                 wv = load_q4(w + g * (QK / 2));
+            } else if (bits == 5) {
+                wv = load_q5(w + g * Q5_BYTES);
             } else {
                 wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
             }
@@ -112,8 +137,8 @@ static inline void row_times_block(int bits, const uint8_t *w, scales_t wd, scal
                     a = _mm256_sign_epi8(a, wv);
                     u = _mm256_sign_epi8(wv, wv);
                 }
-                acc[r] = _mm256_fmadd_ps(dot_u8s8(u, a), _mm256_set1_ps(scale_at(wd, at + g) * d[row * G + g]),
-                                         acc[r]);
+                const __m256 dot = bits == 5 ? dot_q5(u, a) : dot_u8s8(u, a);
+                acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale_at(wd, at + g) * d[row * G + g]), acc[r]);
                 if (bits == 4) bias[r] += scale_at(wm, at + g) * s[row * G + g];
             }
         }
@@ -128,12 +153,15 @@ static inline void row_times_block(int bits, const uint8_t *w, scales_t wd, scal
             if (bits == 4) {
                 u = load_q4(w + g * (QK / 2));
                 bias += scale_at(wm, at + g) * s[m * G + g];
+            } else if (bits == 5) {
+                u = load_q5(w + g * Q5_BYTES);
             } else {
                 const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
                 a = _mm256_sign_epi8(a, wv);
                 u = _mm256_sign_epi8(wv, wv);
             }
-            acc = _mm256_fmadd_ps(dot_u8s8(u, a), _mm256_set1_ps(scale_at(wd, at + g) * d[m * G + g]), acc);
+            const __m256 dot = bits == 5 ? dot_q5(u, a) : dot_u8s8(u, a);
+            acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale_at(wd, at + g) * d[m * G + g]), acc);
         }
         y[m * N + n] = hsum(acc) + bias;
     }
@@ -151,7 +179,7 @@ static int linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t 
     }
     quantize_activations(x, M, K, q, d, s, NULL, threads);
     const scales_t sd = scales_of(wd, flags & 3, N, G), sm = scales_of(wm, (flags >> 2) & 3, N, G);
-    const int64_t row_bytes = bits == 4 ? K / 2 : K;
+    const int64_t row_bytes = bits == 4 ? K / 2 : bits == 5 ? G * Q5_BYTES : K;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
         #pragma omp parallel for schedule(static) num_threads(threads)
@@ -170,6 +198,11 @@ int kvflow_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes,
 int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const void *d, int64_t N,
                      float *y, int threads, int flags) {
     return linear(8, x, M, K, (const uint8_t *)codes, d, NULL, N, y, threads, flags);
+}
+
+int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
+                     float *y, int threads, int flags) {
+    return linear(5, x, M, K, codes, d, NULL, N, y, threads, flags);
 }
 
 // e^x for x <= 0 (scores minus their maximum), 8 lanes: Cephes' expf polynomial, ~1 ulp; results below
@@ -311,6 +344,9 @@ void kvflow_rms_norm(const float *x, int64_t M, int64_t H, const float *w, float
 //          ones; value = code * d + m
 //   8-bit: [N/16, G, 8, 64] bytes holding code + 128 (vpdpbusd wants its weight operand unsigned); the extra
 //          128 * sum(activation codes) is subtracted in integers, exactly
+//   5-bit: [N/16, G, 5, 64] bytes: registers 0..3 the nibbles as 4-bit's, register 4 the fifth bits (bit c of
+//          a byte: that row's and column's bit in quad c); code 0..31, value = (code - 16) * d, the extra 16 *
+//          sum(activation codes) subtracted in integers (the 8-bit kernel's sums on codes - 16, exactly)
 //   scales and minimums: [N/16, G, 16] float32 or fp16, or uint8 [N/16, G, 16] then fp16 [N/16, G/8, 16] (forms
 //   as above)
 // Each output is sum over groups, in order, of float(integer dot) * (d_w * d_x) by one FMA per group (+ the
@@ -347,6 +383,17 @@ static inline void block_x16(int bits, int R, const uint8_t *w, scales_t wd, sca
                 wq[c] = _mm512_and_si512(v, low);
                 wq[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
+        } else if (bits == 5) {
+            const uint8_t *wg = w + g * 5 * 64;
+            const __m512i high = _mm512_loadu_si512((const void *)(wg + 4 * 64));
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(wg + c * 64));
+                wq[c] = _mm512_and_si512(v, low);
+                wq[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            for (int c = 0; c < 8; c++)
+                wq[c] = _mm512_mask_add_epi8(wq[c], _mm512_test_epi8_mask(high, _mm512_set1_epi8((char)(1 << c))),
+                                             wq[c], _mm512_set1_epi8(16));
         } else {
             const uint8_t *wg = w + g * 8 * 64;
             for (int c = 0; c < 8; c++) wq[c] = _mm512_loadu_si512((const void *)(wg + c * 64));
@@ -364,6 +411,7 @@ static inline void block_x16(int bits, int R, const uint8_t *w, scales_t wd, sca
             }
             dot = _mm512_add_epi32(dot, dot2);
             if (bits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * qs[row * G + g]));
+            if (bits == 5) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * qs[row * G + g]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sd, _mm512_set1_ps(d[row * G + g])),
                                      acc[r]);
             if (bits == 4) bias[r] = _mm512_fmadd_ps(sm, _mm512_set1_ps(s[row * G + g]), bias[r]);
@@ -376,7 +424,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *wd,
                       const void *wm, int64_t N, float *y, int threads, int flags) {
     const int64_t G = K / QK, blocks = N / X16;
-    const int64_t block_bytes = G * (bits == 4 ? 4 : 8) * 64;
+    const int64_t block_bytes = G * (bits == 4 ? 4 : bits == 5 ? 5 : 8) * 64;
     int8_t *q = malloc((size_t)(M * K));
     float *d = malloc((size_t)(M * G) * sizeof(float));
     float *s = malloc((size_t)(M * G) * sizeof(float));
@@ -411,4 +459,9 @@ int kvflow_q4_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *co
 int kvflow_q8_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
                          float *y, int threads, int flags) {
     return linear_x16(8, x, M, K, codes, d, NULL, N, y, threads, flags);
+}
+
+int kvflow_q5_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
+                         float *y, int threads, int flags) {
+    return linear_x16(5, x, M, K, codes, d, NULL, N, y, threads, flags);
 }

@@ -105,12 +105,13 @@ def library() -> ctypes.CDLL | None:
                                                                           ctypes.c_int, ctypes.c_int]
     lib.kvflow_q8_linear.argtypes = lib.kvflow_q8_linear_x16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr,
                                                                           ctypes.c_int, ctypes.c_int]
+    lib.kvflow_q5_linear.argtypes = lib.kvflow_q5_linear_x16.argtypes = lib.kvflow_q8_linear.argtypes
     lib.kvflow_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr,
                                            ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
     lib.kvflow_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
     lib.kvflow_rms_norm.restype = None
     for fn in (lib.kvflow_q4_linear, lib.kvflow_q8_linear, lib.kvflow_q4_linear_x16, lib.kvflow_q8_linear_x16,
-               lib.kvflow_paged_attention):
+               lib.kvflow_q5_linear, lib.kvflow_q5_linear_x16, lib.kvflow_paged_attention):
         fn.restype = ctypes.c_int
     if not _self_check(lib):
         log.warning("native kernels: self-check against torch failed; torch's int4/int8 kernels instead")
@@ -156,6 +157,44 @@ def pack_q8(codes: torch.Tensor, layout: str | None = None) -> torch.Tensor:
         return codes.contiguous()
     k = codes.shape[1]
     return (_x16(codes.view(torch.uint8), k) ^ 0x80).reshape(-1, k // GROUP, 8, 64).contiguous()
+
+
+def fits_q5(codes: torch.Tensor) -> bool:
+    """8-bit codes that are 5-bit ones (-16..15: Q5_0's q - 16), which `pack_q5` holds in 5/8 of the bytes."""
+    return codes.dtype == torch.int8 and codes.numel() > 0 and -16 <= int(codes.min()) and int(codes.max()) <= 15
+
+
+def pack_q5(codes: torch.Tensor, layout: str | None = None) -> torch.Tensor:
+    """8-bit codes [N, K] in -16..15 -> the 5-bit kernel's layout of code + 16 (native_kernels.c). AVX2: [N, K / 32
+    * 20], per group GGUF Q5_0's 16 bytes of nibbles and 4 bytes of fifth bits (bit j: column j). AVX-512: x16
+    [N / 16, G, 5, 64]: 4-bit's four registers, then one whose byte (row, column c % 4 of a quad) holds in bit q
+    the fifth bit of quad q."""
+    n, k = codes.shape
+    u = (codes.to(torch.int16) + 16).to(torch.uint8)
+    nibbles, high = pack_q4(u & 15, layout), u >> 4
+    if _layout(layout) == "x16":
+        quads = _x16(high, k).reshape(-1, k // GROUP, 8, 64).to(torch.int32)        # [blocks, G, quad, 64]
+        bits = (quads << torch.arange(8, dtype=torch.int32)[:, None]).sum(2).to(torch.uint8)
+        return torch.cat([nibbles, bits[:, :, None]], dim=2).contiguous()
+    bits = (high.view(n, k // GROUP, 4, 8).to(torch.int32) << torch.arange(8, dtype=torch.int32)).sum(-1)
+    return torch.cat([nibbles.view(n, k // GROUP, GROUP // 2), bits.to(torch.uint8)], dim=-1).reshape(n, -1)
+
+
+def q5_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of the int8 codes (-16..15) held in `pack_q5`'s layout."""
+    if packed.dim() == 4:
+        g = packed.shape[1]
+        regs = packed.view(-1, g, 5, X16, 4)[rows // X16, :, :, rows % X16]           # [*rows, G, 5, 4]
+        nib = torch.cat([regs[..., :4, :] & 15, regs[..., :4, :] >> 4], dim=-2)       # quads 0..7
+        high = (regs[..., 4:, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+        u = nib | (high << 4)
+    else:
+        g = packed.shape[1] // 20
+        blocks = packed.view(packed.shape[0], g, 20)[rows]
+        nib = torch.cat([blocks[..., :16] & 15, blocks[..., :16] >> 4], dim=-1)
+        high = (blocks[..., 16:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+        u = nib | (high.flatten(-2) << 4)
+    return (u.to(torch.int16) - 16).to(torch.int8).reshape(*rows.shape, g * GROUP)
 
 
 def q8_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -223,6 +262,7 @@ def _x16(codes: torch.Tensor, k: int) -> torch.Tensor:
 _OPS = torch.library.Library("kvflow", "DEF")
 _OPS.define("q4_linear(Tensor x, Tensor codes, Tensor scale, Tensor minimum) -> Tensor")
 _OPS.define("q8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor")
+_OPS.define("q5_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor")
 _OPS.define("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor row_seq, "
             "Tensor positions, float scale) -> Tensor")
 _OPS.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
@@ -232,13 +272,21 @@ def _q4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimu
     """x [..., K] float32 @ W.T, W = code * scale + minimum per group of 32 (all three from `pack_q4` /
     `pack_scales`; the layout says which kernel): [..., padded rows]."""
     lib = library()
-    return _run(lib.kvflow_q4_linear_x16 if codes.dim() == 4 else lib.kvflow_q4_linear, x, codes, scale, minimum)
+    return _run(lib.kvflow_q4_linear_x16 if codes.dim() == 4 else lib.kvflow_q4_linear, x, codes, scale, minimum,
+                bits=4)
 
 
 def _q8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] float32 @ W.T, W = code * scale per group of 32 (codes from `pack_q8`)."""
     lib = library()
-    return _run(lib.kvflow_q8_linear_x16 if codes.dim() == 4 else lib.kvflow_q8_linear, x, codes, scale)
+    return _run(lib.kvflow_q8_linear_x16 if codes.dim() == 4 else lib.kvflow_q8_linear, x, codes, scale, bits=8)
+
+
+def _q5_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] float32 @ W.T, W = code * scale per group of 32, codes -16..15 (from `pack_q5`): the same bits as
+    `q8_linear` on the same codes."""
+    lib = library()
+    return _run(lib.kvflow_q5_linear_x16 if codes.dim() == 4 else lib.kvflow_q5_linear, x, codes, scale, bits=5)
 
 
 def _out_rows(codes: torch.Tensor) -> int:
@@ -273,17 +321,20 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return y.view(x.shape)
 
 
-for _name, _kernel in (("q4_linear", _q4_linear), ("q8_linear", _q8_linear),
+for _name, _kernel in (("q4_linear", _q4_linear), ("q8_linear", _q8_linear), ("q5_linear", _q5_linear),
                        ("paged_attention", _paged_attention), ("rms_norm", _rms_norm)):
     _OPS.impl(_name, _kernel, "CPU")
 torch.library.register_fake("kvflow::q4_linear", lambda x, codes, scale, minimum:
                             x.new_empty(*x.shape[:-1], _out_rows(codes)), lib=_OPS)
 torch.library.register_fake("kvflow::q8_linear", lambda x, codes, scale: x.new_empty(*x.shape[:-1], _out_rows(codes)),
                             lib=_OPS)
+torch.library.register_fake("kvflow::q5_linear", lambda x, codes, scale: x.new_empty(*x.shape[:-1], _out_rows(codes)),
+                            lib=_OPS)
 torch.library.register_fake("kvflow::paged_attention", lambda q, *rest: torch.empty_like(q), lib=_OPS)
 torch.library.register_fake("kvflow::rms_norm", lambda x, weight, eps: torch.empty_like(x), lib=_OPS)
 q4_linear = torch.ops.kvflow.q4_linear.default
 q8_linear = torch.ops.kvflow.q8_linear.default
+q5_linear = torch.ops.kvflow.q5_linear.default
 paged_attention = torch.ops.kvflow.paged_attention.default
 rms_norm = torch.ops.kvflow.rms_norm.default
 
@@ -295,7 +346,9 @@ def attention_supports(head_dim: int, kv_dtype: torch.dtype) -> bool:
 _FORMS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
 
 
-def _run(fn, x: torch.Tensor, codes: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:
+def _run(fn, x: torch.Tensor, codes: torch.Tensor, *scales: torch.Tensor, bits: int | None = None) -> torch.Tensor:
+    """`bits`: the codes' width (default: 4 with a minimum, 8 without)."""
+    bits = bits or (4 if len(scales) == 2 else 8)
     k = x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
     n = _out_rows(codes)
@@ -304,7 +357,7 @@ def _run(fn, x: torch.Tensor, codes: torch.Tensor, *scales: torch.Tensor) -> tor
         raise ValueError("native kernel: scales must be contiguous float32, float16 or pack_scales' two levels")
     groups = n * (k // GROUP)
     if (any(s.numel() != (groups * 5 // 4 if f == 2 else groups) for s, f in zip(scales, forms))
-            or codes.numel() * (2 if len(scales) == 2 else 1) != n * k or (2 in forms and (k // GROUP) % 8)):
+            or codes.numel() * 8 != n * k * bits or (2 in forms and (k // GROUP) % 8)):
         raise ValueError("native kernel: weights and scales not in one layout of this shape")  # never read past them
     flags = sum(f << (2 * i) for i, f in enumerate(forms))         # bits 0-1: d's form, 2-3: m's
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
@@ -339,4 +392,11 @@ def _self_check(lib: ctypes.CDLL) -> bool:
             got = _run(fn, x, *args)[:, :n]
             if not torch.allclose(got, want, rtol=0, atol=0.02 * want.abs().max().item()):
                 return False
+        # 5-bit codes: the very sums (so bits) of the 8-bit kernel on the same codes
+        codes5 = torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)
+        eight = _run(lib.kvflow_q8_linear_x16 if x16 else lib.kvflow_q8_linear, x, pack_q8(codes5), pack_scales(scale))
+        five = _run(lib.kvflow_q5_linear_x16 if x16 else lib.kvflow_q5_linear, x, pack_q5(codes5), pack_scales(scale),
+                    bits=5)
+        if not torch.equal(five, eight):
+            return False
     return True

@@ -238,14 +238,18 @@ def _int4_linear(layer: nn.Linear, method: str, native: bool) -> nn.Module:
 
 
 class NativeQ8Linear(nn.Module):
-    """8-bit group-32 codes (Q8_0, or K-quants re-rounded to it) multiplied by kvflow's kernel for steps of every
-    size, each row alone: where the 4-bit layers run kvflow's kernels, the 8-bit ones must too, or a row's bits
-    would depend on its step again (torch's int8 kernel takes bf16 activations and is not batch invariant)."""
+    """8-bit group-32 codes (Q8_0, Q5_0, or K-quants re-rounded to it) multiplied by kvflow's kernel for steps of
+    every size, each row alone: where the 4-bit layers run kvflow's kernels, the 8-bit ones must too, or a row's
+    bits would depend on its step again (torch's int8 kernel takes bf16 activations and is not batch invariant).
+    Codes that are 5-bit ones (Q5_0's q - 16, -16..15) are held in 5 bits (`code_bits`), which kvflow's 5-bit
+    kernel multiplies to the same bits as the 8-bit one."""
 
     def __init__(self, codes: GroupQuantized, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        self.register_buffer("codes", native_kernels.pack_q8(codes.codes))
+        self.code_bits = 5 if native_kernels.fits_q5(codes.codes) else 8
+        pack = native_kernels.pack_q5 if self.code_bits == 5 else native_kernels.pack_q8
+        self.register_buffer("codes", pack(codes.codes))
         self.register_buffer("scale", native_kernels.pack_scales(codes.scale, compact=True))   # Q8_0's fp16 d
         self.bias = bias
 
@@ -255,11 +259,16 @@ class NativeQ8Linear(nn.Module):
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """As an LM head."""
-        return native_kernels.q8_linear(hidden.float(), self.codes, self.scale)[..., :self.out_features].to(hidden.dtype)
+        kernel = native_kernels.q5_linear if self.code_bits == 5 else native_kernels.q8_linear
+        return kernel(hidden.float(), self.codes, self.scale)[..., :self.out_features].to(hidden.dtype)
+
+    def int8_codes(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the codes, as int8 [*ids, K]."""
+        return (native_kernels.q5_rows if self.code_bits == 5 else native_kernels.q8_rows)(self.codes, ids)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 values of rows `ids` (a tied embedding's lookups from the head's own codes)."""
-        codes = native_kernels.q8_rows(self.codes, ids).to(torch.float32).view(*ids.shape, -1, native_kernels.GROUP)
+        codes = self.int8_codes(ids).to(torch.float32).view(*ids.shape, -1, native_kernels.GROUP)
         return (codes * int4.native_rows(self.scale, ids).float()[..., None]).flatten(-2)
 
 
