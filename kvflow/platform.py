@@ -64,6 +64,21 @@ def setup_threads(device: torch.device, ranks_on_this_machine: int = 1) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_this_machine))
 
 
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim), once, after loading: the float model that
+    quantized weights are built from is freed in pieces below glibc's mmap threshold (it rises to 32 MiB after the
+    first large free), so without this the process kept its load-time peak (0.5B-class Q4_K_M: see
+    docs/performance.md)."""
+    if os.name != "posix":
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):      # not glibc
+        pass
+
+
 SMALL_STEP_ROWS = 8      # EngineConfig.small_step_threads applies to steps of up to this many rows
 
 

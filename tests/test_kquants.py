@@ -10,7 +10,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from kvflow.layers.group_quant import GroupQuantized
-from kvflow.models.gguf_reader import dequantize, group_quantized
+from kvflow.models.gguf_codes import group_quantized
+from kvflow.models.gguf_reader import dequantize
 from kvflow.models.loader import iter_weights, resolve_model_files
 from tiny_models import make_tiny_hf_model, quantize_q4_k, quantize_q5_k, quantize_q6_k, write_gguf_from_hf
 

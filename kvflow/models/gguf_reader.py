@@ -4,7 +4,7 @@ Metadata is read here rather than by `gguf.GGUFReader`: that reader slices a num
 string and takes ~5 s on the 49k-token SmolLM2 file; walking the header with `struct` over an `mmap` takes
 ~0.1 s. Floats come from `gguf.quants.dequantize` on in-memory arrays (~1-2 s for the whole embedded Q4_1
 model); Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K blocks can instead be kept as their codes and scales
-(`group_quantized`).
+(`gguf_codes.group_quantized`). This module imports no torch: the server's frontend reads the tokenizer through it.
 """
 from __future__ import annotations
 
@@ -15,9 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-
-from kvflow.layers.group_quant import GroupQuantized
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NP_SCALAR = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
@@ -141,65 +138,3 @@ def dequantize(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> np.ndarra
         raise ValueError(f"GGUF tensor type {GGMLQuantizationType(qtype).name} cannot be dequantized "
                          f"by the installed gguf package") from None
     return np.asarray(out, dtype=np.float32).reshape(shape)
-
-
-
-# ggml type id -> (bytes per block of 32, byte offset of the codes, has a min `m` after `d`, bits)
-_GROUP_BLOCKS = {2: (18, 2, False, 4),      # Q4_0: d fp16, 16 bytes of nibbles; d * (q - 8)
-                 3: (20, 4, True, 4),       # Q4_1: d fp16, m fp16, 16 bytes of nibbles; d * q + m
-                 8: (34, 2, False, 8),      # Q8_0: d fp16, 32 int8; d * q
-                 6: (22, 6, False, 5)}      # Q5_0: d fp16, qh (32 high bits), 16 bytes of nibbles; d * (q - 16)
-Q4_K, Q4_K_BYTES = 12, 144                 # per 256 values: d, dmin fp16, 12 bytes of 6-bit sc/m, 128 of nibbles
-
-
-def _fp16(b: torch.Tensor) -> torch.Tensor:
-    """[..., 2] uint8 -> [...] float32 (exact)."""
-    return b.contiguous().view(torch.float16).squeeze(-1).float()
-
-
-def group_quantized(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> GroupQuantized | None:
-    """A Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K matrix's blocks as codes and per-group scales (None for other types),
-    codes untouched, every scale and zero the float32 value gguf's dequantize computes (group_quant.py's table):
-    `.dequantize()` equals `dequantize(raw, ...)` bit for bit. Vectorized over all blocks.
-
-    A Q4_0 / Q4_1 block's nibbles hold elements j (low) and j + 16 (high), as llama.cpp packs them; Q5_0 adds bit
-    j of its 32-bit qh as element j's fifth bit and becomes 8-bit codes q - 16 (-16..15), scale d, which is
-    exactly Q8_0's format. Q4_K (ggml's block_q4_K) is a group-32 4-bit asymmetric format once its two levels of
-    scales are multiplied out: sub-block j of a block has scale d * sc[j] and minimum -(dmin * m[j]), and its
-    codes are the low (j even) or high (j odd) nibbles of bytes 32 * (j // 2) .. + 31."""
-    if len(shape) != 2:
-        return None
-    n, k = shape
-    if qtype == Q4_K:
-        return _q4_k(torch.from_numpy(raw).view(n, k // 256, Q4_K_BYTES), n, k)
-    if qtype not in _GROUP_BLOCKS:
-        return None
-    block_bytes, codes_at, has_min, bits = _GROUP_BLOCKS[qtype]
-    blocks = torch.from_numpy(raw).view(n, k // 32, block_bytes)
-    d = _fp16(blocks[..., :2])
-    qs = blocks[..., codes_at:]
-    if bits == 8:
-        return GroupQuantized(qs.contiguous().view(torch.int8).reshape(n, k), d, None, 32, 8)
-    codes = torch.cat([qs & 15, qs >> 4], dim=-1)
-    if bits == 5:
-        qh = blocks[..., 2:6]                                                       # little-endian uint32
-        high = (qh[..., :, None] >> torch.arange(8, dtype=torch.uint8)) & 1          # [n, g, 4 bytes, 8 bits]
-        codes = (codes | (high.reshape(n, k // 32, 32) << 4)).view(torch.int8) - 16
-        return GroupQuantized(codes.reshape(n, k), d, None, 32, 8)
-    if has_min:
-        return GroupQuantized(codes.reshape(n, k), d, _fp16(blocks[..., 2:4]), 32, 4, offset=0)
-    return GroupQuantized(codes.reshape(n, k), d, None, 32, 4)
-
-
-def _q4_k(blocks: torch.Tensor, n: int, k: int) -> GroupQuantized:
-    d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])                     # [n, k / 256]
-    s = blocks[..., 4:16]
-    a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]        # ggml's get_scale_min_k4: 6-bit sc and m of 8 sub-blocks
-    sc = torch.cat([a & 63, (c & 15) | ((a >> 2) & 48)], dim=-1)                  # [n, k / 256, 8] uint8
-    m = torch.cat([b & 63, (c >> 4) | ((b >> 2) & 48)], dim=-1)
-    qs = blocks[..., 16:].reshape(n, k // 256, 4, 1, 32)
-    codes = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, k)                     # sub-block 2c low, 2c + 1 high
-    scale = (d[..., None] * sc.float()).reshape(n, k // 32)
-    minimum = (-(dmin[..., None] * m.float())).reshape(n, k // 32)                  # d*sc*q + (-(dmin*m)): gguf's
-    return GroupQuantized(codes, scale, minimum, 32, 4, offset=0, scale_parts=(d, sc.reshape(n, k // 32)),
-                          zero_parts=(-dmin, m.reshape(n, k // 32)))

@@ -18,7 +18,8 @@ from typing import Iterator
 import torch
 
 from kvflow.layers.group_quant import GroupQuantized
-from kvflow.models.gguf_reader import GGUFFile, GGUFTensorInfo, dequantize, group_quantized
+from kvflow.models.gguf_codes import group_quantized
+from kvflow.models.gguf_reader import GGUFFile, GGUFTensorInfo, dequantize
 from kvflow.models.model_config import ModelConfig
 from kvflow.models.model_files import ModelFiles, default_model_path, resolve_model_files  # noqa: F401
 
@@ -65,7 +66,7 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 # GGUF types kept as codes with `keep_quantized`: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K exactly as stored
-# (gguf_reader.group_quantized). The others are re-rounded at load to the nearest format kvflow multiplies, by
+# (gguf_codes.group_quantized). The others are re-rounded at load to the nearest format kvflow multiplies, by
 # round to nearest on the file's float values, slice by slice (`_rerounded`): 4-bit group 32 for the types of 4
 # bits or fewer, 8-bit group 32 (symmetric, Q8_0's format) for the rest. None of those has an exact mapping to a
 # kernel format: Q6_K's groups are 16 wide with an int8 scale each (two per group of 32, and codes times scale

@@ -71,6 +71,7 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
 
         self.num_blocks = self._allocate_kv_cache()
+        platform.release_freed_memory()
         # kvflow's attention kernel where its linear kernels run: faster than gathering the context for SDPA, and
         # each row's result depends on that row alone (batch invariance; native_kernels.c)
         self.native_attention = (native_kernels.wanted(self.device, self.dtype, self.quantization)

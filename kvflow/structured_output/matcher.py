@@ -7,10 +7,12 @@ allows only EOS, so a request that somehow went wrong ends instead of sampling f
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import llguidance
-import torch
+
+if TYPE_CHECKING:      # the frontend compiles grammars without torch; only the sampler's masks are tensors
+    import torch
 
 
 class Matcher:
@@ -29,6 +31,8 @@ class Matcher:
 
     def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
         """Write the allowed-next-token bits into bitmask[row] (int32, CPU, 32 tokens per word)."""
+        import torch
+
         v = bitmask[row]
         assert bitmask.dtype == torch.int32 and bitmask.device.type == "cpu" and v.is_contiguous()
         self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
