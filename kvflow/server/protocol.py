@@ -6,16 +6,21 @@ a second time. What pydantic does check is shape: types, and that text is valid 
 """
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from kvflow import sampling_params as limits
 from kvflow.errors import InvalidRequestError
 from kvflow.sampling_params import SamplingParams
+from kvflow.server.request_fields import REFUSED, refused_field
+
+logger = logging.getLogger("kvflow.server")
+_IGNORED_LOGGED: set[str] = set()       # unknown field names already logged (once each)
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -160,6 +165,23 @@ class _SamplingRequest(OpenAIModel):
 
     # SamplingParams' field -> this request's name for it, where they differ
     PARAM_NAMES: ClassVar[dict[str, str]] = {}
+    ROUTE: ClassVar[str] = ""            # request_fields.py's key for this route
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_what_is_not_implemented(cls, data: Any) -> Any:
+        """A field OpenAI or vLLM defines and kvflow does not implement is a 400 naming it, unless left at its
+        default; a field neither defines is ignored, as vLLM does, and logged once per name."""
+        if not isinstance(data, dict) or not cls.ROUTE:
+            return data
+        name = refused_field(cls.ROUTE, data)
+        if name is not None:
+            raise APIError(400, f"{name} is not supported by kvflow: leave it unset (or at its default)",
+                           param=name)
+        for unknown in set(data) - set(cls.model_fields) - set(REFUSED[cls.ROUTE]) - _IGNORED_LOGGED:
+            _IGNORED_LOGGED.add(unknown)
+            logger.warning("ignoring the request field %r: neither OpenAI nor vLLM defines it", unknown)
+        return data
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
@@ -216,6 +238,7 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None      # accepted; "required" allows one or more calls either way
 
     PARAM_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs", "prompt": "messages"}
+    ROUTE: ClassVar[str] = "chat"
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -236,6 +259,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = False
     suffix: Text | None = None
     best_of: int | None = documented(description="only equal to n (no best-of search)")
+    ROUTE: ClassVar[str] = "completions"
 
     def to_sampling_params(self) -> SamplingParams:
         if self.echo:

@@ -1,0 +1,73 @@
+"""The request fields of OpenAI's and vLLM's chat and completions schemas that kvflow does not implement, as data:
+each is refused with a 400 naming it when a request sets it to anything but its default, never accepted and
+dropped (the rule of issue 24). The fields kvflow implements are its pydantic models' own (`server/protocol.py`);
+`tests/test_request_fields.py` checks that every field of vLLM's lists below is one or the other. A field that
+neither schema defines is ignored, as vLLM does, and logged once per name.
+
+Sources: OpenAI's API reference (chat completions, completions) and vLLM's `entrypoints/openai/protocol.py`
+(`ChatCompletionRequest`, `CompletionRequest`), written down by hand.
+"""
+from __future__ import annotations
+
+# every field vLLM's request models define, per route (OpenAI's and vLLM's extras)
+VLLM_FIELDS = {
+    "chat": (
+        "messages", "model", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "max_tokens",
+        "max_completion_tokens", "n", "presence_penalty", "response_format", "seed", "stop", "stream",
+        "stream_options", "temperature", "top_p", "tools", "tool_choice", "reasoning_effort", "include_reasoning",
+        "parallel_tool_calls", "user",
+        "best_of", "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
+        "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+        "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
+        "bad_words",
+        "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents",
+        "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "structured_outputs", "guided_json",
+        "guided_regex", "guided_choice", "guided_grammar", "structural_tag", "guided_decoding_backend",
+        "guided_whitespace_pattern", "priority", "request_id", "logits_processors", "return_tokens_as_token_ids",
+        "return_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs"),
+    "completions": (
+        "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+        "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user",
+        "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
+        "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+        "spaces_between_special_tokens", "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs",
+        "add_special_tokens", "response_format", "structured_outputs", "guided_json", "guided_regex",
+        "guided_choice", "guided_grammar", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern",
+        "priority", "request_id", "logits_processors", "return_tokens_as_token_ids", "return_token_ids",
+        "cache_salt", "kv_transfer_params", "vllm_xargs", "prompt_embeds", "bad_words"),
+}
+
+# OpenAI fields vLLM does not define either (it ignores them with a warning); refused the same way when set
+OPENAI_ONLY = ("store", "metadata", "modalities", "audio", "prediction", "service_tier", "web_search_options",
+               "functions", "function_call", "verbosity", "safety_identifier", "prompt_cache_key")
+
+_MISSING = object()
+
+# name -> the value that means "not asked for" (vLLM's default); anything else is refused
+_COMMON = {
+    "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+    "truncate_prompt_tokens": None, "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": None,
+    "structural_tag": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None, "priority": 0,
+    "request_id": None, "logits_processors": None, "return_tokens_as_token_ids": None, "return_token_ids": None,
+    "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None,
+    **{name: None for name in OPENAI_ONLY},
+}
+REFUSED = {
+    "chat": {**_COMMON, "best_of": None, "reasoning_effort": None, "include_reasoning": True, "echo": False,
+             "continue_final_message": False, "add_special_tokens": False, "documents": None, "chat_template": None,
+             "chat_template_kwargs": None, "mm_processor_kwargs": None},
+    "completions": {**_COMMON, "add_special_tokens": True, "prompt_embeds": None},
+}
+
+
+def refused_field(route: str, data: dict) -> str | None:
+    """The first field of `data` this route refuses (set to something but its default), or None."""
+    refused = REFUSED[route]
+    for name, value in data.items():
+        default = refused.get(name, _MISSING)
+        if default is _MISSING or value is None or value == default:
+            continue
+        if value in ([], {}, "") and default is None:
+            continue
+        return name
+    return None

@@ -1,0 +1,71 @@
+"""The field rule (issue 24): every field of vLLM's chat and completions request schemas is implemented (a field
+of kvflow's pydantic model) or refused with a 400 naming it when set; never accepted and dropped. Through the real
+server with httpx (the official client has no names for most of these; `extra_body` sends the same JSON)."""
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+
+from kvflow.config import EngineConfig
+from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvflow.server.request_fields import OPENAI_ONLY, REFUSED, VLLM_FIELDS
+from kvflow.server.testing import ServerThread
+from tiny_models import make_tiny_hf_model
+
+MODELS = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
+ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+BASE = {"chat": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        "completions": {"model": "tiny", "prompt": "hi", "max_tokens": 2}}
+
+
+def a_value_other_than(default):
+    """A value that asks for the field's feature."""
+    if default is True:
+        return False
+    if default is False:
+        return True
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        return default + 1
+    return [1, 2]
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_every_vllm_field_is_implemented_or_refused(route):
+    implemented = set(MODELS[route].model_fields)
+    refused = set(REFUSED[route])
+    assert not implemented & refused, implemented & refused
+    missing = [f for f in VLLM_FIELDS[route] if f not in implemented | refused]
+    assert not missing, f"{route}: neither implemented nor refused: {missing}"
+    assert set(OPENAI_ONLY) <= refused
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = make_tiny_hf_model(tmp_path_factory.mktemp("tiny-fields"), family="llama", seed=2)
+    config = EngineConfig(model=str(path), dtype="float32", max_model_len=256, kv_cache_memory="8MiB",
+                          served_model_name="tiny", enforce_eager=True)
+    with ServerThread(config) as s:
+        yield s
+
+
+@pytest.mark.parametrize("route, field", [(r, f) for r in ("chat", "completions") for f in sorted(REFUSED[r])])
+def test_a_refused_field_set_is_a_400_naming_it(server, route, field):
+    body = {**BASE[route], field: a_value_other_than(REFUSED[route][field])}
+    r = httpx.post(server.url + ROUTES[route], json=body, timeout=30)
+    assert r.status_code == 400, (field, r.text)
+    err = r.json()["error"]
+    assert err["param"] == field and "not supported" in err["message"]
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_refused_fields_at_their_defaults_and_unknown_fields_are_accepted(server, route, caplog):
+    unknown = f"a_field_nobody_defines_{route}"
+    body = {**BASE[route], **{f: d for f, d in REFUSED[route].items()}, unknown: 1}
+    with caplog.at_level(logging.WARNING, logger="kvflow.server"):
+        for _ in range(2):
+            r = httpx.post(server.url + ROUTES[route], json=body, timeout=30)
+            assert r.status_code == 200, r.text
+    logged = [rec for rec in caplog.records if unknown in rec.getMessage()]
+    assert len(logged) == 1, logged          # ignored, as vLLM does, and logged once per name
