@@ -69,3 +69,12 @@ def test_refused_fields_at_their_defaults_and_unknown_fields_are_accepted(server
             assert r.status_code == 200, r.text
     logged = [rec for rec in caplog.records if unknown in rec.getMessage()]
     assert len(logged) == 1, logged          # ignored, as vLLM does, and logged once per name
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_stream_options_without_stream_is_a_400(server, route):
+    body = {**BASE[route], "stream_options": {"include_usage": True}}
+    r = httpx.post(server.url + ROUTES[route], json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+    r = httpx.post(server.url + ROUTES[route], json={**body, "stream": True}, timeout=30)
+    assert r.status_code == 200, r.text

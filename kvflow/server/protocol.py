@@ -174,6 +174,8 @@ class _SamplingRequest(OpenAIModel):
         default; a field neither defines is ignored, as vLLM does, and logged once per name."""
         if not isinstance(data, dict) or not cls.ROUTE:
             return data
+        if data.get("stream_options") is not None and not data.get("stream"):     # as vLLM answers
+            raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
         name = refused_field(cls.ROUTE, data)
         if name is not None:
             raise APIError(400, f"{name} is not supported by kvflow: leave it unset (or at its default)",
