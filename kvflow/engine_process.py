@@ -4,11 +4,12 @@ process. Only the typed messages of `core/messages.py` cross, pickled over one s
 
 Why a process: in one interpreter, a step's Python (scheduling, the runner's metadata, eager layers) and the
 event loop's (SSE, detokenizing, JSON) take turns on one GIL, so a step at 1-8 rows was run on one core fewer to
-leave the event loop a core (docs/performance.md). In its own process a step uses every core and the frontend's
-work happens beside it.
+leave the event loop a core (docs/performance.md). In its own process the engine's Python no longer waits on the
+frontend's; larger steps use every core, small ones still leave one to the frontend (async_engine.from_config:
+two threads there collapsed whenever anything preempted one).
 
-    parent: EngineProcess(config, eos_token_ids).start(on_message)   # waits for EngineReady
-            .send(AddRequest | AbortRequests)  .call("check")  .stop()
+    parent: p = EngineProcess(config, eos_token_ids); p.start()   # spawns, waits for EngineReady
+            p.listen(on_message); p.send(AddRequest | AbortRequests); p.call("check"); p.stop()
     child:  reads messages on a thread into its inbox, steps while there is work, sends one StepResult per turn
 
 The child dies with its parent (PR_SET_PDEATHSIG) and ignores SIGINT/SIGTERM: the frontend decides shutdown
@@ -19,7 +20,6 @@ without one (killed, crashed) is reported by the parent's reader from the socket
 from __future__ import annotations
 
 import collections
-import ctypes
 import itertools
 import logging
 import os
@@ -297,15 +297,10 @@ class _EngineLoop:
             self.conn.send(UtilityResult(m.call_id, error=f"{type(e).__name__}: {e}"))
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def main(fd: int) -> int:
-    _die_with_parent()
+    from kvflow import platform
+
+    platform.die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)

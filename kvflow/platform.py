@@ -64,6 +64,18 @@ def setup_threads(device: torch.device, ranks_on_this_machine: int = 1) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_this_machine))
 
 
+def die_with_parent() -> None:
+    """This process gets SIGKILL when its parent exits (PR_SET_PDEATHSIG), even if the parent never cleans up:
+    the engine process and the decode-step compiler."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def release_freed_memory() -> None:
     """Give the heap's free pages back to the OS (glibc's malloc_trim), once, after loading: the float model that
     quantized weights are built from is freed in pieces below glibc's mmap threshold (it rises to 32 MiB after the

@@ -9,20 +9,11 @@ others, and dies with its parent.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import pickle
-import signal
 import sys
 import time
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 # CPU priority and cores: while this process compiles, the serving process runs its eager steps on one core fewer
@@ -35,7 +26,9 @@ NICE = 5
 
 def main() -> int:
     os.nice(NICE)
-    _die_with_parent()
+    from kvflow import platform
+
+    platform.die_with_parent()
     job = pickle.loads(sys.stdin.buffer.read())
     parent = os.getppid()
 
