@@ -112,8 +112,8 @@ class AsyncEngine:
         self.max_queue_len = max_queue_len
         self.metrics = EngineMetrics(
             self.served_model_name, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, request_log=request_log,
-            log_stats_interval=log_stats_interval)
+            request_log=request_log, log_stats_interval=log_stats_interval)
+        self.metrics.record_cache_config(config, ready.num_blocks, num_engines=len(processes))
         self.metrics.weights_bytes.set(ready.weights_bytes * len(processes))
         self.metrics.kv_cache_bytes.set(ready.kv_cache_bytes * len(processes))
         self.metrics.compiled_decode_buckets_ready.set(ready.stats.compiled_decode_buckets_ready)
@@ -294,7 +294,11 @@ class AsyncEngine:
                 request_id=state.request_id, model=self.served_model_name, prompt_tokens=state.num_prompt_tokens,
                 cached_tokens=state.num_cached_tokens, completion_tokens=state.num_completion_tokens,
                 finish_reasons=[c.finish_reason or "abort" for c in state.choices],
-                timings=[c.timings for c in state.choices], error=stream.error))
+                timings=[c.timings for c in state.choices], error=stream.error, n=state.params.n,
+                # vLLM's server resolves an absent max_tokens (to what is left of the context) before its metrics
+                # see it
+                max_tokens=(state.params.max_tokens if state.params.max_tokens is not None
+                            else self.max_model_len - state.num_prompt_tokens)))
         except Exception:  # metrics must never break a request
             logger.exception("recording metrics of %s failed", state.request_id)
 

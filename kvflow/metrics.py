@@ -3,8 +3,14 @@
 Each server owns one `EngineMetrics` with a private `CollectorRegistry`, so several servers can live in one
 process (tests do that). Engine-wide numbers (running, waiting, KV usage, prefix cache, preemptions, step
 sizes) come from the `StepStats` of every engine step; per-request
-numbers (TTFT, inter-token latency, end-to-end, token counts) are observed on the asyncio side when a
-request finishes, from a `RequestTimings` record that starts when the server received the request.
+numbers (TTFT, inter-token latency, end-to-end, phases, token counts, preemptions) are observed on the asyncio
+side when a request finishes, from a `RequestTimings` record per choice that starts when the server received
+the request.
+
+vLLM's metrics keep vLLM's names, types, label names, buckets and meaning (vllm/v1/metrics/loggers.py and
+stats.py), so its dashboards (examples/grafana/kvflow.json) and its tests read them unchanged; where kvflow's
+value differs from what vLLM would report, the definition says why. vLLM's `engine` label is left out
+(kvflow's data-parallel engines report as one), except on `vllm:cache_config_info`, which is per engine.
 """
 from __future__ import annotations
 
@@ -30,6 +36,13 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's fixed buckets of vllm:iteration_tokens_total, vllm:request_params_n and vllm:request_num_preemptions
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+# vLLM's two reasons a request waits: "capacity" (for a slot, tokens or KV blocks) and "deferred" (held back by a
+# transient constraint: LoRA budget, KV transfer, a blocked status). kvflow's scheduler only has the first.
+WAITING_REASONS = ("capacity", "deferred")
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # the StepStats counters the periodic log line sums up, for its rates
 _TOTALS = ("num_prompt_tokens_computed", "num_generated_tokens", "prefix_cache_queries", "prefix_cache_hits",
@@ -57,8 +70,12 @@ def process_resident_memory_bytes() -> float:
 
 @dataclass
 class RequestTimings:
-    """Wall-clock times (time.time()) of one request, from the server's point of view."""
+    """What the metrics need of one choice (one core request): wall-clock times (time.time()) from the server's
+    point of view, and the core's count of its preemptions."""
     arrival: float                       # the server received the HTTP request
+    # it entered the core's waiting queue (vLLM's QUEUED event: after tokenization and the trip to the engine
+    # process); None until an output says
+    queued: float | None = None
     first_token: float | None = None     # the first new token reached the asyncio side
     last_token: float | None = None
     finished: float | None = None
@@ -66,10 +83,14 @@ class RequestTimings:
     # token when the core does not say): queue time ends and prefill begins there
     scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
 
     @property
     def queue_time(self) -> float | None:
-        return None if self.scheduled is None else max(0.0, self.scheduled - self.arrival)
+        """vLLM's: in the core's waiting queue until first scheduled (from arrival when the core did not say)."""
+        if self.scheduled is None:
+            return None
+        return max(0.0, self.scheduled - (self.queued if self.queued is not None else self.arrival))
 
     @property
     def ttft(self) -> float | None:
@@ -87,14 +108,15 @@ class FinishedRequest:
     finish_reasons: list[str]
     timings: list[RequestTimings]     # one per choice
     error: str | None = None
+    n: int = 1                        # the request's n
+    max_tokens: int | None = None     # each choice's max_tokens, resolved as vLLM's server resolves it
 
 
 class EngineMetrics:
     """All metrics of one server, on a private registry."""
 
     def __init__(self, model_name: str, max_model_len: int = 4096, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int = 1024, request_log: str | None = None,
-                 log_stats_interval: float = 5.0) -> None:
+                 request_log: str | None = None, log_stats_interval: float = 5.0) -> None:
         self.model_name = model_name
         # as vLLM does: no `*_created` series beside every counter and histogram (prometheus-client's switch)
         disable_created_metrics()
@@ -113,6 +135,16 @@ class EngineMetrics:
 
         self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        waiting_by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; "
+            "'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). "
+            "Sum of all reasons equals vllm:num_requests_waiting.", ["model_name", "reason"], registry=r)
+        self.num_requests_waiting_by_reason = {reason: waiting_by_reason.labels(model_name, reason)
+                                               for reason in WAITING_REASONS}
+        # as vLLM's: a gauge set to 1 whose labels are the cache config; created once the engine reports its
+        # block count (`record_cache_config`)
+        self.cache_config_info: Gauge | None = None
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.compiled_decode_buckets_ready = gauge(
             "kvflow:compiled_decode_buckets_ready", "Batch-size buckets whose compiled decode step is loaded.")
@@ -136,6 +168,15 @@ class EngineMetrics:
                               TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                              ITL_BUCKETS)
+        # vLLM's name for the same observations until 0.11 (deprecated then, later removed): the dashboard many
+        # people still run reads it
+        self.time_per_output_token = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+            ITL_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds",
@@ -144,14 +185,25 @@ class EngineMetrics:
                                       "Histogram of time spent in PREFILL phase for request.", LATENCY_BUCKETS)
         self.decode_time = histogram("vllm:request_decode_time_seconds",
                                      "Histogram of time spent in DECODE phase for request.", LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", LATENCY_BUCKETS)
+        self.request_num_preemptions = histogram("vllm:request_num_preemptions",
+                                                 "Histogram of the number of preemptions per request.",
+                                                 PREEMPTIONS_BUCKETS)
         token_buckets = _token_buckets(max(max_model_len, 1))
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
                                                "Number of prefill tokens processed.", token_buckets)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.", token_buckets)
-        step_buckets = sorted(set(_token_buckets(max(max_num_batched_tokens, 1)) + [max(max_num_batched_tokens, 1)]))
+        self.request_max_num_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+            token_buckets)
+        self.request_params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                                          PARAMS_N_BUCKETS)
+        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                                   "Histogram of the max_tokens request parameter.", token_buckets)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
-                                          "Histogram of number of tokens per engine_step.", step_buckets)
+                                          "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
         # what vLLM lacks and operators want
         self.step_batch_size = histogram("kvflow:step_batch_size", "Requests in one engine step.",
                                          _batch_buckets(max_num_seqs))
@@ -179,11 +231,33 @@ class EngineMetrics:
         if request_log:
             self._request_log_file = sys.stdout if request_log == "-" else open(request_log, "a", buffering=1)
 
+    def record_cache_config(self, config, num_gpu_blocks: int, num_engines: int = 1) -> None:
+        """vllm:cache_config_info, once the engines are loaded: one series per engine, labelled with the fields of
+        vLLM's CacheConfig that kvflow has, as vLLM writes them (str() of the value); no model_name label, as
+        vLLM's. KV cache tokens per engine = num_gpu_blocks x block_size."""
+        labels = {
+            "block_size": str(config.block_size),
+            "cache_dtype": str(config.kv_cache_dtype),
+            "cpu_offload_gb": "0",                    # kvflow offloads no weights
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "gpu_memory_utilization": str(config.gpu_memory_utilization),
+            "kv_cache_memory_bytes": str(config.kv_cache_memory),
+            "num_cpu_blocks": "0",                    # no CPU swap space (as vLLM v1)
+            "num_gpu_blocks": str(num_gpu_blocks),    # the device's blocks: RAM on CPU
+            "num_gpu_blocks_override": "None",
+        }
+        if self.cache_config_info is None:
+            self.cache_config_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                           [*labels, "engine"], registry=self.registry)
+        for engine in range(num_engines):
+            self.cache_config_info.labels(**labels, engine=str(engine)).set(1)
+
     # ---- engine thread: after every step ----------------------------------------------------------------------
     def record_step(self, stats: StepStats) -> None:
         """After every engine step (or idle look): gauges, counters' deltas, step histograms."""
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
+        self.num_requests_waiting_by_reason["capacity"].set(stats.num_waiting)    # nothing is deferred in kvflow
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.gpu_cache_usage.set(stats.kv_cache_usage)
         self.compiled_decode_buckets_ready.set(stats.compiled_decode_buckets_ready)
@@ -194,8 +268,9 @@ class EngineMetrics:
                            (stats.num_prompt_tokens_computed, self.prompt_tokens_computed)):
             if delta > 0:
                 ctr.inc(delta)
+        if stats.iteration_tokens is not None:
+            self.iteration_tokens.observe(stats.iteration_tokens)
         if stats.batch_size > 0:
-            self.iteration_tokens.observe(stats.num_batched_tokens)
             self.step_batch_size.observe(stats.batch_size)
             if stats.batch_size > self._max_batch:
                 self._max_batch = stats.batch_size
@@ -228,18 +303,23 @@ class EngineMetrics:
 
     # ---- asyncio side: when a request finishes -----------------------------------------------------------------
     def record_finished(self, req: FinishedRequest) -> None:
-        self.prompt_tokens.inc(req.prompt_tokens)
+        """As vLLM: n and the longest choice once per request; everything else once per choice (vLLM's child
+        requests: with n > 1 each one's prompt counts)."""
         self.generation_tokens.inc(req.completion_tokens)
-        self.request_prompt_tokens.observe(req.prompt_tokens)
+        self.request_params_n.observe(req.n)
+        self.request_max_num_generation_tokens.observe(max((len(t.token_times) for t in req.timings), default=0))
         for reason in req.finish_reasons:
             self.request_success.labels(self.model_name, reason or "error").inc()
             if reason == "abort":
                 self.num_requests_aborted.inc()
         for t in req.timings:
+            self.request_prompt_tokens.observe(req.prompt_tokens)
             if t.first_token is not None:
+                self.prompt_tokens.inc(req.prompt_tokens)      # vLLM counts a prompt once it produced an output
                 self.ttft.observe(t.first_token - t.arrival)
             for a, b in zip(t.token_times, t.token_times[1:]):
                 self.itl.observe(b - a)
+                self.time_per_output_token.observe(b - a)
             if t.finished is not None:
                 self.e2e.observe(t.finished - t.arrival)
             if t.queue_time is not None:
@@ -248,7 +328,16 @@ class EngineMetrics:
                 self.prefill_time.observe(max(0.0, t.first_token - t.scheduled))
             if t.first_token is not None and t.last_token is not None:
                 self.decode_time.observe(max(0.0, t.last_token - t.first_token))
-            self.request_generation_tokens.observe(len(t.token_times))
+            if t.scheduled is not None and t.last_token is not None:
+                self.inference_time.observe(max(0.0, t.last_token - t.scheduled))
+            num_tokens = len(t.token_times)
+            # vLLM's per-request TPOT: the decode phase over the tokens after the first; 0 with fewer than two
+            self.request_time_per_output_token.observe(
+                (t.last_token - t.first_token) / (num_tokens - 1) if num_tokens > 1 else 0.0)
+            self.request_generation_tokens.observe(num_tokens)
+            self.request_num_preemptions.observe(t.num_preemptions)
+            if req.max_tokens:
+                self.request_params_max_tokens.observe(req.max_tokens)
         self._write_request_log(req)
 
     def _write_request_log(self, req: FinishedRequest) -> None:

@@ -128,6 +128,9 @@ class OutputProcessor:
         t = choice.timings
         if t.scheduled is None and out.first_scheduled_time is not None:
             t.scheduled = out.first_scheduled_time
+        if t.queued is None:
+            t.queued = out.queued_time
+        t.num_preemptions = max(t.num_preemptions, out.num_preemptions)
         if choice.index == 0 and (out.num_cached_tokens or not choice.token_ids):
             state.num_cached_tokens = out.num_cached_tokens
         if out.finish_reason == "error":

@@ -49,6 +49,9 @@ class Request:
         # wall-clock seconds (time.time()), the clock the server stamps requests with on arrival
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_scheduled_time: float | None = None
+        # entered the core's waiting queue (vLLM's QUEUED event): queue time counts from here to first_scheduled_time
+        self.queued_time = time.time()
+        self.num_preemptions = 0                  # times the scheduler took its KV away (vLLM's Request field)
         self.eos_token_ids: frozenset[int] = frozenset()  # set by the engine from the tokenizer/model
         # the grammar state of a constrained request, fed every sampled token. Preemption keeps the generated
         # tokens (recompute rebuilds only their KV), so it never needs rewinding.

@@ -130,10 +130,18 @@ class EngineCore:
         num_prompt = sum(max(0, min(s.num_new_tokens, requests[s.request_id].num_prompt_tokens - s.num_computed_tokens))
                          for s in sched.scheduled)
         self.num_prompt_tokens_computed += num_prompt
+        # vLLM's iteration_tokens_total (IterationStats: num_prompt_tokens + num_generation_tokens) counts the
+        # whole prompt (cached tokens too) of each request in the step of its first output, and every token
+        # sampled: not the chunk tokens the model computed. These requests sample their first token now:
+        first_output = {s.request_id for s in sched.scheduled
+                        if s.samples and requests[s.request_id].num_output_tokens == 0}
         sampled = self.executor.execute(sched.step)
-        outputs += self.scheduler.update(sched, sampled)
+        step_outputs = self.scheduler.update(sched, sampled)
+        outputs += step_outputs
+        iteration_tokens = sum(len(o.new_token_ids) + (o.num_prompt_tokens if o.request_id in first_output else 0)
+                               for o in step_outputs) if step_outputs else None
         self.last_stats = self._stats(batch_size=len(sched.scheduled), num_batched_tokens=sched.num_batched_tokens,
-                                      num_prompt_tokens_computed=num_prompt,
+                                      iteration_tokens=iteration_tokens, num_prompt_tokens_computed=num_prompt,
                                       num_generated_tokens=len(sampled.token_ids),
                                       duration_s=time.perf_counter() - t0)
         return outputs

@@ -50,6 +50,7 @@ class EngineReady:
     weights_bytes: int
     kv_cache_bytes: int
     stats: StepStats                  # the gauges before the first step
+    num_blocks: int = 0               # KV cache blocks the core hands out (vLLM's num_gpu_blocks)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None   # when the scheduler first admitted it (ends its queue time)
+    queued_time: float | None = None            # when it entered the core's waiting queue (starts its queue time)
+    num_preemptions: int = 0                    # how often it was preempted so far
 
     @property
     def finished(self) -> bool:
@@ -58,7 +60,11 @@ class StepStats:
     num_prompt_tokens_computed: int = 0     # prompt tokens computed (not served from the prefix cache)
     num_generated_tokens: int = 0
     batch_size: int = 0                     # requests in the step (0: no step ran)
-    num_batched_tokens: int = 0
+    num_batched_tokens: int = 0             # tokens the model computed (prompt chunks + one per decode)
+    # what vLLM's vllm:iteration_tokens_total observes for this step: the whole prompt of every request whose
+    # first output came this step, plus every token sampled; None when no request had an output (vLLM then
+    # observes nothing)
+    iteration_tokens: int | None = None
     duration_s: float = 0.0
     compiled_decode_buckets_ready: int = 0  # compiled decode graphs loaded (runner/compiled_decode.py)
     compiled_decode_buckets_total: int = 0  # buckets asked for (0: compiled decode off)

@@ -145,6 +145,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+        req.num_preemptions += 1
 
     # ---- after the model ran -------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: SampledTokens) -> list[EngineOutput]:
@@ -174,7 +175,8 @@ class Scheduler:
                 req.request_id, new_tokens, new_logprobs=[logprobs] if logprobs is not None else None,
                 finish_reason=req.finish_reason, stop_reason=req.stop_reason,
                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-                first_scheduled_time=req.first_scheduled_time))
+                first_scheduled_time=req.first_scheduled_time, queued_time=req.queued_time,
+                num_preemptions=req.num_preemptions))
         if finished:
             self.running = [r for r in self.running if not r.status.finished]
             for req in finished:
@@ -222,5 +224,6 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_ABORTED
             outputs.append(EngineOutput(rid, [], finish_reason="abort", num_prompt_tokens=req.num_prompt_tokens,
                                         num_cached_tokens=req.num_cached_tokens,
-                                        first_scheduled_time=req.first_scheduled_time))
+                                        first_scheduled_time=req.first_scheduled_time, queued_time=req.queued_time,
+                                        num_preemptions=req.num_preemptions))
         return outputs
