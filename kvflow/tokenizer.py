@@ -63,6 +63,19 @@ def _hf_from_gguf(gguf: GGUFFile):
     return hf, extra_eos
 
 
+def _json_value(value: Any) -> Any:
+    """A tokenizer setting as JSON: an AddedToken as its text, containers walked, anything else unknown as str."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "content"):          # tokenizers.AddedToken
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_json_value(v) for v in value]
+    return str(value)
+
+
 class Tokenizer:
     """Text <-> token ids, and chat messages -> prompt ids."""
 
@@ -123,6 +136,16 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str]:
         return self.hf.convert_ids_to_tokens(ids)
 
+    def config(self) -> dict[str, Any]:
+        """The tokenizer's configuration as its tokenizer_config.json holds it (vLLM's /tokenizer_info): what
+        it was built with, minus file paths, special tokens as their text, plus its class and chat template."""
+        config = {k: _json_value(v) for k, v in (getattr(self.hf, "init_kwargs", None) or {}).items()
+                  if k not in ("vocab_file", "merges_file")}
+        config["tokenizer_class"] = type(self.hf).__name__
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        return config
+
     def id_to_piece(self, token_id: int) -> str:
         """The text one token stands for on its own (may hold a broken UTF-8 character as U+FFFD)."""
         return self.decode([token_id], skip_special_tokens=False)
@@ -133,8 +156,10 @@ class Tokenizer:
         return getattr(self.hf, "chat_template", None)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt text for `messages` (content flattened to text). ValueError if there is no template."""
-        if not self.chat_template:
+        """The prompt text for `messages` (content flattened to text). kwargs go to transformers'
+        apply_chat_template: `chat_template` (instead of the model's), `continue_final_message`, `tools`, and
+        template variables. ValueError if there is no template."""
+        if not (kwargs.get("chat_template") or self.chat_template):
             raise ValueError("this model's tokenizer has no chat template; use a completion prompt instead")
         msgs = []
         for m in messages:
@@ -144,7 +169,9 @@ class Tokenizer:
         return self.hf.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
                                            tokenize=False, **kwargs)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> list[int]:
-        """Prompt token ids for `messages`; the template writes any BOS itself."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
+        """Prompt token ids for `messages`; the template writes any BOS itself (add_special_tokens: the
+        tokenizer adds its special tokens on top, as vLLM's field of that name does)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs),
+                           add_special_tokens=add_special_tokens)

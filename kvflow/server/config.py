@@ -41,6 +41,12 @@ class ServerConfig:
     tool_call_parser: str | None = _option(None, "how to read the model's own tool calls under tool_choice "
                                                  '"auto": hermes (<tool_call>{...}</tool_call>, Qwen2.5/3) or json',
                                            choices=tuple(TOOL_PARSERS))
+    trust_request_chat_template: bool = _option(False, "let a request bring its own chat_template (a template is "
+                                                       "code the server runs); off: such a request is a 400")
+    return_tokens_as_token_ids: bool = _option(False, "logprobs' tokens as 'token_id:N' unless a request says "
+                                                      "otherwise (its return_tokens_as_token_ids)")
+    enable_tokenizer_info_endpoint: bool = _option(False, "serve GET /tokenizer_info: the tokenizer's configuration "
+                                                          "(its tokenizer_config.json and chat template)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_request_body_size", parse_bytes(self.max_request_body_size))

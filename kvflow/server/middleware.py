@@ -8,11 +8,11 @@ from starlette.exceptions import HTTPException
 
 from kvflow.server.protocol import APIError
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations")   # /tokenize covers /tokenizer_info
 
 
 class AuthAndArrival:
-    """Stamp the arrival time; check the API key on the OpenAI routes (/health and /metrics stay open)."""
+    """Stamp the arrival time; check the API key on the OpenAI routes (/health, /ping and /metrics stay open)."""
 
     def __init__(self, app, api_key: str | None) -> None:
         self.app = app

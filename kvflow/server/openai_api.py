@@ -7,12 +7,14 @@ RequestValidationError (400) or an HTTPException; the catch-all handler is only 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow import __version__
@@ -23,7 +25,7 @@ from kvflow.server.config import ServerConfig
 from kvflow.server.middleware import AuthAndArrival, BodySizeLimit
 from kvflow.server.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
-                                    ModelList, TokenizeRequest, TokenizeResponse)
+                                    ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse)
 from kvflow.server.serving import OpenAIServing
 
 logger = logging.getLogger("kvflow.server")
@@ -38,6 +40,10 @@ DESCRIPTIONS = {400: "invalid request (the error's `param` names the field)", 40
                 429: "queue full (--max-queue-len): retry after Retry-After seconds",
                 500: "the engine failed on this request", 503: "the engine died or the server is shutting down"}
 GENERATE_ERRORS = _errors(400, 401, 404, 413, 429, 500, 503)
+HEALTH_RESPONSES = {200: {"description": "the engine is alive (empty body)", "content": None}, **_errors(503)}
+# /invocations reads its body itself (it is one of two requests): the document says which
+INVOCATION_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"oneOf": [
+    {"$ref": "#/components/schemas/ChatCompletionRequest"}, {"$ref": "#/components/schemas/CompletionRequest"}]}}}}}
 
 
 def _streamed_or(model) -> dict:
@@ -55,7 +61,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     config = config or ServerConfig()
     serving = OpenAIServing(engine, served_model_names=config.served_model_name, max_n=config.max_n,
                             shutdown_grace_period=config.shutdown_grace_period,
-                            tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None)
+                            tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+                            trust_request_chat_template=config.trust_request_chat_template,
+                            return_tokens_as_token_ids=config.return_tokens_as_token_ids)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -117,13 +125,42 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         return await serving.completions(req, raw)
 
     # ---- vLLM's extra routes -----------------------------------------------------------------------------------
-    @app.get("/health", response_class=Response,
-             responses={200: {"description": "the engine is alive (empty body)", "content": None}, **_errors(503)})
-    async def health():
+    def health_response() -> Response:
         if engine.is_alive:
             return Response(status_code=200)
         return error_response(APIError(503, engine.death_reason or "the engine loop is not running",
                                        type="service_unavailable", code="engine_dead"))
+
+    @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
+    async def health():
+        return health_response()
+
+    # ---- SageMaker's routes, as vLLM serves them -----------------------------------------------------------------
+    @app.get("/ping", response_class=Response, responses=HEALTH_RESPONSES, operation_id="ping_get")
+    @app.post("/ping", response_class=Response, responses=HEALTH_RESPONSES, operation_id="ping_post")
+    async def ping():
+        return health_response()
+
+    @app.post("/invocations", response_model=None, openapi_extra=INVOCATION_BODY,
+              responses={**_streamed_or(ChatCompletionResponse | CompletionResponse), **GENERATE_ERRORS})
+    async def invocations(raw: Request):
+        """A chat completion when the body has `messages`, else a completion when it has `prompt`."""
+        try:
+            body = json.loads(await raw.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"malformed JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        for key, model, route in (("messages", ChatCompletionRequest, serving.chat),
+                                  ("prompt", CompletionRequest, serving.completions)):
+            if key in body:
+                try:
+                    req = model.model_validate(body)
+                except ValidationError as e:     # the route's own 400, as if sent there
+                    raise RequestValidationError(e.errors()) from None
+                return await route(req, raw)
+        raise APIError(400, "an /invocations body needs `messages` (a chat completion) or `prompt` (a completion)",
+                       param="messages")
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -142,6 +179,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                                                              **_errors(400, 401, 404, 413)})
     async def detokenize(req: DetokenizeRequest):
         return await serving.detokenize(req)
+
+    if config.enable_tokenizer_info_endpoint:    # off: 404, as vLLM answers
+        @app.get("/tokenizer_info", response_model=None, responses={200: {"model": TokenizerInfoResponse},
+                                                                    **_errors(401)})
+        async def tokenizer_info():
+            return serving.tokenizer_info()
 
     app.openapi = lambda: openapi_document(app, config.max_n)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_size)

@@ -287,17 +287,61 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
-class TokenizeRequest(OpenAIModel):
+class _TokenizerRouteRequest(OpenAIModel):
+    """The field rule on /tokenize and /detokenize, as on the generation routes: a field of vLLM's model that
+    kvflow refuses is a 400 naming it when set; a field vLLM does not define is ignored and logged once per name."""
+    ROUTE: ClassVar[str] = ""            # request_fields.py's key for this route
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_what_is_not_implemented(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        name = refused_field(cls.ROUTE, data)
+        if name is not None:
+            raise APIError(400, f"{name} is not supported by kvflow: leave it unset (or at its default)",
+                           param=name)
+        for unknown in set(data) - set(cls.model_fields) - set(REFUSED[cls.ROUTE]) - _IGNORED_LOGGED:
+            _IGNORED_LOGGED.add(unknown)
+            logger.warning("ignoring the request field %r: vLLM does not define it", unknown)
+        return data
+
+
+class TokenizeRequest(_TokenizerRouteRequest):
+    """vLLM's TokenizeCompletionRequest (`prompt`) and TokenizeChatRequest (`messages`) as one model. Exactly one
+    of the two is given (OpenAIServing.tokenize checks), and a field of the chat form set beside `prompt` is a 400
+    naming it, where vLLM would ignore it."""
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None       # None: vLLM's default, true for a prompt, false for messages
+    return_token_strs: bool | None = False       # also answer the ids' vocabulary pieces as `token_strs`
+    # the chat form: the same prompt ids as /v1/chat/completions (server/chat_template.py checks the options)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[Text, dict[str, Any], None] = None   # kvflow's own: the prompt a chat with it would get
+
+    ROUTE: ClassVar[str] = "tokenize"
+    CHAT_FIELDS: ClassVar[tuple[str, ...]] = ("add_generation_prompt", "continue_final_message", "chat_template",
+                                              "chat_template_kwargs", "tools", "tool_choice")
+
+    def chat_field_set(self) -> str | None:
+        """The first field of the chat form set to something but its default (a 400 beside `prompt`)."""
+        for name in self.CHAT_FIELDS:
+            value = getattr(self, name)
+            if value not in (None, [], {}) and value != type(self).model_fields[name].default:
+                return name
+        return None
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(_TokenizerRouteRequest):
     model: Text | None = None
     tokens: list[int]
+
+    ROUTE: ClassVar[str] = "detokenize"
 
 
 # ---- responses --------------------------------------------------------------------------------------------------
@@ -418,10 +462,33 @@ class TokenizeResponse(OpenAIModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None          # with return_token_strs: each id's vocabulary piece
 
 
 class DetokenizeResponse(OpenAIModel):
     prompt: str
+
+
+class TokenizerInfoResponse(OpenAIModel):
+    """GET /tokenizer_info: the tokenizer's configuration, the keys of its tokenizer_config.json (vLLM's)."""
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+    tokenizer_class: str
+
+
+class ModelPermission(OpenAIModel):
+    """vLLM's (OpenAI's former) permission object of a model card: everyone may sample, nothing else."""
+    id: str = Field(default_factory=lambda: random_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
 
 
 class ModelCard(OpenAIModel):
@@ -430,7 +497,9 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvflow"
     root: str | None = None
+    parent: str | None = None                    # the base model's name for an adapter; None for the base model
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=list)
 
 
 class ModelList(OpenAIModel):

@@ -1,11 +1,12 @@
-"""The request fields of OpenAI's and vLLM's chat and completions schemas that kvflow does not implement, as data:
-each is refused with a 400 naming it when a request sets it to anything but its default, never accepted and
-dropped (the rule of issue 24). The fields kvflow implements are its pydantic models' own (`server/protocol.py`);
-`tests/test_request_fields.py` checks that every field of vLLM's lists below is one or the other. A field that
-neither schema defines is ignored, as vLLM does, and logged once per name.
+"""The request fields of OpenAI's and vLLM's chat, completions and (de)tokenize schemas that kvflow does not
+implement, as data: each is refused with a 400 naming it when a request sets it to anything but its default, never
+accepted and dropped (the rule of issue 24). The fields kvflow implements are its pydantic models' own
+(`server/protocol.py`); `tests/test_request_fields.py` checks that every field of vLLM's lists below is one or the
+other. A field that neither schema defines is ignored, as vLLM does, and logged once per name.
 
 Sources: OpenAI's API reference (chat completions, completions) and vLLM's `entrypoints/openai/protocol.py`
-(`ChatCompletionRequest`, `CompletionRequest`), written down by hand.
+(`ChatCompletionRequest`, `CompletionRequest`) and `entrypoints/serve/tokenize/protocol.py`
+(`TokenizeCompletionRequest`, `TokenizeChatRequest`, `DetokenizeRequest`), written down by hand.
 """
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ VLLM_FIELDS = {
         "guided_choice", "guided_grammar", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern",
         "priority", "request_id", "logits_processors", "return_tokens_as_token_ids", "return_token_ids",
         "cache_salt", "kv_transfer_params", "vllm_xargs", "prompt_embeds", "bad_words"),
+    # vLLM's TokenizeCompletionRequest and TokenizeChatRequest (one kvflow model), DetokenizeRequest
+    "tokenize": (
+        "model", "prompt", "add_special_tokens", "return_token_strs", "messages", "add_generation_prompt",
+        "continue_final_message", "chat_template", "chat_template_kwargs", "media_io_kwargs", "mm_processor_kwargs",
+        "tools"),
+    "detokenize": ("model", "tokens"),
 }
 
 # OpenAI fields vLLM does not define either (it ignores them with a warning); refused the same way when set
@@ -57,6 +64,8 @@ REFUSED = {
              "continue_final_message": False, "add_special_tokens": False, "documents": None, "chat_template": None,
              "chat_template_kwargs": None, "mm_processor_kwargs": None},
     "completions": {**_COMMON, "add_special_tokens": True, "prompt_embeds": None},
+    "tokenize": {"media_io_kwargs": None, "mm_processor_kwargs": None},     # text only: no media, no processor
+    "detokenize": {},
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from kvflow.server.protocol import (APIError, ChatCompletionChoice, ChatCompleti
                                     DetokenizeResponse, ModelCard, ModelList, PromptTokensDetails, TokenizeRequest,
                                     TokenizeResponse, TokenLogprob, ToolCall, TopLogprob, UsageInfo, random_id)
 from kvflow.sampling_params import SamplingParams
+from kvflow.server.chat_template import ChatTemplateOptions, template_variables
+from kvflow.server.protocol import ModelPermission, TokenizerInfoResponse
 from kvflow.server.tool_prompt import chat_messages
 from kvflow.structured_output import GrammarCompiler, spec_from_request
 from kvflow.server.tool_calls import ExtractedToolCalls, ToolCallStreamer, ToolRequest, extract_tool_calls, parse_tool_request
@@ -66,7 +69,8 @@ class ChoiceResult:
 class OpenAIServing:
     def __init__(self, engine, *, served_model_names: list[str] | tuple[str, ...] | None = None,
                  max_n: int = DEFAULT_MAX_N, shutdown_grace_period: float = 30.0,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
+                 return_tokens_as_token_ids: bool = False) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.names = list(served_model_names or [engine.served_model_name])
@@ -75,13 +79,16 @@ class OpenAIServing:
         self.vocab_size = engine.vocab_size
         self._shutdown: asyncio.Future | None = None
         self.tool_call_parser = tool_call_parser     # None: tool_choice "auto" is refused
+        self.trust_request_chat_template = trust_request_chat_template   # a request may bring its own template
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids     # the default of the request field
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_compiler_lock = asyncio.Lock()
 
     # ---- routes ------------------------------------------------------------------------------------------------
     def models(self) -> ModelList:
         root = str(getattr(self.engine, "model_path", None) or self.names[0])
-        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=self.engine.max_model_len)
+        return ModelList(data=[ModelCard(id=name, root=root, parent=None, max_model_len=self.engine.max_model_len,
+                                         permission=[ModelPermission()])
                                for name in self.names])
 
     async def chat(self, req: ChatCompletionRequest, raw: Request | None = None):
@@ -116,21 +123,31 @@ class OpenAIServing:
         return await self.respond(gen, bool(req.stream), raw)
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: a prompt's ids, or a chat's, the very ids /v1/chat/completions would run."""
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.prompt is not None:
-            ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt, req.add_special_tokens)
+            chat_field = req.chat_field_set()
+            if chat_field is not None:
+                raise APIError(400, f"{chat_field} applies to the chat form (messages) only", param=chat_field)
+            add_special_tokens = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt, add_special_tokens)
         else:
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = await asyncio.to_thread(self.chat_prompt_ids, msgs, req.add_generation_prompt)
-        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=list(ids))
+            messages, render_args = self.chat_render_args(req, self.tokenize_tools(req))
+            ids = await asyncio.to_thread(self.chat_prompt_ids, messages, **render_args)
+        token_strs = self.tokenizer.convert_ids_to_tokens(list(ids)) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=list(ids),
+                                token_strs=token_strs)
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(req.model)
         self.check_token_ids(req.tokens, "tokens")
         text = await asyncio.to_thread(self.tokenizer.decode, req.tokens, False)
         return DetokenizeResponse(prompt=text)
+
+    def tokenizer_info(self) -> TokenizerInfoResponse:
+        return TokenizerInfoResponse(**self.tokenizer.config())
 
     async def shutdown_engine(self) -> None:
         """The engine's shutdown, once (uvicorn's shutdown and the app's lifespan both ask for it)."""
@@ -177,12 +194,36 @@ class OpenAIServing:
                 self._grammar_compiler = await asyncio.to_thread(GrammarCompiler, self.tokenizer)
         return self._grammar_compiler
 
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool, **template_args) -> list[int]:
+    def chat_render_args(self, req, tools: ToolRequest | None) -> tuple[list[dict], dict]:
+        """A chat request's template messages and chat_prompt_ids' keyword arguments: its template options
+        (server/chat_template.py; 400 naming the field) and its tools (server/tool_prompt.py). One path for the
+        routes that render a chat (/tokenize; the chat route can call it too)."""
+        options = ChatTemplateOptions.from_request(req, trust_request_chat_template=self.trust_request_chat_template)
+        template = options.template(getattr(self.tokenizer, "chat_template", None))
+        messages, template_args = chat_messages(req.messages, tools, template)
+        template_args.update(template_variables(req, template))
+        return messages, {**options.render_args(), **template_args}
+
+    def tokenize_tools(self, req: TokenizeRequest) -> ToolRequest | None:
+        """/tokenize's tools as the chat route puts them into the prompt under the same tool_choice. Without
+        tool_choice on a server that has no --tool-call-parser the chat route refuses tools ("auto" needs one) but
+        vLLM's /tokenize takes them: the prompt is then that of "auto" with the json syntax."""
+        if req.tool_choice is None and req.tools and self.tool_call_parser is None:
+            return dataclasses.replace(parse_tool_request(req.tools, "required"), mode="auto")
+        return parse_tool_request(req.tools, req.tool_choice, tool_parser=self.tool_call_parser)
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                        continue_final_message: bool = False, add_special_tokens: bool = False,
+                        chat_template: str | None = None, **template_args) -> list[int]:
+        # the tokenizer's defaults are these: only what a request asks for is passed on
+        asked = {k: v for k, v in (("continue_final_message", continue_final_message),
+                                   ("add_special_tokens", add_special_tokens), ("chat_template", chat_template)) if v}
         try:
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                           **template_args))
-        except Exception as e:  # a template that rejects the conversation (roles out of order, ...)
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+                                                           **asked, **template_args))
+        except Exception as e:  # a template that rejects the conversation (roles out of order, ...) or is broken
+            raise APIError(400, f"cannot apply the chat template: {e}",
+                           param="chat_template" if chat_template else "messages") from None
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """Refuse a text that cannot fit the context before tokenizing it: the tokenizer sometimes holds the GIL
