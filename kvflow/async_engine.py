@@ -232,8 +232,7 @@ class AsyncEngine:
             raise EngineShutdownError("the server is shutting down")
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        prompt_token_ids = list(prompt_token_ids)
-        self.validator.validate(prompt_token_ids, params)
+        prompt_token_ids, max_tokens = self.validator.admit(prompt_token_ids, params)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         limit = self.max_queue_len
@@ -246,7 +245,7 @@ class AsyncEngine:
                 raise EngineOverloadedError(f"the server is overloaded: {queued} requests are waiting "
                                             f"(--max-queue-len {limit}); retry later")
         arrival = time.time() if arrival_time is None else arrival_time
-        adds = self.processor.add_request(request_id, prompt_token_ids, params, arrival)
+        adds = self.processor.add_request(request_id, prompt_token_ids, params, arrival, max_tokens)
         stream = RequestStream(self, self.processor.requests[request_id])
         self._streams[request_id] = stream
         self._pending_adds += len(adds)

@@ -77,6 +77,10 @@ class LLM:
         return None, list(prompt)
 
     def _compile(self, params: SamplingParams) -> SamplingParams:
+        """What the frontend resolves before the engine sees a request: the grammar, the bad words' ids."""
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = dataclasses.replace(params)
+            params.resolve_bad_words(self.tokenizer.encode)
         if not params.structured_outputs or params.structured is not None:
             return params
         spec = spec_from_request({"structured_outputs": params.structured_outputs})
@@ -91,18 +95,18 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(encoded)} prompts")
         compiled = {id(p): self._compile(p) for p in sampling_params}     # once per distinct params object
         sampling_params = [compiled[id(p)] for p in sampling_params]
-        for (_, ids), params in zip(encoded, sampling_params):      # reject a bad prompt before running any
-            self.engine.validator.validate(ids, params)
+        # reject a bad prompt before running any; the core trusts what the validator admitted
+        admitted = [self.engine.validator.admit(ids, params) for (_, ids), params in zip(encoded, sampling_params)]
 
         processor = OutputProcessor(self.tokenizer, keep_logprobs=True)
         states: list[tuple[str | None, RequestState]] = []
         added = []
         try:
-            for (text, ids), params in zip(encoded, sampling_params):
+            for (text, _), (ids, max_tokens), params in zip(encoded, admitted, sampling_params):
                 rid = str(next(self._ids))
-                for core in processor.add_request(rid, ids, params, time.time()):
+                for core in processor.add_request(rid, ids, params, time.time(), max_tokens):
                     self.engine.add_request(core.request_id, core.prompt_token_ids, core.params,
-                                            arrival_time=core.arrival_time)
+                                            arrival_time=core.arrival_time, max_tokens=core.max_tokens)
                     added.append(core.request_id)
                 states.append((text, processor.requests[rid]))
             while self.engine.has_unfinished_requests():
@@ -117,5 +121,8 @@ class LLM:
         return [RequestOutput(state.request_id, text, state.prompt_token_ids,
                               [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
                                                 c.logprobs) for c in state.choices],
-                              num_cached_tokens=state.num_cached_tokens)
+                              num_cached_tokens=state.num_cached_tokens,
+                              prompt_logprobs=None if state.prompt_logprobs is None else [
+                                  None if p is None else {t: lp for t, (lp, _rank) in p.items()}
+                                  for p in state.prompt_logprobs])
                 for text, state in states]

@@ -56,6 +56,9 @@ class RequestState:
     params: SamplingParams
     choices: list[ChoiceState]
     num_cached_tokens: int = 0
+    # with prompt_logprobs: per prompt token, token id -> (logprob, rank); None for the first token (nothing
+    # predicts it). Filled as the prompt's chunks are computed (by choice 0: the others share its prompt)
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -84,15 +87,18 @@ class OutputProcessor:
         self._choice_of: dict[str, tuple[RequestState, ChoiceState]] = {}   # core id -> its request and choice
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float) -> list[AddRequest]:
+                    arrival_time: float, max_tokens: int | None = None) -> list[AddRequest]:
         """Register a request; returns the core requests to add, one per choice."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        state = RequestState(request_id, list(prompt_token_ids), params, [])
+        state = RequestState(request_id, list(prompt_token_ids), params, [],
+                             prompt_logprobs=None if params.prompt_logprobs is None else [None])
         core = []
         for i in range(params.n):
             core_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            child = params if params.n == 1 else dataclasses.replace(params, n=1, seed=params.child_seed(i))
+            # one choice computes the prompt logprobs; the others may then take the prompt from the prefix cache
+            child = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=params.child_seed(i), prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             detok = None if self.tokenizer is None else IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=child.skip_special_tokens, stop=child.stop,
                 include_stop_str_in_output=child.include_stop_str_in_output)
@@ -100,7 +106,7 @@ class OutputProcessor:
                                  logprobs=[] if self.keep_logprobs and child.logprobs is not None else None)
             state.choices.append(choice)
             self._choice_of[core_id] = (state, choice)
-            core.append(AddRequest(core_id, state.prompt_token_ids, child, arrival_time))
+            core.append(AddRequest(core_id, state.prompt_token_ids, child, arrival_time, max_tokens))
         self.requests[request_id] = state
         return core
 
@@ -135,6 +141,8 @@ class OutputProcessor:
             state.num_cached_tokens = out.num_cached_tokens
         if out.finish_reason == "error":
             return self._fail(choice, str(out.stop_reason or "the engine failed on this request"), t_end)
+        if out.prompt_logprobs and state.prompt_logprobs is not None:
+            state.prompt_logprobs += out.prompt_logprobs
         new_ids = list(out.new_token_ids)
         if new_ids:
             if t.first_token is None:

@@ -21,6 +21,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # with SamplingParams(prompt_logprobs=k): per prompt token {token id: logprob} (the token and the top k); None
+    # for the first token
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -45,6 +45,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0              # tokens whose KV is in the cache
         self.num_cached_tokens = 0                # prompt tokens that came from the prefix cache
+        self.num_prompt_logprobs_sent = 0         # prompt positions whose logprobs went out (kept over preemption)
         self.stop_reason: int | str | None = None    # the stop token id; the message when FINISHED_ERROR
         # wall-clock seconds (time.time()), the clock the server stamps requests with on arrival
         self.arrival_time = arrival_time if arrival_time is not None else time.time()

@@ -24,6 +24,7 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0                         # as OpenAI: -100 bans a token, +100 forces it
+MAX_BAD_WORDS = 1024
 
 
 @dataclass
@@ -45,7 +46,17 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit
     logprobs: int | None = None       # number of top log-probabilities per sampled token
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True   # with skip_special_tokens=False: " " around special tokens
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None   # top log-probabilities per prompt token (the first one has none)
+    # words the output may not contain: a word's last token is banned wherever the output so far ends with its
+    # other tokens (each word with and without a leading space, as vLLM). The frontend tokenizes them into
+    # `bad_words_token_ids` (`resolve_bad_words`); the engine reads only the ids
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    allowed_token_ids: list[int] | None = None   # the only tokens that may be sampled
+    # keep only the prompt's last k tokens (-1: the last max_model_len); applied by the frontend's validator
+    truncate_prompt_tokens: int | None = None
     # vLLM's structured outputs: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
     # {"json_object": True}; the offline LLM compiles it into `structured`
     structured_outputs: dict | None = None
@@ -60,6 +71,10 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        if self.bad_words is not None and not isinstance(self.bad_words, str):
+            self.bad_words = list(self.bad_words)
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, str):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -102,6 +117,20 @@ class SamplingParams:
         if self.repetition_penalty == 0:
             bad("repetition_penalty", "must be > 0")
         integer("logprobs", 0, MAX_LOGPROBS, optional=True)
+        integer("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
+        if self.truncate_prompt_tokens != -1:
+            integer("truncate_prompt_tokens", 1, optional=True)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS:
+                bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} strings")
+            if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
+                bad("bad_words", f"must be non-blank strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids:
+                bad("allowed_token_ids", "must be a non-empty list of token ids")
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                bad("allowed_token_ids", "must be non-negative integers")
         if len(self.stop) > MAX_STOP_STRINGS:
             bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings", len(self.stop))
         if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
@@ -122,11 +151,34 @@ class SamplingParams:
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Token ids named by the request must exist in the model's vocabulary."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
                 raise InvalidRequestError(f"{name}: token id {bad} is out of range [0, {vocab_size})",
                                           param=name, code="invalid_value")
+
+    def resolve_bad_words(self, encode) -> None:
+        """Tokenize `bad_words` into `bad_words_token_ids` with `encode(text, add_special_tokens)` (the frontend's
+        tokenizer), as vLLM does: each word as written without leading spaces, and with one leading space when
+        that makes a different first token of the same length (the word in the middle of a text)."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
+            return
+        resolved: list[list[int]] = []
+        for word in self.bad_words:
+            bare = list(encode(word.lstrip(), False))
+            spaced = list(encode(" " + word.lstrip(), False))
+            resolved += [ids for ids in (bare, spaced if spaced[:1] != bare[:1] and len(spaced) == len(bare) else [])
+                         if ids]
+        self.bad_words_token_ids = resolved
+
+    def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as `truncate_prompt_tokens` leaves it (its last k tokens; -1: the last max_model_len)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        k = max_model_len if k == -1 else k
+        return prompt_token_ids[-k:] if len(prompt_token_ids) > k else prompt_token_ids
 
     def child_seed(self, index: int) -> int | None:
         """The seed of the index-th of n samples (seed + index, wrapped into the int64 range)."""

@@ -21,6 +21,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    max_tokens: int | None = None     # resolved by the frontend's validator, which admitted it: not checked again
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,9 @@ class EngineOutput:
     new_token_ids: list[int]
     # one dict per new token: {token_id: logprob} of the top-k plus the sampled token, when logprobs were asked
     new_logprobs: list[dict[int, float]] | None = None
+    # the logprobs of prompt tokens this step computed (prompt_logprobs asked): one dict per position, token id ->
+    # (logprob, rank); the prompt's first token has none
+    prompt_logprobs: list[dict[int, tuple[float, int]]] | None = None
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or an error message; None on EOS (as vLLM)
     num_prompt_tokens: int = 0

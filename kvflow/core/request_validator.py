@@ -15,10 +15,24 @@ class RequestValidator:
     vocab_size: int
     max_model_len: int
 
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[list[int], int]:
+        """The prompt as the engine runs it (`truncate_prompt_tokens` applied) and max_tokens resolved; raises
+        InvalidRequestError for anything the engine cannot run. The one check: the engine trusts what it admits."""
+        k = params.truncate_prompt_tokens
+        if k is not None and k > self.max_model_len:
+            raise InvalidRequestError(f"truncate_prompt_tokens ({k}) is greater than this model's maximum context "
+                                      f"length ({self.max_model_len})", param="truncate_prompt_tokens",
+                                      code="invalid_value")
+        prompt_token_ids = params.truncated(list(prompt_token_ids), self.max_model_len)
+        return prompt_token_ids, self.validate(prompt_token_ids, params)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise InvalidRequestError for anything the engine cannot run; return max_tokens, resolved."""
         params.validate()
         params.check_vocabulary(self.vocab_size)
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise InvalidRequestError("bad_words must be tokenized before the engine sees the request (LLM and "
+                                      "the server do it)", param="bad_words")
         if params.structured_outputs and params.structured is None:
             raise InvalidRequestError("structured_outputs must be compiled before the engine sees the request "
                                       "(LLM and the server do it)", param="structured_outputs")

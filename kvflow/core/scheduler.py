@@ -21,7 +21,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.outputs import EngineOutput, ScheduledRequest, SchedulerOutput
 from kvflow.request import Request, RequestStatus
-from kvflow.runner.step import ModelStep, SampledTokens, SamplingRow, StepBatch
+from kvflow.runner.step import ModelStep, PromptLogprobsRow, SampledTokens, SamplingRow, StepBatch
 
 
 class Scheduler:
@@ -82,7 +82,9 @@ class Scheduler:
             req = self.waiting[0]
             if not self.static and min(budget, prefill_budget) <= 0:
                 break
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+            # a request that asks for prompt logprobs computes every prompt position: no prefix-cache hits (as vLLM)
+            queried = self.kv.enable_prefix_caching and req.params.prompt_logprobs is None
+            computed_blocks, num_cached = self.kv.get_computed_blocks(req) if queried else ([], 0)
             remaining = req.num_tokens - num_cached
             num_new = min(remaining, budget, prefill_budget)   # prefill_budget >= budget unless capped
             # static admits the whole batch now and prefills it over the next steps
@@ -90,8 +92,9 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if not self.kv.allocate_slots(req, reserve, computed_blocks):
                 req.num_computed_tokens = 0
-                self.kv.prefix_cache_queries -= req.num_tokens   # not admitted: not a query yet
-                self.kv.prefix_cache_hits -= num_cached
+                if queried:                                       # not admitted: not a query yet
+                    self.kv.prefix_cache_queries -= req.num_tokens
+                    self.kv.prefix_cache_hits -= num_cached
                 break
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:
@@ -111,17 +114,36 @@ class Scheduler:
     def _model_step(self, scheduled: list[ScheduledRequest]) -> ModelStep:
         token_ids: list[int] = []
         sampling = []
+        spans, prompt_rows = [], []
         for s in scheduled:
             req = self.requests[s.request_id]
             token_ids += req.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
             if s.samples:
                 sampling.append(self._sampling_row(req))
+            span = self._prompt_logprob_span(req, s)
+            spans.append(span)
+            if span[1]:
+                first = s.num_computed_tokens + span[0]
+                prompt_rows.append(PromptLogprobsRow(req.prompt_token_ids[first + 1:first + 1 + span[1]],
+                                                     req.params.prompt_logprobs))
         batch = StepBatch(num_decodes=sum(s.num_new_tokens == 1 for s in scheduled), token_ids=token_ids,
                           num_computed_tokens=[s.num_computed_tokens for s in scheduled],
                           num_new_tokens=[s.num_new_tokens for s in scheduled],
                           block_tables=[self.kv.block_tables[s.request_id] for s in scheduled],
-                          samples=[s.samples for s in scheduled])
-        return ModelStep(batch, sampling)
+                          samples=[s.samples for s in scheduled],
+                          prompt_logprob_spans=tuple(spans) if prompt_rows else ())
+        return ModelStep(batch, sampling, prompt_rows)
+
+    @staticmethod
+    def _prompt_logprob_span(req: Request, s: ScheduledRequest) -> tuple[int, int]:
+        """(offset in the chunk, count) of the positions whose logits give prompt logprobs not yet sent: position j
+        predicts prompt token j + 1, so j runs up to the prompt's second-to-last token (a recompute after a
+        preemption skips what was sent)."""
+        if req.params.prompt_logprobs is None:
+            return 0, 0
+        first = max(s.num_computed_tokens, req.num_prompt_logprobs_sent)
+        end = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+        return (first - s.num_computed_tokens, end - first) if end > first else (0, 0)
 
     @staticmethod
     def _sampling_row(req: Request) -> SamplingRow:
@@ -154,11 +176,21 @@ class Scheduler:
         outputs = []
         finished = []
         k = 0
-        for s in out.rows:
+        spans = out.step.batch.prompt_logprob_spans if out.step is not None else ()
+        prompt_logprobs = iter(sampled.prompt_logprobs)
+        for i, s in enumerate(out.rows):
             req = self.requests[s.request_id]
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(req)
+            new_prompt_logprobs = None
+            if spans and spans[i][1]:
+                new_prompt_logprobs = next(prompt_logprobs)
+                req.num_prompt_logprobs_sent += len(new_prompt_logprobs)
             if not s.samples:
+                if new_prompt_logprobs:
+                    outputs.append(EngineOutput(req.request_id, [], prompt_logprobs=new_prompt_logprobs,
+                                                num_prompt_tokens=req.num_prompt_tokens,
+                                                first_scheduled_time=req.first_scheduled_time))
                 continue
             token, logprobs, error = sampled.token_ids[k], sampled.logprobs[k], sampled.errors.get(k)
             k += 1
@@ -173,7 +205,7 @@ class Scheduler:
                 finished.append(req)
             outputs.append(EngineOutput(
                 req.request_id, new_tokens, new_logprobs=[logprobs] if logprobs is not None else None,
-                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+                prompt_logprobs=new_prompt_logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
                 first_scheduled_time=req.first_scheduled_time, queued_time=req.queued_time,
                 num_preemptions=req.num_preemptions))

@@ -6,6 +6,7 @@ Under tensor parallelism every rank has a runner; only rank 0 (`tp.is_first`) ha
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from kvflow.models.loader import ModelFiles, iter_weights, resolve_model_files, 
 from kvflow.models.model_config import ModelConfig
 from kvflow.runner.compiled_decode import CompiledDecode, model_identity, plain_module_state
 from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
-from kvflow.runner.sampler import Sampler
+from kvflow.runner.sampler import Sampler, prompt_logprobs
 
 log = logging.getLogger("kvflow")
 
@@ -202,11 +203,16 @@ class ModelRunner:
                 meta.decode_mask = self._causal_mask(torch.arange(decode_width * bs), pos[:rows, None])[:, None, None, :]
             if nd < len(batch.num_new_tokens):
                 meta.prefill = self._prefill_batch(batch)
-        logits_indices, row = [], 0
-        for n, samples in zip(batch.num_new_tokens, batch.samples):
+        # the sampling rows' last positions, then the positions whose logits give prompt logprobs (rare)
+        logits_indices, prompt_positions, row = [], [], 0
+        for i, (n, samples) in enumerate(zip(batch.num_new_tokens, batch.samples)):
+            if batch.prompt_logprob_spans and batch.prompt_logprob_spans[i][1]:
+                offset, count = batch.prompt_logprob_spans[i]
+                prompt_positions += range(row + offset, row + offset + count)
             row += n
             if samples:
                 logits_indices.append(row - 1)
+        logits_indices += prompt_positions
         ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return ids, pos.to(self.device), meta, torch.tensor(logits_indices, dtype=torch.long, device=self.device)
 
@@ -264,15 +270,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: ModelStep) -> SampledTokens:
-        """Rank 0: the forward, then one sampled token per sampling row."""
+        """Rank 0: the forward, then one sampled token per sampling row (and the prompt logprobs asked for)."""
         logits = self.forward(step.batch)
         if logits is None:
             return SampledTokens([], [])
+        num_sampling = len(step.sampling)
+        prompt = prompt_logprobs(logits[num_sampling:], step.prompt_logprobs) if step.prompt_logprobs else []
+        logits = logits[:num_sampling]
         try:
-            return self.sampler(logits, step.sampling)
+            sampled = self.sampler(logits, step.sampling) if num_sampling else SampledTokens([], [])
         except Exception:  # noqa: BLE001 - find the rows at fault: they fail alone, the others get their token
             log.exception("batched sampling failed; sampling row by row")
-            return self._sample_rows_alone(logits, step)
+            sampled = self._sample_rows_alone(logits, step)
+        return dataclasses.replace(sampled, prompt_logprobs=prompt) if prompt else sampled
 
     def _sample_rows_alone(self, logits: torch.Tensor, step: ModelStep) -> SampledTokens:
         tokens, logprobs, errors = [], [], {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.runner.step import SampledTokens, SamplingRow
+from kvflow.runner.step import PromptLogprob, PromptLogprobsRow, SampledTokens, SamplingRow
 from kvflow.structured_output import allocate_bitmask, apply_structured_masks
 
 NEG_INF = float("-inf")
@@ -59,11 +59,22 @@ class Sampler:
         vocab = logits.shape[-1]
         for i, r in enumerate(rows):
             p = r.params
-            if not (p.has_penalties or r.blocked_token_ids or p.logit_bias):
+            if not (p.has_penalties or r.blocked_token_ids or p.logit_bias or p.allowed_token_ids
+                    or p.bad_words_token_ids):
                 continue
             if not cloned:
                 logits, cloned = logits.clone(), True
             row = logits[i]
+            if p.allowed_token_ids:
+                allowed = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long,
+                                       device=row.device)
+                kept = row[allowed]
+                row.fill_(NEG_INF)
+                row[allowed] = kept
+            if p.bad_words_token_ids:
+                banned = banned_by_bad_words(p.bad_words_token_ids, r.token_ids[r.num_prompt_tokens:])
+                if banned:
+                    row[torch.tensor([t for t in banned if t < vocab], dtype=torch.long, device=row.device)] = NEG_INF
             if p.logit_bias:
                 ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long, device=row.device)
                 bias = torch.tensor([b for t, b in p.logit_bias.items() if t < vocab], dtype=row.dtype,
@@ -136,3 +147,40 @@ class Sampler:
                     entry.setdefault(t, v)
             result.append(entry)
         return result
+
+
+def banned_by_bad_words(bad_words_token_ids: list[list[int]], output_ids: list[int]) -> set[int]:
+    """The tokens that would complete a bad word now: each word's last token, where the output so far ends with
+    the word's other tokens (a one-token word is banned everywhere). Only the output counts, as in vLLM."""
+    banned = set()
+    for ids in bad_words_token_ids:
+        *head, last = ids
+        if not head or (len(output_ids) >= len(head) and output_ids[len(output_ids) - len(head):] == head):
+            banned.add(last)
+    return banned
+
+
+@torch.no_grad()
+def prompt_logprobs(logits: torch.Tensor, rows: list[PromptLogprobsRow]) -> list[list[PromptLogprob]]:
+    """logits: [positions, V] float32, the rows' positions in order. Per row and position: the log-probability and
+    rank (1 = most likely) of the prompt token that follows, and the top `num_top` tokens with theirs."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    targets = torch.tensor([t for r in rows for t in r.target_ids], dtype=torch.long, device=logits.device)
+    target_lp = logprobs.gather(1, targets[:, None])
+    ranks = ((logprobs > target_lp).sum(dim=-1) + 1).tolist()
+    num_top = max(r.num_top for r in rows)
+    top_lp, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+    target_list, target_lps = targets.tolist(), target_lp[:, 0].tolist()
+    top_lp_list = top_lp.tolist() if num_top else None
+    top_id_list = top_ids.tolist() if num_top else None
+    result, at = [], 0
+    for r in rows:
+        positions = []
+        for j in range(at, at + len(r.target_ids)):
+            entry = {target_list[j]: (target_lps[j], ranks[j])}
+            for k in range(r.num_top):
+                entry.setdefault(top_id_list[j][k], (top_lp_list[j][k], k + 1))
+            positions.append(entry)
+        result.append(positions)
+        at += len(r.target_ids)
+    return result

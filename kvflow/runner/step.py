@@ -24,6 +24,8 @@ class StepBatch:
     num_new_tokens: list[int]
     block_tables: list[list[int]]
     samples: list[bool]                 # per row: does this chunk end at the last known token (sample one)?
+    # per row: (offset in the chunk, count) of the positions whose logits give prompt logprobs; empty: none this step
+    prompt_logprob_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,22 @@ class SamplingRow:
 
 
 @dataclass(frozen=True)
+class PromptLogprobsRow:
+    """One row's prompt positions of this step (its span in `StepBatch.prompt_logprob_spans`): the prompt token
+    each position predicts, and how many top log-probabilities to keep per position."""
+    target_ids: list[int]
+    num_top: int
+
+
+# one prompt position's log-probabilities: token id -> (logprob, rank), the prompt's own token and the top ones
+PromptLogprob = dict[int, tuple[float, int]]
+
+
+@dataclass(frozen=True)
 class ModelStep:
     batch: StepBatch
     sampling: list[SamplingRow]
+    prompt_logprobs: list[PromptLogprobsRow] = field(default_factory=list)   # rows with a span, in row order
 
 
 @dataclass(frozen=True)
@@ -49,3 +64,4 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     errors: dict[int, str] = field(default_factory=dict)   # row -> why sampling failed for it alone
+    prompt_logprobs: list[list[PromptLogprob]] = field(default_factory=list)   # per `ModelStep.prompt_logprobs` row

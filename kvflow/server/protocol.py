@@ -104,7 +104,7 @@ class ToolCall(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Text       # any role goes to the chat template, as vLLM does (the template may refuse it: a 400)
     content: Union[Text, list[ContentPart], None] = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None     # an assistant's earlier calls
@@ -150,6 +150,14 @@ class _SamplingRequest(OpenAIModel):
     stop_token_ids: list[int] | None = documented(maxItems=limits.MAX_STOP_TOKEN_IDS, items={"minimum": 0})
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = documented(minimum=-1, description="keep the prompt's last k tokens "
+                                                    "(-1: the last max_model_len)")
+    prompt_logprobs: int | None = documented(minimum=0, maximum=limits.MAX_LOGPROBS)
+    allowed_token_ids: list[int] | None = documented(items={"minimum": 0})
+    bad_words: list[Text] | None = documented(maxItems=limits.MAX_BAD_WORDS)
+    request_id: Text | None = documented(description="the response's id is built from it (cmpl-/chatcmpl-ID)")
+    return_token_ids: bool | None = None             # prompt_token_ids and each choice's token_ids
+    return_tokens_as_token_ids: bool | None = None   # logprobs' tokens as "token_id:N"
     # structured outputs (kvflow.structured_output.spec_from_request checks their shape and names the field)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -176,6 +184,8 @@ class _SamplingRequest(OpenAIModel):
             return data
         if data.get("stream_options") is not None and not data.get("stream"):     # as vLLM answers
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+        if data.get("prompt_logprobs") is not None and data.get("stream"):       # as vLLM answers
+            raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         name = refused_field(cls.ROUTE, data)
         if name is not None:
             raise APIError(400, f"{name} is not supported by kvflow: leave it unset (or at its default)",
@@ -185,7 +195,8 @@ class _SamplingRequest(OpenAIModel):
             logger.warning("ignoring the request field %r: neither OpenAI nor vLLM defines it", unknown)
         return data
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError:
@@ -211,6 +222,10 @@ class _SamplingRequest(OpenAIModel):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                bad_words=self.bad_words or None,
+                allowed_token_ids=self.allowed_token_ids,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
             )
         except InvalidRequestError as e:
             raise APIError.bad_request(e, self.PARAM_NAMES) from None
@@ -233,7 +248,15 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = documented(minimum=1)
     logprobs: bool | None = False
     top_logprobs: int | None = documented(minimum=0, maximum=limits.MAX_LOGPROBS)
+    # the chat template (vLLM's extras)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False     # leave the last (assistant) message open: the model continues it
+    add_special_tokens: bool = False         # the tokenizer's BOS etc. on top of what the template writes
+    chat_template: Text | None = None        # a Jinja template for this request instead of the model's
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None      # for templates that read `documents` (RAG)
+    reasoning_effort: Text | None = None               # for templates that read `reasoning_effort`
+    echo: bool = False                       # the reply starts with the last message when it is the assistant's
     # tool calling (kvflow.server.tool_calls.parse_tool_request checks them and names the field)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[Text, dict[str, Any], None] = None   # "none" | "auto" | "required" | a named function
@@ -246,7 +269,9 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, self.num_logprobs)
+        # echo with logprobs: the echoed prompt's logprobs too, unless asked for separately (as vLLM)
+        echoed = (self.num_logprobs if self.echo and self.prompt_logprobs is None and not self.stream else None)
+        return self._sampling_params(max_tokens, self.num_logprobs, echoed)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -258,19 +283,19 @@ class CompletionRequest(_SamplingRequest):
     prompt: Union[Text, list[Text], list[int], list[list[int]]]
     max_tokens: int | None = documented(16, minimum=1)
     logprobs: int | None = documented(minimum=0, maximum=limits.MAX_LOGPROBS)
-    echo: bool | None = False
+    echo: bool | None = False            # the prompt's text first (and its tokens' logprobs, with logprobs)
     suffix: Text | None = None
     best_of: int | None = documented(description="only equal to n (no best-of search)")
+    add_special_tokens: bool = True      # the tokenizer's BOS etc. when encoding a text prompt
     ROUTE: ClassVar[str] = "completions"
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise APIError(400, "echo is not supported yet", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of is only supported equal to n (no best-of search)", param="best_of")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        echoed = self.logprobs if self.echo and self.prompt_logprobs is None else None
+        return self._sampling_params(self.max_tokens, self.logprobs, echoed)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -376,12 +401,23 @@ class ChatResponseMessage(OpenAIModel):
     tool_calls: list[ToolCall] | None = None
 
 
+class PromptLogprob(OpenAIModel):
+    """vLLM's Logprob: one token's entry in `prompt_logprobs` (keyed by its token id)."""
+    logprob: float
+    rank: int | None = None              # 1: the most likely token at that position
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]    # per prompt token; None for the first
+
+
 class ChatCompletionChoice(OpenAIModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None          # return_token_ids
 
 
 class DeltaMessage(OpenAIModel):
@@ -398,6 +434,7 @@ class ChatCompletionStreamChoice(OpenAIModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None          # return_token_ids: this chunk's tokens
 
 
 class ChatCompletionChunk(OpenAIModel):
@@ -410,6 +447,7 @@ class ChatCompletionChunk(OpenAIModel):
     system_fingerprint: str | None = None
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None   # return_token_ids: on the first chunk
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -420,6 +458,8 @@ class ChatCompletionResponse(OpenAIModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None   # return_token_ids
 
 
 class CompletionLogprobs(OpenAIModel):
@@ -435,6 +475,9 @@ class CompletionChoice(OpenAIModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None   # return_token_ids (streamed: on the choice's first chunk)
+    token_ids: list[int] | None = None          # return_token_ids (streamed: this chunk's tokens)
 
 
 class CompletionResponse(OpenAIModel):

@@ -51,19 +51,22 @@ OPENAI_ONLY = ("store", "metadata", "modalities", "audio", "prediction", "servic
 _MISSING = object()
 
 # name -> the value that means "not asked for" (vLLM's default); anything else is refused
+# Why each is refused: use_beam_search / length_penalty / best_of (chat): no beam search (vLLM v1 has none either);
+# spaces_between_special_tokens=false: kvflow writes special tokens as the fast tokenizer decodes them, as vLLM's
+# fast detokenizer does, and has no slow path that inserts or removes spaces; structural_tag,
+# guided_decoding_backend, guided_whitespace_pattern: one grammar backend (llguidance), JSON without free
+# whitespace; priority: no priority scheduling; logits_processors: no user code in the engine; cache_salt,
+# kv_transfer_params, vllm_xargs, prompt_embeds, mm_processor_kwargs: not built; include_reasoning: no reasoning
+# parser.
 _COMMON = {
     "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
-    "truncate_prompt_tokens": None, "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": None,
     "structural_tag": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None, "priority": 0,
-    "request_id": None, "logits_processors": None, "return_tokens_as_token_ids": None, "return_token_ids": None,
-    "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None,
+    "logits_processors": None, "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None,
     **{name: None for name in OPENAI_ONLY},
 }
 REFUSED = {
-    "chat": {**_COMMON, "best_of": None, "reasoning_effort": None, "include_reasoning": True, "echo": False,
-             "continue_final_message": False, "add_special_tokens": False, "documents": None, "chat_template": None,
-             "chat_template_kwargs": None, "mm_processor_kwargs": None},
-    "completions": {**_COMMON, "add_special_tokens": True, "prompt_embeds": None},
+    "chat": {**_COMMON, "best_of": None, "include_reasoning": True, "mm_processor_kwargs": None},
+    "completions": {**_COMMON, "prompt_embeds": None},
     "tokenize": {"media_io_kwargs": None, "mm_processor_kwargs": None},     # text only: no media, no processor
     "detokenize": {},
 }

@@ -29,7 +29,8 @@ from kvflow.server.protocol import (APIError, ChatCompletionChoice, ChatCompleti
                                     ChatCompletionResponse, ChatCompletionStreamChoice, ChatLogprobs,
                                     ChatResponseMessage, CompletionChoice, CompletionChunk, CompletionLogprobs,
                                     CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest,
-                                    DetokenizeResponse, ModelCard, ModelList, PromptTokensDetails, TokenizeRequest,
+                                    DetokenizeResponse, ModelCard, ModelList, PromptLogprob, PromptTokensDetails,
+                                    TokenizeRequest,
                                     TokenizeResponse, TokenLogprob, ToolCall, TopLogprob, UsageInfo, random_id)
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.chat_template import ChatTemplateOptions, template_variables
@@ -51,17 +52,31 @@ class Generation:
     continuous_usage: bool = False
     tools: ToolRequest | None = None   # chat with tools that may be called: parse calls out of the text
     created: int = field(default_factory=lambda: int(time.time()))
+    # per prompt, the text each of its choices starts with (completions' echo: the prompt; chat's echo: the last
+    # message, when it is the assistant's); None: no echo
+    echo: list[str] | None = None
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False        # logprobs' tokens as "token_id:N"
 
     @property
     def n(self) -> int:
         return self.streams[0].params.n
+
+    def stream_of(self, index: int) -> RequestStream:
+        """The engine stream (prompt) of choice `index`."""
+        return self.streams[index // self.n]
+
+    @property
+    def echoes_logprobs(self) -> bool:
+        """Completions' echo with logprobs: the echoed prompt's tokens carry their logprobs too."""
+        return self.echo is not None and not self.chat and self.num_logprobs is not None
 
 
 @dataclass
 class ChoiceResult:
     """A collected choice."""
     text: str = ""
-    tokens: list[tuple[int, dict[int, float]]] = field(default_factory=list)   # (token id, its logprobs)
+    tokens: list[tuple[int, dict[int, float] | None]] = field(default_factory=list)   # (token id, its logprobs)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -97,14 +112,16 @@ class OpenAIServing:
         params = self.sampling_params(req, num_prompts=1)
         tools = parse_tool_request(req.tools, req.tool_choice, tool_parser=self.tool_call_parser)
         await self.constrain(params, req, tools)
-        messages, template_args = chat_messages(req.messages, tools, getattr(self.tokenizer, "chat_template", None))
+        messages, render_args = self.chat_render_args(req, tools)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")   # text, flattened above
-        prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, messages, req.add_generation_prompt,
-                                             **template_args)
-        request_id = random_id("chatcmpl")
+        prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, messages, **render_args)
+        request_id = f"chatcmpl-{req.request_id}" if req.request_id else random_id("chatcmpl")
         streams = self.submit(request_id, [prompt_ids], params, arrival, req.PARAM_NAMES)
+        # vLLM's echo: the reply starts with the last message when that is the assistant's (a prefill to continue)
+        echo = [messages[-1]["content"]] if req.echo and req.messages[-1].role == "assistant" else None
         gen = Generation(request_id, model, True, streams, req.num_logprobs, req.include_usage, req.continuous_usage,
-                         tools=tools if tools is not None and tools.mode != "none" else None)
+                         tools=tools if tools is not None and tools.mode != "none" else None, echo=echo,
+                         return_token_ids=bool(req.return_token_ids), tokens_as_ids=self.tokens_as_ids(req))
         return await self.respond(gen, bool(req.stream), raw)
 
     async def completions(self, req: CompletionRequest, raw: Request | None = None):
@@ -115,11 +132,16 @@ class OpenAIServing:
         await self.constrain(params, req)
         # each prompt is its own request: the longest one decides
         self.check_prompt_chars(max((len(p) for p in prompts if isinstance(p, str)), default=0), "prompt")
-        prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, prompts)
-        request_id = random_id("cmpl")
+        prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, prompts, req.add_special_tokens)
+        request_id = f"cmpl-{req.request_id}" if req.request_id else random_id("cmpl")
         streams = self.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES)
+        # echo: the prompt as given, or as the engine runs it when that is token ids or truncated
+        echo = [p if isinstance(p, str) and len(s.prompt_token_ids) == len(ids)
+                else self.tokenizer.decode(s.prompt_token_ids, False)
+                for p, ids, s in zip(prompts, prompt_ids, streams)] if req.echo else None
         gen = Generation(request_id, model, False, streams, req.num_logprobs, req.include_usage,
-                         req.continuous_usage)
+                         req.continuous_usage, echo=echo, return_token_ids=bool(req.return_token_ids),
+                         tokens_as_ids=self.tokens_as_ids(req))
         return await self.respond(gen, bool(req.stream), raw)
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
@@ -168,6 +190,7 @@ class OpenAIServing:
 
     def sampling_params(self, req: ChatCompletionRequest | CompletionRequest, num_prompts: int) -> SamplingParams:
         params = req.to_sampling_params()
+        params.resolve_bad_words(self.tokenizer.encode)
         if params.n * num_prompts > self.max_n:
             what = f"n={params.n}" if num_prompts == 1 else f"n={params.n} times {num_prompts} prompts"
             raise APIError(400, f"{what} asks for more than {self.max_n} sequences (--max-n)",
@@ -235,8 +258,14 @@ class OpenAIServing:
                                 f"length ({self.engine.max_model_len} tokens); shorten the prompt", param=param,
                            code="context_length_exceeded")
 
-    def completion_prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        return [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in prompts]
+    def completion_prompt_ids(self, prompts: list[str | list[int]], add_special_tokens: bool = True) -> list[list[int]]:
+        return [list(self.tokenizer.encode(p, add_special_tokens)) if isinstance(p, str) else list(p)
+                for p in prompts]
+
+    def tokens_as_ids(self, req: ChatCompletionRequest | CompletionRequest) -> bool:
+        """Logprobs' tokens as "token_id:N": the request's return_tokens_as_token_ids, else the server's flag."""
+        return bool(self.return_tokens_as_token_ids if req.return_tokens_as_token_ids is None
+                    else req.return_tokens_as_token_ids)
 
     def check_token_ids(self, ids: list[int], param: str) -> list[int]:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -276,7 +305,7 @@ class OpenAIServing:
             async for index, d in merge(gen.streams):
                 r = results[index]
                 r.text += d.text
-                r.tokens.extend(zip(d.token_ids, d.logprobs or []))
+                r.tokens.extend(zip(d.token_ids, d.logprobs or [None] * len(d.token_ids)))
                 if d.finish_reason is not None:
                     r.finish_reason, r.stop_reason = d.finish_reason, d.stop_reason
 
@@ -286,14 +315,17 @@ class OpenAIServing:
             raise self.failure(e) from None
         head = dict(id=gen.request_id, created=gen.created, model=gen.model, usage=self.usage(gen))
         if gen.chat:
+            first = gen.streams[0]
+            if first.params.prompt_logprobs is not None:
+                head["prompt_logprobs"] = self.prompt_logprobs(gen, first)
+            if gen.return_token_ids:
+                head["prompt_token_ids"] = list(first.prompt_token_ids)
             return ChatCompletionResponse(**head, choices=[self.chat_choice(gen, i, r) for i, r in enumerate(results)])
-        return CompletionResponse(**head, choices=[
-            CompletionChoice(index=i, text=r.text, logprobs=self.logprobs(gen, r.tokens)[0],
-                             finish_reason=r.finish_reason, stop_reason=r.stop_reason)
-            for i, r in enumerate(results)])
+        return CompletionResponse(**head, choices=[self.completion_choice(gen, i, r) for i, r in enumerate(results)])
 
     def chat_choice(self, gen: Generation, index: int, r: ChoiceResult) -> ChatCompletionChoice:
-        message, finish = ChatResponseMessage(content=r.text), r.finish_reason
+        text = (gen.echo[0] if gen.echo else "") + r.text
+        message, finish = ChatResponseMessage(content=text), r.finish_reason
         if gen.tools is not None:
             found = tool_calls_in(gen.tools, r.text)
             message = ChatResponseMessage(content=found.content,
@@ -301,35 +333,91 @@ class OpenAIServing:
             if found.tool_calls and finish == "stop":
                 finish = "tool_calls"
         return ChatCompletionChoice(index=index, message=message, logprobs=self.logprobs(gen, r.tokens)[0],
-                                    finish_reason=finish, stop_reason=r.stop_reason)
+                                    finish_reason=finish, stop_reason=r.stop_reason,
+                                    **self.token_ids(gen, [t for t, _ in r.tokens]))
+
+    def completion_choice(self, gen: Generation, index: int, r: ChoiceResult) -> CompletionChoice:
+        s = gen.stream_of(index)
+        echo, prompt_tokens = self.echoed(gen, s)
+        return CompletionChoice(
+            index=index, text=echo + r.text, logprobs=self.logprobs(gen, prompt_tokens + r.tokens)[0],
+            finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+            prompt_logprobs=self.prompt_logprobs(gen, s) if s.params.prompt_logprobs is not None else None,
+            **self.token_ids(gen, [t for t, _ in r.tokens], s))
+
+    def echoed(self, gen: Generation, s: RequestStream) -> tuple[str, list[tuple[int, dict[int, float] | None]]]:
+        """What a completion choice starts with under echo: the prompt's text and, with logprobs, its tokens with
+        their logprobs (the first token has none)."""
+        if gen.echo is None:
+            return "", []
+        text = gen.echo[gen.streams.index(s)]
+        if not gen.echoes_logprobs:
+            return text, []
+        lps = s.prompt_logprobs or [None] * s.num_prompt_tokens
+        return text, [(t, None if p is None else {tid: lp for tid, (lp, _rank) in p.items()})
+                      for t, p in zip(s.prompt_token_ids, lps)]
+
+    @staticmethod
+    def token_ids(gen: Generation, ids: list[int], s: RequestStream | None = None) -> dict:
+        """return_token_ids: a choice's (or chunk's) token ids, and its prompt's when `s` is given."""
+        if not gen.return_token_ids:
+            return {}
+        return {"token_ids": ids, **({"prompt_token_ids": list(s.prompt_token_ids)} if s is not None else {})}
+
+    def prompt_logprobs(self, gen: Generation, s: RequestStream) -> list:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+        return [None if p is None else {tid: PromptLogprob(logprob=finite(lp), rank=rank,
+                                                           decoded_token=self.token(gen, tid))
+                                        for tid, (lp, rank) in p.items()}
+                for p in s.prompt_logprobs or []]
 
     async def events(self, gen: Generation) -> AsyncIterator[str]:
         """Server-Sent Events: chunks as the engine produces them, an error event if it fails, then [DONE]."""
         offsets = [0] * (len(gen.streams) * gen.n)        # completions' text_offset of the next token
+        opened = [False] * len(offsets)                   # completions: the choice's first chunk went out
         streamers = [ToolCallStreamer(gen.tools) for _ in offsets] if gen.tools is not None else None
         try:
             if gen.chat:
                 for i in range(gen.n):
+                    first = {"prompt_token_ids": list(gen.streams[0].prompt_token_ids)} if (
+                        gen.return_token_ids and i == 0) else {}
                     yield self.chunk(gen, [ChatCompletionStreamChoice(
-                        index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)])
+                        index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)],
+                        **first)
+                for i in range(gen.n if gen.echo else 0):
+                    yield self.chunk(gen, [ChatCompletionStreamChoice(
+                        index=i, delta=DeltaMessage(content=gen.echo[0]), logprobs=None, finish_reason=None)])
             async for index, d in merge(gen.streams):
+                tokens = list(zip(d.token_ids, d.logprobs or [None] * len(d.token_ids)))
                 wants_logprobs = gen.num_logprobs is not None and bool(d.token_ids)
-                deltas, finish = (chat_deltas(d, streamers[index] if streamers else None) if gen.chat
-                                  else ([d.text] if d.text else [], d.finish_reason))
-                if not deltas and finish is None and not wants_logprobs:
+                opening = {}
+                if gen.chat:
+                    deltas, finish = chat_deltas(d, streamers[index] if streamers else None)
+                else:
+                    text, prompt_tokens = "", []
+                    if not opened[index]:      # the choice's first chunk: the echo, its prompt's ids
+                        opened[index] = True
+                        text, prompt_tokens = self.echoed(gen, gen.stream_of(index))
+                        opening = self.token_ids(gen, [], gen.stream_of(index))
+                    tokens = prompt_tokens + tokens
+                    text += d.text
+                    deltas, finish = ([text] if text else []), d.finish_reason
+                    wants_logprobs = wants_logprobs or bool(prompt_tokens)
+                if not deltas and finish is None and not wants_logprobs and not opening:
                     continue
-                logprobs, offsets[index] = self.logprobs(gen, list(zip(d.token_ids, d.logprobs or [])), offsets[index])
+                logprobs, offsets[index] = self.logprobs(gen, tokens, offsets[index])
                 deltas = deltas or [DeltaMessage() if gen.chat else ""]
-                for j, delta in enumerate(deltas):    # logprobs on the first chunk, the finish on the last
+                for j, delta in enumerate(deltas):    # logprobs and token ids on the first chunk, the finish on the last
                     last = j == len(deltas) - 1
                     end = {"finish_reason": finish if last else None}
                     if last and finish is not None:
                         end["stop_reason"] = d.stop_reason
                     lp = logprobs if j == 0 else None
+                    ids = {**opening, **self.token_ids(gen, list(d.token_ids))} if j == 0 else {}
                     if gen.chat:
-                        choice = ChatCompletionStreamChoice(index=index, delta=delta, logprobs=lp, **end)
+                        choice = ChatCompletionStreamChoice(index=index, delta=delta, logprobs=lp, **end, **ids)
                     else:
-                        choice = CompletionChoice(index=index, text=delta, logprobs=lp, **end)
+                        choice = CompletionChoice(index=index, text=delta, logprobs=lp, **end, **ids)
                     yield self.chunk(gen, [choice], self.usage(gen) if gen.continuous_usage else None)
             if gen.include_usage:
                 yield self.chunk(gen, [], self.usage(gen))
@@ -340,23 +428,31 @@ class OpenAIServing:
                 s.close()
         yield "data: [DONE]\n\n"
 
-    def chunk(self, gen: Generation, choices: list, usage: UsageInfo | None = None) -> str:
+    def chunk(self, gen: Generation, choices: list, usage: UsageInfo | None = None, **fields) -> str:
         """One SSE event; `usage` is present (null until the end, unless continuous) only when asked for."""
         cls = ChatCompletionChunk if gen.chat else CompletionChunk
         extra = {"usage": usage} if gen.include_usage else {}
         body = cls(id=gen.request_id, object=cls.model_fields["object"].default, created=gen.created,
-                   model=gen.model, system_fingerprint=None, choices=choices, **extra)
+                   model=gen.model, system_fingerprint=None, choices=choices, **extra, **fields)
         return f"data: {body.model_dump_json(exclude_unset=True)}\n\n"
 
-    def logprobs(self, gen: Generation, tokens: list[tuple[int, dict[int, float]]], offset: int = 0):
-        """(logprobs of these tokens in the API's format, or None when not asked; the next text offset)."""
+    def token(self, gen: Generation, token_id: int) -> str:
+        """A token as logprobs show it: its text, or "token_id:N" (return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if gen.tokens_as_ids else self.tokenizer.id_to_piece(token_id)
+
+    def logprobs(self, gen: Generation, tokens: list[tuple[int, dict[int, float] | None]], offset: int = 0):
+        """(logprobs of these tokens in the API's format, or None when not asked; the next text offset). A token
+        whose logprobs are None (an echoed prompt's first) shows null."""
         top_n = gen.num_logprobs
         if top_n is None:
             return None, offset
-        piece = self.tokenizer.id_to_piece
+
+        def token(tid: int) -> str:
+            return self.token(gen, tid)
+
         if gen.chat:
             def entry(tid: int, lp: float) -> TopLogprob:
-                s = piece(tid)
+                s = token(tid)
                 return TopLogprob(token=s, logprob=finite(lp), bytes=list(s.encode("utf-8")))
 
             content = []
@@ -367,12 +463,13 @@ class OpenAIServing:
             return ChatLogprobs(content=content), offset
         res = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for tid, lps in tokens:
-            s = piece(tid)
+            s = token(tid)
             res.tokens.append(s)
-            res.token_logprobs.append(finite(lps.get(tid, float("-inf"))))
-            res.top_logprobs.append({piece(t): finite(lp) for t, lp in top(lps, top_n)} if top_n else None)
+            res.token_logprobs.append(None if lps is None else finite(lps.get(tid, float("-inf"))))
+            # as vLLM: the top `logprobs` tokens and the chosen one (logprobs=0: the chosen one alone)
+            res.top_logprobs.append(None if lps is None else {token(t): finite(lp) for t, lp in top(lps, len(lps))})
             res.text_offset.append(offset)
-            offset += len(s)
+            offset += len(self.tokenizer.id_to_piece(tid))
         return res, offset
 
     @staticmethod
