@@ -58,7 +58,8 @@ def run_side(tree: Path, serve_args: list[str], bench_args: list[str], out: Path
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=str(tree))
-    log = open(out.with_suffix(".log"), "w")
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "server.log", "w")
     proc = subprocess.Popen([PYTHON, "-m", "kvflow.cli", "serve", *serve_args, "--host", "127.0.0.1", "--port",
                              str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tree)
     try:

@@ -107,6 +107,14 @@ class OpenAIServing:
                                for name in self.names])
 
     async def chat(self, req: ChatCompletionRequest, raw: Request | None = None):
+        return await self.respond(await self.start_chat(req, raw), bool(req.stream), raw)
+
+    async def completions(self, req: CompletionRequest, raw: Request | None = None):
+        return await self.respond(await self.start_completions(req, raw), bool(req.stream), raw)
+
+    async def start_chat(self, req: ChatCompletionRequest, raw: Request | None = None) -> Generation:
+        """A chat request submitted: its Generation, to respond with (or for another API's adapter to read through
+        `collect` or `chunks`)."""
         arrival = arrival_time(raw)
         model = self.check_model(req.model)
         params = self.sampling_params(req, num_prompts=1)
@@ -122,9 +130,9 @@ class OpenAIServing:
         gen = Generation(request_id, model, True, streams, req.num_logprobs, req.include_usage, req.continuous_usage,
                          tools=tools if tools is not None and tools.mode != "none" else None, echo=echo,
                          return_token_ids=bool(req.return_token_ids), tokens_as_ids=self.tokens_as_ids(req))
-        return await self.respond(gen, bool(req.stream), raw)
+        return gen
 
-    async def completions(self, req: CompletionRequest, raw: Request | None = None):
+    async def start_completions(self, req: CompletionRequest, raw: Request | None = None) -> Generation:
         arrival = arrival_time(raw)
         model = self.check_model(req.model)
         prompts = req.prompts()
@@ -142,7 +150,7 @@ class OpenAIServing:
         gen = Generation(request_id, model, False, streams, req.num_logprobs, req.include_usage,
                          req.continuous_usage, echo=echo, return_token_ids=bool(req.return_token_ids),
                          tokens_as_ids=self.tokens_as_ids(req))
-        return await self.respond(gen, bool(req.stream), raw)
+        return gen
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         """vLLM's /tokenize: a prompt's ids, or a chat's, the very ids /v1/chat/completions would run."""
@@ -299,20 +307,7 @@ class OpenAIServing:
     async def respond(self, gen: Generation, stream: bool, raw: Request | None):
         if stream:
             return EventStream(self.events(gen), gen.streams)
-        results = [ChoiceResult() for _ in range(len(gen.streams) * gen.n)]
-
-        async def collect():
-            async for index, d in merge(gen.streams):
-                r = results[index]
-                r.text += d.text
-                r.tokens.extend(zip(d.token_ids, d.logprobs or [None] * len(d.token_ids)))
-                if d.finish_reason is not None:
-                    r.finish_reason, r.stop_reason = d.finish_reason, d.stop_reason
-
-        try:
-            await run_unless_disconnected(collect(), raw, gen.streams)
-        except RequestFailedError as e:
-            raise self.failure(e) from None
+        results = await self.collect(gen, raw)
         head = dict(id=gen.request_id, created=gen.created, model=gen.model, usage=self.usage(gen))
         if gen.chat:
             first = gen.streams[0]
@@ -322,6 +317,24 @@ class OpenAIServing:
                 head["prompt_token_ids"] = list(first.prompt_token_ids)
             return ChatCompletionResponse(**head, choices=[self.chat_choice(gen, i, r) for i, r in enumerate(results)])
         return CompletionResponse(**head, choices=[self.completion_choice(gen, i, r) for i, r in enumerate(results)])
+
+    async def collect(self, gen: Generation, raw: Request | None) -> list[ChoiceResult]:
+        """Every choice whole (an APIError if the engine failed the request; 499 if the client went away)."""
+        results = [ChoiceResult() for _ in range(len(gen.streams) * gen.n)]
+
+        async def gather():
+            async for index, d in merge(gen.streams):
+                r = results[index]
+                r.text += d.text
+                r.tokens.extend(zip(d.token_ids, d.logprobs or [None] * len(d.token_ids)))
+                if d.finish_reason is not None:
+                    r.finish_reason, r.stop_reason = d.finish_reason, d.stop_reason
+
+        try:
+            await run_unless_disconnected(gather(), raw, gen.streams)
+        except RequestFailedError as e:
+            raise self.failure(e) from None
+        return results
 
     def chat_choice(self, gen: Generation, index: int, r: ChoiceResult) -> ChatCompletionChoice:
         text = (gen.echo[0] if gen.echo else "") + r.text
@@ -373,54 +386,9 @@ class OpenAIServing:
 
     async def events(self, gen: Generation) -> AsyncIterator[str]:
         """Server-Sent Events: chunks as the engine produces them, an error event if it fails, then [DONE]."""
-        offsets = [0] * (len(gen.streams) * gen.n)        # completions' text_offset of the next token
-        opened = [False] * len(offsets)                   # completions: the choice's first chunk went out
-        streamers = [ToolCallStreamer(gen.tools) for _ in offsets] if gen.tools is not None else None
         try:
-            if gen.chat:
-                for i in range(gen.n):
-                    first = {"prompt_token_ids": list(gen.streams[0].prompt_token_ids)} if (
-                        gen.return_token_ids and i == 0) else {}
-                    yield self.chunk(gen, [ChatCompletionStreamChoice(
-                        index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)],
-                        **first)
-                for i in range(gen.n if gen.echo else 0):
-                    yield self.chunk(gen, [ChatCompletionStreamChoice(
-                        index=i, delta=DeltaMessage(content=gen.echo[0]), logprobs=None, finish_reason=None)])
-            async for index, d in merge(gen.streams):
-                tokens = list(zip(d.token_ids, d.logprobs or [None] * len(d.token_ids)))
-                wants_logprobs = gen.num_logprobs is not None and bool(d.token_ids)
-                opening = {}
-                if gen.chat:
-                    deltas, finish = chat_deltas(d, streamers[index] if streamers else None)
-                else:
-                    text, prompt_tokens = "", []
-                    if not opened[index]:      # the choice's first chunk: the echo, its prompt's ids
-                        opened[index] = True
-                        text, prompt_tokens = self.echoed(gen, gen.stream_of(index))
-                        opening = self.token_ids(gen, [], gen.stream_of(index))
-                    tokens = prompt_tokens + tokens
-                    text += d.text
-                    deltas, finish = ([text] if text else []), d.finish_reason
-                    wants_logprobs = wants_logprobs or bool(prompt_tokens)
-                if not deltas and finish is None and not wants_logprobs and not opening:
-                    continue
-                logprobs, offsets[index] = self.logprobs(gen, tokens, offsets[index])
-                deltas = deltas or [DeltaMessage() if gen.chat else ""]
-                for j, delta in enumerate(deltas):    # logprobs and token ids on the first chunk, the finish on the last
-                    last = j == len(deltas) - 1
-                    end = {"finish_reason": finish if last else None}
-                    if last and finish is not None:
-                        end["stop_reason"] = d.stop_reason
-                    lp = logprobs if j == 0 else None
-                    ids = {**opening, **self.token_ids(gen, list(d.token_ids))} if j == 0 else {}
-                    if gen.chat:
-                        choice = ChatCompletionStreamChoice(index=index, delta=delta, logprobs=lp, **end, **ids)
-                    else:
-                        choice = CompletionChoice(index=index, text=delta, logprobs=lp, **end, **ids)
-                    yield self.chunk(gen, [choice], self.usage(gen) if gen.continuous_usage else None)
-            if gen.include_usage:
-                yield self.chunk(gen, [], self.usage(gen))
+            async for body in self.chunks(gen):
+                yield f"data: {body.model_dump_json(exclude_unset=True)}\n\n"
         except RequestFailedError as e:
             yield f"data: {json.dumps(self.failure(e).body())}\n\n"
         finally:
@@ -428,13 +396,64 @@ class OpenAIServing:
                 s.close()
         yield "data: [DONE]\n\n"
 
-    def chunk(self, gen: Generation, choices: list, usage: UsageInfo | None = None, **fields) -> str:
-        """One SSE event; `usage` is present (null until the end, unless continuous) only when asked for."""
+    async def chunks(self, gen: Generation) -> AsyncIterator[ChatCompletionChunk | CompletionChunk]:
+        """The stream's chunks as the engine produces them (to serialize with exclude_unset); raises
+        RequestFailedError if the engine fails the request. The caller closes the streams."""
+        offsets = [0] * (len(gen.streams) * gen.n)        # completions' text_offset of the next token
+        opened = [False] * len(offsets)                   # completions: the choice's first chunk went out
+        streamers = [ToolCallStreamer(gen.tools) for _ in offsets] if gen.tools is not None else None
+        if gen.chat:
+            for i in range(gen.n):
+                first = {"prompt_token_ids": list(gen.streams[0].prompt_token_ids)} if (
+                    gen.return_token_ids and i == 0) else {}
+                yield self.chunk(gen, [ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)],
+                    **first)
+            for i in range(gen.n if gen.echo else 0):
+                yield self.chunk(gen, [ChatCompletionStreamChoice(
+                    index=i, delta=DeltaMessage(content=gen.echo[0]), logprobs=None, finish_reason=None)])
+        async for index, d in merge(gen.streams):
+            tokens = list(zip(d.token_ids, d.logprobs or [None] * len(d.token_ids)))
+            wants_logprobs = gen.num_logprobs is not None and bool(d.token_ids)
+            opening = {}
+            if gen.chat:
+                deltas, finish = chat_deltas(d, streamers[index] if streamers else None)
+            else:
+                text, prompt_tokens = "", []
+                if not opened[index]:      # the choice's first chunk: the echo, its prompt's ids
+                    opened[index] = True
+                    text, prompt_tokens = self.echoed(gen, gen.stream_of(index))
+                    opening = self.token_ids(gen, [], gen.stream_of(index))
+                tokens = prompt_tokens + tokens
+                text += d.text
+                deltas, finish = ([text] if text else []), d.finish_reason
+                wants_logprobs = wants_logprobs or bool(prompt_tokens)
+            if not deltas and finish is None and not wants_logprobs and not opening:
+                continue
+            logprobs, offsets[index] = self.logprobs(gen, tokens, offsets[index])
+            deltas = deltas or [DeltaMessage() if gen.chat else ""]
+            for j, delta in enumerate(deltas):    # logprobs and token ids on the first chunk, the finish on the last
+                last = j == len(deltas) - 1
+                end = {"finish_reason": finish if last else None}
+                if last and finish is not None:
+                    end["stop_reason"] = d.stop_reason
+                lp = logprobs if j == 0 else None
+                ids = {**opening, **self.token_ids(gen, list(d.token_ids))} if j == 0 else {}
+                if gen.chat:
+                    choice = ChatCompletionStreamChoice(index=index, delta=delta, logprobs=lp, **end, **ids)
+                else:
+                    choice = CompletionChoice(index=index, text=delta, logprobs=lp, **end, **ids)
+                yield self.chunk(gen, [choice], self.usage(gen) if gen.continuous_usage else None)
+        if gen.include_usage:
+            yield self.chunk(gen, [], self.usage(gen))
+
+    @staticmethod
+    def chunk(gen: Generation, choices: list, usage: UsageInfo | None = None, **fields):
+        """One chunk; `usage` is present (null until the end, unless continuous) only when asked for."""
         cls = ChatCompletionChunk if gen.chat else CompletionChunk
         extra = {"usage": usage} if gen.include_usage else {}
-        body = cls(id=gen.request_id, object=cls.model_fields["object"].default, created=gen.created,
+        return cls(id=gen.request_id, object=cls.model_fields["object"].default, created=gen.created,
                    model=gen.model, system_fingerprint=None, choices=choices, **extra, **fields)
-        return f"data: {body.model_dump_json(exclude_unset=True)}\n\n"
 
     def token(self, gen: Generation, token_id: int) -> str:
         """A token as logprobs show it: its text, or "token_id:N" (return_tokens_as_token_ids)."""
