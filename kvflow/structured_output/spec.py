@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvflow.errors import InvalidRequestError
+from kvflow.structured_output.limits import MAX_CHOICES, TOO_COMPLEX
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -32,21 +33,38 @@ class StructuredSpec:
             raise ValueError(f"unknown structured output kind {self.kind!r}")
 
 
+def _loads(text: str, what: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"{what} is not valid JSON: {e}", param=param) from None
+    except RecursionError:     # ~1000 levels: Python's own limit (llguidance's is 128)
+        raise InvalidRequestError(f"{what} is nested too deeply", param=param, code=TOO_COMPLEX) from None
+
+
+def _dumps(value: Any, what: str, param: str) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except RecursionError:     # the request body's parser let it through; llguidance would refuse it anyway
+        raise InvalidRequestError(f"{what} is nested too deeply", param=param, code=TOO_COMPLEX) from None
+
+
 def json_schema_spec(schema: Any, param: str) -> StructuredSpec:
-    """A JSON schema given as a dict/bool or as a JSON string."""
+    """A JSON schema given as a dict/bool or as a JSON string. (Nesting past 128 levels, serde_json's limit, is
+    refused by the compiler; past Python's recursion limit, here.)"""
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param=param) from None
+        schema = _loads(schema, "the JSON schema", param)
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequestError("the JSON schema must be a JSON object", param=param)
-    return StructuredSpec("json_schema", json.dumps(schema, ensure_ascii=False), param)
+    return StructuredSpec("json_schema", _dumps(schema, "the JSON schema", param), param)
 
 
 def _choice_spec(choices: Any, param: str) -> StructuredSpec:
     if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) for c in choices):
         raise InvalidRequestError("choice must be a non-empty list of strings", param=param)
+    if len(choices) > MAX_CHOICES:
+        raise InvalidRequestError(f"choice has {len(choices)} entries; at most {MAX_CHOICES} are supported",
+                                  param=param, code=TOO_COMPLEX)
     return StructuredSpec("choice", json.dumps(list(choices), ensure_ascii=False), param)
 
 
@@ -59,10 +77,7 @@ def _text_spec(kind: str, text: Any, param: str) -> StructuredSpec:
 def _structural_tag_spec(tag: Any, param: str) -> StructuredSpec:
     """vLLM's structural tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}."""
     if isinstance(tag, str):
-        try:
-            tag = json.loads(tag)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"structural_tag is not valid JSON: {e}", param=param) from None
+        tag = _loads(tag, "structural_tag", param)
     structures = tag.get("structures") if isinstance(tag, dict) else None
     triggers = tag.get("triggers") if isinstance(tag, dict) else None
     if (not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers
@@ -73,7 +88,7 @@ def _structural_tag_spec(tag: Any, param: str) -> StructuredSpec:
     if not all(any(s["begin"].startswith(t) for t in triggers) for s in structures):
         raise InvalidRequestError("each structure's 'begin' must start with one of the 'triggers'", param=param)
     payload = {"structures": structures, "triggers": triggers}
-    return StructuredSpec("structural_tag", json.dumps(payload, ensure_ascii=False), param)
+    return StructuredSpec("structural_tag", _dumps(payload, "structural_tag", param), param)
 
 
 def _from_response_format(rf: Any) -> StructuredSpec | None:
