@@ -262,3 +262,19 @@ def test_chat_prompt_logprobs_on_the_response(tiny):
     got = r.model_extra["prompt_logprobs"]
     assert got[0] is None and len(got) == r.usage.prompt_tokens
     assert all(len(p) == 1 and math.isfinite(next(iter(p.values()))["logprob"]) for p in got[1:])
+
+
+def test_parallel_tool_calls_false_allows_one_call(client):
+    from kvflow.errors import InvalidRequestError
+    from kvflow.server.tool_calls import parse_tool_request
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
+    messages = [{"role": "user", "content": "Weather in Oslo, in Paris and in Rome?"}]
+    r = chat(client, messages, tools=[weather], tool_choice="required", parallel_tool_calls=False, max_tokens=120)
+    assert len(r.choices[0].message.tool_calls) == 1
+    assert parse_tool_request([weather], "required", parallel_tool_calls=False).spec() != \
+        parse_tool_request([weather], "required").spec()
+    with pytest.raises(InvalidRequestError) as e:      # "auto" leaves the model's syntax free: not promised
+        parse_tool_request([weather], "auto", tool_parser="hermes", parallel_tool_calls=False)
+    assert e.value.param == "parallel_tool_calls"

@@ -260,7 +260,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # tool calling (kvflow.server.tool_calls.parse_tool_request checks them and names the field)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[Text, dict[str, Any], None] = None   # "none" | "auto" | "required" | a named function
-    parallel_tool_calls: bool | None = None      # accepted; "required" allows one or more calls either way
+    parallel_tool_calls: bool | None = None      # false: one call at most (tool_calls.parse_tool_request)
 
     PARAM_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs", "prompt": "messages"}
     ROUTE: ClassVar[str] = "chat"

@@ -118,7 +118,8 @@ class OpenAIServing:
         arrival = arrival_time(raw)
         model = self.check_model(req.model)
         params = self.sampling_params(req, num_prompts=1)
-        tools = parse_tool_request(req.tools, req.tool_choice, tool_parser=self.tool_call_parser)
+        tools = parse_tool_request(req.tools, req.tool_choice, tool_parser=self.tool_call_parser,
+                                   parallel_tool_calls=req.parallel_tool_calls)
         await self.constrain(params, req, tools)
         messages, render_args = self.chat_render_args(req, tools)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")   # text, flattened above

@@ -41,6 +41,7 @@ class ToolRequest:
     mode: str                         # "none" | "auto" | "required" | "function"
     name: str | None = None           # the forced function when mode == "function"
     parser: str | None = None         # the auto-mode parser name
+    parallel: bool = True             # parallel_tool_calls: false allows one call at most
 
     def spec(self) -> StructuredSpec | None:
         """The grammar constraint for this tool choice (None for "none" and "auto")."""
@@ -50,14 +51,19 @@ class ToolRequest:
             calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
                       "required": ["name", "arguments"], "additionalProperties": False}
                      for f in self.functions.values()]
-            return json_schema_spec({"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "tools")
+            one = {} if self.parallel else {"maxItems": 1}
+            return json_schema_spec({"type": "array", "minItems": 1, **one, "items": {"anyOf": calls}}, "tools")
         return None
 
 
-def parse_tool_request(tools: Any, tool_choice: Any = None, *, tool_parser: str | None = None) -> ToolRequest | None:
+def parse_tool_request(tools: Any, tool_choice: Any = None, *, tool_parser: str | None = None,
+                       parallel_tool_calls: bool | None = None) -> ToolRequest | None:
     """Validate OpenAI `tools` / `tool_choice`; None when the request uses no tools.
 
     tool_parser: the server's --tool-call-parser; "auto" is refused without one (as vLLM does).
+    parallel_tool_calls=False: at most one call, enforced by the grammar ("required"; a named function is one call
+    anyway); under "auto" the model's own syntax is not constrained, so it is a 400 there rather than a promise
+    kvflow could not keep.
     """
     if tools is None or tools == []:
         if tool_choice not in (None, "none"):
@@ -99,7 +105,12 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, *, tool_parser: str 
             raise InvalidRequestError('"auto" tool choice needs a server started with --enable-auto-tool-choice '
                                       '--tool-call-parser NAME', param="tool_choice")
         get_tool_parser(tool_parser)
-    return ToolRequest(functions, tool_choice, parser=tool_parser if tool_choice == "auto" else None)
+        if parallel_tool_calls is False:
+            raise InvalidRequestError('parallel_tool_calls=false is supported with tool_choice "required" or a named '
+                                      'function (the grammar allows one call), not with "auto"',
+                                      param="parallel_tool_calls")
+    return ToolRequest(functions, tool_choice, parser=tool_parser if tool_choice == "auto" else None,
+                       parallel=parallel_tool_calls is not False)
 
 
 def template_supports_tools(chat_template: str | None) -> bool:
