@@ -80,6 +80,18 @@ class APIError(Exception):
         return cls(400, str(e), param=(rename or {}).get(param, param), code=getattr(e, "code", None))
 
 
+def apply_field_rule(route: str, data: dict, implemented) -> dict:
+    """The field rule of one route (request_fields.py): a field it refuses, set, is a 400 naming it; a field that
+    neither it implements nor refuses is ignored, as vLLM does, and logged once per name."""
+    name = refused_field(route, data)
+    if name is not None:
+        raise APIError(400, f"{name} is not supported by kvflow: leave it unset (or at its default)", param=name)
+    for unknown in set(data) - set(implemented) - set(REFUSED[route]) - _IGNORED_LOGGED:
+        _IGNORED_LOGGED.add(unknown)
+        logger.warning("ignoring the request field %r: neither OpenAI nor vLLM defines it", unknown)
+    return data
+
+
 # ---- requests ---------------------------------------------------------------------------------------------------
 class StreamOptions(OpenAIModel):
     include_usage: bool | None = False
@@ -186,14 +198,7 @@ class _SamplingRequest(OpenAIModel):
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
         if data.get("prompt_logprobs") is not None and data.get("stream"):       # as vLLM answers
             raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
-        name = refused_field(cls.ROUTE, data)
-        if name is not None:
-            raise APIError(400, f"{name} is not supported by kvflow: leave it unset (or at its default)",
-                           param=name)
-        for unknown in set(data) - set(cls.model_fields) - set(REFUSED[cls.ROUTE]) - _IGNORED_LOGGED:
-            _IGNORED_LOGGED.add(unknown)
-            logger.warning("ignoring the request field %r: neither OpenAI nor vLLM defines it", unknown)
-        return data
+        return apply_field_rule(cls.ROUTE, data, cls.model_fields)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
@@ -322,14 +327,7 @@ class _TokenizerRouteRequest(OpenAIModel):
     def _refuse_what_is_not_implemented(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        name = refused_field(cls.ROUTE, data)
-        if name is not None:
-            raise APIError(400, f"{name} is not supported by kvflow: leave it unset (or at its default)",
-                           param=name)
-        for unknown in set(data) - set(cls.model_fields) - set(REFUSED[cls.ROUTE]) - _IGNORED_LOGGED:
-            _IGNORED_LOGGED.add(unknown)
-            logger.warning("ignoring the request field %r: vLLM does not define it", unknown)
-        return data
+        return apply_field_rule(cls.ROUTE, data, cls.model_fields)
 
 
 class TokenizeRequest(_TokenizerRouteRequest):
