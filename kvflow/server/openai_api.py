@@ -27,6 +27,8 @@ from kvflow.server.protocol import (APIError, ChatCompletionRequest, ChatComplet
                                     CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                     ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse)
 from kvflow.server.serving import OpenAIServing
+from kvflow.server.responses_api import RESPONSES_OPENAPI, ResponsesServing
+from kvflow.server.responses_protocol import ResponsesRequest
 
 logger = logging.getLogger("kvflow.server")
 
@@ -123,6 +125,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
               responses={**_streamed_or(CompletionResponse), **GENERATE_ERRORS})
     async def create_completion(req: CompletionRequest, raw: Request):
         return await serving.completions(req, raw)
+
+    responses = ResponsesServing(serving)     # OpenAI's Responses API, an adapter over the chat route
+
+    @app.post("/v1/responses", response_model=None, responses={**RESPONSES_OPENAPI, **GENERATE_ERRORS})
+    async def create_response(req: ResponsesRequest, raw: Request):
+        return await responses.create(req, raw)
 
     # ---- vLLM's extra routes -----------------------------------------------------------------------------------
     def health_response() -> Response:

@@ -83,3 +83,41 @@ def refused_field(route: str, data: dict) -> str | None:
             continue
         return name
     return None
+
+
+# ---- OpenAI's Responses API (/v1/responses, server/responses_protocol.py) ---------------------------------------
+# Sources: openai-python's ResponseCreateParams (OpenAI's schema) and vLLM's
+# `entrypoints/openai/responses/protocol.py` ResponsesRequest, written down by hand.
+RESPONSES_OPENAI_FIELDS = (
+    "access_programs", "background", "background_options", "context_management", "conversation", "image", "include",
+    "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "model", "moderation",
+    "parallel_tool_calls", "previous_response_id", "prompt", "prompt_cache_key", "prompt_cache_options",
+    "prompt_cache_retention", "reasoning", "safety_identifier", "service_tier", "store", "stream", "stream_options",
+    "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p", "truncation", "user")
+VLLM_FIELDS["responses"] = (
+    "background", "include", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "model",
+    "logit_bias", "parallel_tool_calls", "previous_response_id", "prompt", "reasoning", "service_tier", "store",
+    "stream", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p", "top_k", "truncation", "user",
+    "skip_special_tokens", "include_stop_str_in_output", "prompt_cache_key", "request_id", "mm_processor_kwargs",
+    "priority", "cache_salt", "enable_response_messages", "previous_input_messages", "previous_response",
+    "structured_outputs", "repetition_penalty", "seed", "stop", "ignore_eos", "vllm_xargs")
+
+# Fields that would need responses kept on the server: kvflow keeps none (store=false), so the whole conversation
+# comes back as `input` instead.
+RESPONSES_STATEFUL = ("previous_response_id", "store", "conversation", "background", "background_options",
+                      "previous_response", "previous_input_messages", "enable_response_messages")
+# Why the others are refused: max_tool_calls counts built-in tools (kvflow has none); parallel_tool_calls=false:
+# "required" and "auto" may always answer several calls; truncation "auto" would drop input items; service_tier,
+# moderation, access_programs, image, context_management, safety_identifier, prompt (stored prompt templates),
+# the prompt-cache options (kvflow's prefix cache needs no key) and stream_options (no obfuscation): not built;
+# priority, cache_salt, mm_processor_kwargs, vllm_xargs: as on chat.
+REFUSED["responses"] = {
+    "previous_response_id": None, "store": False, "conversation": None, "background": False,
+    "background_options": None, "previous_response": None, "previous_input_messages": None,
+    "enable_response_messages": False,
+    "max_tool_calls": None, "parallel_tool_calls": True, "truncation": "disabled", "service_tier": "auto",
+    "moderation": None, "access_programs": None, "image": None, "context_management": None,
+    "safety_identifier": None, "prompt": None, "prompt_cache_key": None, "prompt_cache_options": None,
+    "prompt_cache_retention": None, "stream_options": None,
+    "priority": 0, "cache_salt": None, "mm_processor_kwargs": None, "vllm_xargs": None,
+}
