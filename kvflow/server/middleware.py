@@ -6,6 +6,7 @@ import time
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from kvflow.server import messages_api
 from kvflow.server.protocol import APIError
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations")   # /tokenize covers /tokenizer_info
@@ -23,11 +24,13 @@ class AuthAndArrival:
             scope.setdefault("state", {})["arrival_time"] = time.time()
             if self.api_key is not None and scope["path"].startswith(PROTECTED_PREFIXES) \
                     and scope.get("method") != "OPTIONS":
-                auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-                if auth != f"Bearer {self.api_key}":
-                    err = APIError(401, "Incorrect or missing API key: pass it as 'Authorization: Bearer <key>'",
-                                   code="invalid_api_key")
-                    await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                headers = dict(scope.get("headers") or [])
+                auth = headers.get(b"authorization", b"").decode("latin-1")
+                key = headers.get(b"x-api-key", b"").decode("latin-1")    # how Anthropic's clients send it
+                if auth != f"Bearer {self.api_key}" and not (key and key == self.api_key):
+                    err = APIError(401, "Incorrect or missing API key: pass it as 'Authorization: Bearer <key>' "
+                                        "or 'x-api-key: <key>'", code="invalid_api_key")
+                    await JSONResponse(error_body(scope, err), status_code=401)(scope, receive, send)
                     return
         await self.app(scope, receive, send)
 
@@ -51,7 +54,8 @@ class BodySizeLimit:
         if length.isdigit() and int(length) > self.max_bytes:
             err = APIError(413, self.too_large().detail, code="request_too_large")
             # the client may still be sending: tell it we will not read the rest
-            await JSONResponse(err.body(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
+            await JSONResponse(error_body(scope, err), status_code=413,
+                               headers={"Connection": "close"})(scope, receive, send)
             return
         received = 0
 
@@ -65,3 +69,8 @@ class BodySizeLimit:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+def error_body(scope, err: APIError) -> dict:
+    """The error in the shape of the API the path belongs to: Anthropic's on /v1/messages, else OpenAI's."""
+    return messages_api.error_body(err) if scope["path"].startswith(messages_api.MESSAGES_PATH) else err.body()

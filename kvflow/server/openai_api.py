@@ -23,6 +23,7 @@ from kvflow.errors import InvalidRequestError
 from kvflow.metrics import CONTENT_TYPE_LATEST
 from kvflow.server.config import ServerConfig
 from kvflow.server.middleware import AuthAndArrival, BodySizeLimit
+from kvflow.server.messages_api import messages_router
 from kvflow.server.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                     ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse)
@@ -131,6 +132,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     @app.post("/v1/responses", response_model=None, responses={**RESPONSES_OPENAPI, **GENERATE_ERRORS})
     async def create_response(req: ResponsesRequest, raw: Request):
         return await responses.create(req, raw)
+
+    app.include_router(messages_router(serving))   # Anthropic's Messages API: its route answers errors in their shape
 
     # ---- vLLM's extra routes -----------------------------------------------------------------------------------
     def health_response() -> Response:

@@ -121,3 +121,62 @@ REFUSED["responses"] = {
     "prompt_cache_retention": None, "stream_options": None,
     "priority": 0, "cache_salt": None, "mm_processor_kwargs": None, "vllm_xargs": None,
 }
+
+
+# ---- Anthropic's Messages API (/v1/messages, server/messages_api.py) --------------------------------------------
+# Every field of Anthropic's request and of the parts of it kvflow reads, per kind of part. Source: the `anthropic`
+# client's types (MessageCreateParams, TextBlockParam, ToolUseBlockParam, ToolResultBlockParam, ToolParam,
+# ToolChoice*Param, MetadataParam, OutputConfigParam, CacheControlEphemeralParam) and Anthropic's API reference
+# (temperature, top_p, top_k, context_management, mcp_servers, output_format), written down by hand. A field is a
+# field of messages_api.py's model for its kind (implemented) or in MESSAGES_REFUSED (refused), never both.
+MESSAGES_FIELDS = {
+    "request": ("model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
+                "top_k", "tools", "tool_choice", "metadata", "output_config", "service_tier", "cache_control",
+                "thinking", "container", "context_management", "mcp_servers", "output_format", "inference_geo",
+                "speed", "diagnostics", "user_profile_id", "workspace_id"),
+    "message": ("role", "content"),
+    "text": ("type", "text", "cache_control", "citations"),
+    "tool_use": ("type", "id", "name", "input", "cache_control", "caller", "toolset_name"),
+    "tool_result": ("type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"),
+    "tool": ("type", "name", "description", "input_schema", "cache_control", "strict", "defer_loading",
+             "allowed_callers", "input_examples", "eager_input_streaming"),
+    "tool_choice": ("type", "name", "disable_parallel_tool_use"),
+    "metadata": ("user_id",),
+    "output_config": ("format", "effort"),
+    "format": ("type", "schema"),            # output_config.format
+    "cache_control": ("type", "ttl"),
+}
+
+# kind -> name -> the values that ask for nothing kvflow lacks (unset, or what kvflow does anyway); any other value
+# is a 400 naming the field's path. Why each is refused: thinking, output_config.effort: no reasoning parser;
+# container, mcp_servers, context_management, tool_use.caller, toolset_name, tool.allowed_callers, defer_loading:
+# Anthropic's server-side tools, code execution and context editing, not built; output_format: the beta spelling,
+# kvflow reads output_config.format; inference_geo, speed "fast", workspace_id, user_profile_id: one server, one
+# speed, no accounts; diagnostics: no cache-miss reports; citations: no document sources to cite; input_examples:
+# kvflow's tool prompt shows the schema only; cache_control.ttl "1h": kvflow's prefix cache evicts by LRU and can
+# promise no lifetime (a breakpoint itself asks for what the prefix cache does for every full block).
+MESSAGES_REFUSED = {
+    "request": {"thinking": ({"type": "disabled"},), "container": (), "context_management": (), "mcp_servers": ([],),
+                "output_format": (), "inference_geo": (), "speed": ("standard",), "diagnostics": (),
+                "user_profile_id": (), "workspace_id": ()},
+    "message": {},
+    "text": {"citations": ([],)},
+    "tool_use": {"caller": ({"type": "direct"},), "toolset_name": ()},
+    "tool_result": {"toolset_name": ()},
+    "tool": {"defer_loading": (False,), "allowed_callers": (["direct"],), "input_examples": ([],),
+             "eager_input_streaming": (True,)},     # kvflow streams tool input as it is generated
+    "tool_choice": {},
+    "metadata": {},
+    "output_config": {"effort": ()},
+    "format": {},
+    "cache_control": {"ttl": ("5m",)},
+}
+
+
+def messages_refused(kind: str, data: dict) -> str | None:
+    """The first field of `data` (a part of kind `kind` of a Messages request) set to a value kvflow refuses."""
+    refused = MESSAGES_REFUSED[kind]
+    for name, value in data.items():
+        if name in refused and value is not None and value not in refused[name]:
+            return name
+    return None

@@ -1,0 +1,699 @@
+"""/v1/messages: Anthropic's Messages API (as vLLM and llama-server serve it for coding agents), a thin adapter over
+the chat route with no engine path of its own.
+
+A Messages request becomes one `ChatCompletionRequest`: `system` -> a system message first, text blocks -> text,
+an assistant's tool_use blocks -> its `tool_calls`, tool_result blocks -> tool messages, consecutive turns of one
+role -> one turn (as Anthropic combines them), a final assistant turn -> a prefill the reply continues,
+`stop_sequences` -> `stop`, `tools` -> function tools, `tool_choice` any -> "required" and tool -> a named function,
+`output_config.format` -> `response_format`. `OpenAIServing.start_chat` submits it, and the reply is read back
+through the chat route's own `collect` + `chat_choice` (whole) or `chunks` (streamed): prompts, sampling,
+structured outputs, tool-call parsing, usage and metrics are the chat route's. This module renders Anthropic's
+shapes: content blocks, stop reasons, usage, the SSE event sequence the `anthropic` client's parser reads, and
+errors as `{"type": "error", "error": {"type", "message"}}`, whatever raised them (`MessagesRoute`).
+
+The field rule, as on the other routes: each field of Anthropic's request is implemented (a field of the models
+below) or refused with a 400 naming its path (request_fields.MESSAGES_REFUSED); a field nobody defines is ignored
+and logged once. Refused fields land in a model's `model_extra` (extra="allow") until `check` reads them, so
+that the 400 can name the whole path (`messages[0].content[1].citations`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from typing import Annotated, Any, AsyncIterator, ClassVar, Literal, Union
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from starlette.exceptions import HTTPException
+
+from kvflow import sampling_params as limits
+from kvflow.async_engine import RequestFailedError
+from kvflow.errors import InvalidRequestError
+from kvflow.server.protocol import APIError, ChatCompletionRequest, ChatResponseMessage, Text, documented
+from kvflow.server.request_fields import MESSAGES_FIELDS, messages_refused
+from kvflow.server.serving import EventStream, Generation, OpenAIServing
+
+logger = logging.getLogger("kvflow.server")
+_UNKNOWN_LOGGED: set[str] = set()       # "kind.name" of fields nobody defines, already logged (once each)
+
+MESSAGES_PATH = "/v1/messages"
+
+
+# ---- request ----------------------------------------------------------------------------------------------------
+class MessagesPart(BaseModel):
+    """A part of a Messages request, of kind KIND (request_fields.MESSAGES_FIELDS' key)."""
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+    KIND: ClassVar[str] = ""
+
+
+def _by_type(tags: dict[str | None, str], other: str) -> Discriminator:
+    """A discriminator on `type`: tags[type], else `other` (a model that exists to be refused by name, instead of
+    pydantic's "does not match any tag")."""
+    def tag(value: Any) -> str:
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return tags.get(kind, other) if kind is None or isinstance(kind, str) else other
+    return Discriminator(tag)
+
+
+class CacheControl(MessagesPart):
+    """A prompt-cache breakpoint. kvflow's prefix cache keeps every full block of every prompt anyway, so the
+    breakpoint asks for what is done; a lifetime other than the default is refused (LRU promises none)."""
+    KIND: ClassVar[str] = "cache_control"
+    type: Literal["ephemeral"]
+
+
+class TextBlock(MessagesPart):
+    KIND: ClassVar[str] = "text"
+    type: Literal["text"]
+    text: Text
+    cache_control: CacheControl | None = None
+
+
+class ToolUseBlock(MessagesPart):
+    """An assistant's earlier tool call."""
+    KIND: ClassVar[str] = "tool_use"
+    type: Literal["tool_use"]
+    id: Text
+    name: Text
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class UnsupportedBlock(MessagesPart):
+    """A block kvflow does not read (image, document, search_result, thinking, server tools' results ...): a 400
+    naming its place and type."""
+    KIND: ClassVar[str] = "unsupported"
+    type: Text
+
+
+ToolResultContent = Annotated[Union[Annotated[TextBlock, Tag("TextBlock")],
+                                    Annotated[UnsupportedBlock, Tag("UnsupportedBlock")]],
+                              _by_type({"text": "TextBlock"}, "UnsupportedBlock")]
+
+
+class ToolResultBlock(MessagesPart):
+    """A tool's answer to a tool_use block, in a user message."""
+    KIND: ClassVar[str] = "tool_result"
+    type: Literal["tool_result"]
+    tool_use_id: Text
+    content: Union[Text, list[ToolResultContent]] = ""
+    is_error: bool = False
+    cache_control: CacheControl | None = None
+
+
+ContentBlock = Annotated[Union[Annotated[TextBlock, Tag("TextBlock")], Annotated[ToolUseBlock, Tag("ToolUseBlock")],
+                               Annotated[ToolResultBlock, Tag("ToolResultBlock")],
+                               Annotated[UnsupportedBlock, Tag("UnsupportedBlock")]],
+                         _by_type({"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock"},
+                                  "UnsupportedBlock")]
+
+
+class InputMessage(MessagesPart):
+    KIND: ClassVar[str] = "message"
+    role: Literal["user", "assistant", "system"]      # "system": a system message in place (newer clients)
+    content: Union[Text, list[ContentBlock]]
+
+
+class MessagesTool(MessagesPart):
+    """A client tool: the model may call it with an `input` that follows `input_schema`."""
+    KIND: ClassVar[str] = "tool"
+    name: Text
+    input_schema: dict[str, Any]
+    description: Text | None = None
+    type: Literal["custom"] | None = None
+    # true: the input must follow the schema. Kept where the grammar enforces it (tool_choice any or tool; none
+    # calls nothing), a 400 under "auto", which leaves the model free
+    strict: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+class ServerTool(MessagesPart):
+    """One of Anthropic's server tools (bash, text editor, web search, code execution ...): a 400 naming it."""
+    KIND: ClassVar[str] = "server_tool"
+    type: Text
+
+
+AnyTool = Annotated[Union[Annotated[MessagesTool, Tag("MessagesTool")], Annotated[ServerTool, Tag("ServerTool")]],
+                    _by_type({None: "MessagesTool", "custom": "MessagesTool"}, "ServerTool")]
+
+
+class MessagesToolChoice(MessagesPart):
+    KIND: ClassVar[str] = "tool_choice"
+    type: Literal["auto", "any", "tool", "none"]
+    name: Text | None = None                      # type "tool": the tool to call
+    # one tool_use block at most: the chat route's parallel_tool_calls=false (the grammar's under "any"; a named tool
+    # is one call anyway; a 400 under "auto", where the model writes its calls freely)
+    disable_parallel_tool_use: bool = False
+
+
+class MessagesMetadata(MessagesPart):
+    KIND: ClassVar[str] = "metadata"
+    # Anthropic's opaque end-user id (for its abuse detection): it changes nothing in a reply there either, and
+    # coding agents send it on every request. Passed on as the chat route's `user`, OpenAI's field of that meaning.
+    user_id: Text | None = None
+
+
+class JsonOutputFormat(MessagesPart):
+    KIND: ClassVar[str] = "format"
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(MessagesPart):
+    KIND: ClassVar[str] = "output_config"
+    format: JsonOutputFormat | None = None        # structured outputs: the text is JSON that follows the schema
+
+
+class MessagesRequest(MessagesPart):
+    """POST /v1/messages (Anthropic's MessageCreateParams)."""
+    KIND: ClassVar[str] = "request"
+    model: Text
+    messages: list[InputMessage] = Field(min_length=1)
+    max_tokens: int = Field(json_schema_extra={"minimum": 1})         # required, as Anthropic's
+    system: Union[Text, list[TextBlock], None] = None
+    stop_sequences: list[Text] | None = documented(maxItems=limits.MAX_STOP_STRINGS,
+                                                   items={"maxLength": limits.MAX_STOP_STRING_CHARS})
+    stream: bool | None = False
+    temperature: float | None = documented(minimum=0, maximum=limits.MAX_TEMPERATURE)   # default 1, as Anthropic's
+    top_p: float | None = documented(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = documented(minimum=-1, maximum=limits.MAX_TOP_K)
+    tools: list[AnyTool] | None = None
+    tool_choice: MessagesToolChoice | None = None     # unset with tools: "auto", as Anthropic's
+    metadata: MessagesMetadata | None = None
+    output_config: OutputConfig | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None   # one tier here, the standard one: either holds
+    cache_control: CacheControl | None = None         # a breakpoint on the last cacheable block: see CacheControl
+
+
+# ---- response ---------------------------------------------------------------------------------------------------
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class MessagesUsage(BaseModel):
+    """As Anthropic counts: the prompt is input_tokens + cache_read_input_tokens (its tokens found in kvflow's
+    prefix cache); nothing is billed as a cache write, so cache_creation_input_tokens is 0."""
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+
+
+class TextContent(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseContent(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ContentOut = Union[TextContent, ToolUseContent]
+
+
+class MessagesResponse(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[ContentOut]
+    stop_reason: StopReason | None = None          # null only in a stream's message_start
+    stop_sequence: str | None = None
+    usage: MessagesUsage
+
+
+# the stream's events, in order: message_start, ping, per content block (content_block_start,
+# content_block_delta..., content_block_stop), message_delta (stop reason, usage), message_stop; or `error`
+class MessageStartEvent(BaseModel):
+    type: Literal["message_start"] = "message_start"
+    message: MessagesResponse
+
+
+class PingEvent(BaseModel):
+    type: Literal["ping"] = "ping"
+
+
+class ContentBlockStartEvent(BaseModel):
+    type: Literal["content_block_start"] = "content_block_start"
+    index: int
+    content_block: ContentOut
+
+
+class TextDelta(BaseModel):
+    type: Literal["text_delta"] = "text_delta"
+    text: str
+
+
+class InputJsonDelta(BaseModel):
+    type: Literal["input_json_delta"] = "input_json_delta"
+    partial_json: str
+
+
+class ContentBlockDeltaEvent(BaseModel):
+    type: Literal["content_block_delta"] = "content_block_delta"
+    index: int
+    delta: Union[TextDelta, InputJsonDelta]
+
+
+class ContentBlockStopEvent(BaseModel):
+    type: Literal["content_block_stop"] = "content_block_stop"
+    index: int
+
+
+class StopDelta(BaseModel):
+    stop_reason: StopReason
+    stop_sequence: str | None = None
+
+
+class MessageDeltaEvent(BaseModel):
+    type: Literal["message_delta"] = "message_delta"
+    delta: StopDelta
+    usage: MessagesUsage            # totals: the client overwrites message_start's counts with them
+
+
+class MessageStopEvent(BaseModel):
+    type: Literal["message_stop"] = "message_stop"
+
+
+class MessagesErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class MessagesErrorResponse(BaseModel):
+    """Anthropic's error body, also the data of a stream's `error` event."""
+    type: Literal["error"] = "error"
+    error: MessagesErrorDetail
+
+
+StreamEvent = Union[MessageStartEvent, PingEvent, ContentBlockStartEvent, ContentBlockDeltaEvent,
+                    ContentBlockStopEvent, MessageDeltaEvent, MessageStopEvent, MessagesErrorResponse]
+
+
+def sse(event: StreamEvent) -> str:
+    """One Server-Sent Event: Anthropic's clients dispatch on the `event:` line (the data's `type` repeats it)."""
+    return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n"
+
+
+# ---- errors -----------------------------------------------------------------------------------------------------
+# Anthropic's error types by HTTP status (its API reference); 503 (the engine died, or is shutting down): "try again
+# later", Anthropic's overloaded_error
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+
+# the chat path's names for a field -> the Messages API's (its 400s name the field as the client sent it)
+_PARAM_NAMES = ((re.compile(r"stop(?=$|\[)"), "stop_sequences"),
+                (re.compile(r"tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
+                (re.compile(r"tools\[(\d+)\]\.function\.name"), r"tools[\1].name"),
+                (re.compile(r"tools\[(\d+)\]\.function"), r"tools[\1]"),
+                (re.compile(r"response_format(\.json_schema)?"), "output_config.format"),
+                (re.compile(r"parallel_tool_calls$"), "tool_choice.disable_parallel_tool_use"),
+                (re.compile(r"user$"), "metadata.user_id"),
+                (re.compile(r"max_completion_tokens$"), "max_tokens"),
+                (re.compile(r"(prompt|continue_final_message|add_generation_prompt|chat_template)$"), "messages"))
+
+
+def messages_param(param: str | None) -> str | None:
+    """A field as the chat path names it -> as the Messages request spells it."""
+    if param is None:
+        return None
+    for pattern, name in _PARAM_NAMES:
+        if pattern.match(param):
+            return pattern.sub(name, param, count=1)
+    return param
+
+
+def error_body(err: APIError) -> dict:
+    """An error in Anthropic's shape; the message starts with the field's path when there is one."""
+    param = messages_param(err.param)
+    message = err.message if not param or err.message.startswith(f"{param}: ") else f"{param}: {err.message}"
+    kind = ERROR_TYPES.get(err.status_code, "api_error" if err.status_code >= 500 else "invalid_request_error")
+    return MessagesErrorResponse(error=MessagesErrorDetail(type=kind, message=message)).model_dump()
+
+
+def as_api_error(exc: Exception) -> APIError:
+    """Whatever a request on this route raised, as an APIError (its status and message)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError.bad_request(exc)
+    if isinstance(exc, (RequestValidationError, ValidationError)):
+        return APIError(400, validation_message(exc.errors()))
+    if isinstance(exc, HTTPException):     # the body limit's 413 (raised while the body is read), 404, 405
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers)
+    logger.exception("internal error on %s", MESSAGES_PATH)     # a bug of ours, never a bad request
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="internal_error")
+
+
+def validation_message(errors) -> str:
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
+    located = [(error_path(e.get("loc", ())), e.get("msg")) for e in errors]
+    # a union reports every branch: the deepest locations are the branch the input took (a list of blocks, not
+    # the string it also could have been)
+    deepest = [(p, m) for p, m in located if not any(q.startswith((f"{p}.", f"{p}[")) for q, _ in located)]
+    msgs = [f"{p}: {m}" if p else str(m) for p, m in deepest[:5]]
+    return "; ".join(msgs) or "invalid request"
+
+
+_UNION_BRANCHES = {"TextBlock", "ToolUseBlock", "ToolResultBlock", "UnsupportedBlock", "MessagesTool", "ServerTool"}
+
+
+def error_path(loc) -> str:
+    """pydantic's location -> the field's path as the request spells it: messages[0].content[1].text."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part not in ("body", "str", "int", "float", "bool") and part not in _UNION_BRANCHES \
+                and not part.startswith(("list[", "dict[", "function-", "tagged-union[", "literal[")):
+            path += f".{part}" if path else part
+    return path
+
+
+class MessagesRoute(APIRoute):
+    """A route that answers every error in Anthropic's shape: its handler (which parses and validates the body, then
+    runs the endpoint) is wrapped, so the app's handlers, which answer in OpenAI's shape, never see them."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def handle(request: Request):
+            try:
+                return await handler(request)
+            except Exception as exc:  # noqa: BLE001 -- converted, never swallowed: as_api_error logs our own bugs
+                err = as_api_error(exc)
+                return JSONResponse(error_body(err), status_code=err.status_code, headers=err.headers)
+        return handle
+
+
+# ---- request -> chat request ------------------------------------------------------------------------------------
+def check(part: MessagesPart | None, path: str) -> None:
+    """The field rule for one part: a 400 naming the first refused field's path; fields nobody defines are logged
+    once. Then the part's own cache_control."""
+    if part is None:
+        return
+    extra = part.model_extra or {}
+    name = messages_refused(part.KIND, extra)
+    if name is not None:
+        where = f"{path}.{name}" if path else name
+        raise APIError(400, "not supported by kvflow: leave it unset (or at its default)", param=where)
+    for name in set(extra) - set(MESSAGES_FIELDS.get(part.KIND, ())):
+        key = f"{part.KIND}.{name}"
+        if key not in _UNKNOWN_LOGGED:
+            _UNKNOWN_LOGGED.add(key)
+            logger.warning("ignoring the Messages request field %r (in %s): Anthropic does not define it", name,
+                           path or "the request")
+    check(getattr(part, "cache_control", None), f"{path}.cache_control" if path else "cache_control")
+
+
+def unsupported(block: UnsupportedBlock, path: str) -> APIError:
+    return APIError(400, f"content blocks of type {block.type!r} are not supported by kvflow: text, tool_use "
+                         f"(assistant) and tool_result (user) are", param=path)
+
+
+def text_of(blocks: list, path: str) -> list[str]:
+    """The texts of a list of text blocks (system, a tool result's content)."""
+    texts = []
+    for k, block in enumerate(blocks):
+        where = f"{path}[{k}]"
+        if isinstance(block, UnsupportedBlock):
+            raise unsupported(block, where)
+        check(block, where)
+        texts.append(block.text)
+    return texts
+
+
+def tool_result_text(block: ToolResultBlock, path: str) -> str:
+    text = block.content if isinstance(block.content, str) else "\n".join(text_of(block.content, f"{path}.content"))
+    # a chat template has no field for a failed call: the model reads it from the text
+    return f"Error: {text}" if block.is_error else text
+
+
+def turns(message: InputMessage, path: str) -> list[dict]:
+    """One Anthropic message -> chat turns ({"role", "parts", "tool_calls"} or a tool message), in block order."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "parts": [message.content], "tool_calls": []}]
+    out: list[dict] = []
+
+    def current() -> dict:
+        if not out or out[-1]["role"] != message.role:
+            out.append({"role": message.role, "parts": [], "tool_calls": []})
+        return out[-1]
+
+    for j, block in enumerate(message.content):
+        where = f"{path}.content[{j}]"
+        if isinstance(block, UnsupportedBlock):
+            raise unsupported(block, where)
+        check(block, where)
+        if isinstance(block, TextBlock):
+            current()["parts"].append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            if message.role != "assistant":
+                raise APIError(400, "tool_use blocks belong in assistant messages", param=where)
+            current()["tool_calls"].append({"id": block.id, "type": "function", "function": {
+                "name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+        else:
+            if message.role != "user":
+                raise APIError(400, "tool_result blocks belong in user messages", param=where)
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                        "content": tool_result_text(block, where)})
+    return out
+
+
+def chat_messages(req: MessagesRequest) -> list[dict]:
+    """The conversation as the chat route's messages. Consecutive user (or assistant) turns are one turn, as
+    Anthropic combines them; a turn's text blocks are its content parts (the chat route joins them with "\\n")."""
+    merged: list[dict] = []
+    if req.system is not None:
+        system = [req.system] if isinstance(req.system, str) else text_of(req.system, "system")
+        merged.append({"role": "system", "parts": system, "tool_calls": []})
+    for i, message in enumerate(req.messages):
+        check(message, f"messages[{i}]")
+        for turn in turns(message, f"messages[{i}]"):
+            last = merged[-1] if merged else None
+            if last is not None and turn["role"] in ("user", "assistant") and last["role"] == turn["role"]:
+                last["parts"] += turn["parts"]
+                last["tool_calls"] += turn["tool_calls"]
+            else:
+                merged.append(turn)
+    out = []
+    for m in merged:
+        if m["role"] == "tool":
+            out.append(m)
+            continue
+        msg: dict[str, Any] = {"role": m["role"],
+                               "content": [{"type": "text", "text": t} for t in m["parts"]] or None}
+        if m["tool_calls"]:
+            msg["tool_calls"] = m["tool_calls"]
+        out.append(msg)
+    return out
+
+
+def chat_tools(req: MessagesRequest) -> dict[str, Any]:
+    """tools / tool_choice / parallel_tool_calls as the chat route takes them (parse_tool_request checks the rest)."""
+    out: dict[str, Any] = {}
+    choice = req.tool_choice
+    check(choice, "tool_choice")
+    forced = choice is not None and choice.type in ("any", "tool", "none")      # the grammar decides, or no call
+    if req.tools is not None:
+        out["tools"] = []
+        for i, tool in enumerate(req.tools):
+            where = f"tools[{i}]"
+            if isinstance(tool, ServerTool):
+                raise APIError(400, f"Anthropic's server tool {tool.type!r} is not built into kvflow: give client "
+                                    "tools (name, description, input_schema)", param=f"{where}.type")
+            check(tool, where)
+            if tool.input_schema.get("type", "object") != "object":
+                raise APIError(400, "a tool's input is an object: input_schema.type must be \"object\"",
+                               param=f"{where}.input_schema.type")
+            if tool.strict and not forced:
+                raise APIError(400, "strict input needs tool_choice any, tool or none (the grammar enforces the "
+                                    "schema); under auto the model writes its calls freely", param=f"{where}.strict")
+            function = {"name": tool.name, "parameters": {"type": "object", **tool.input_schema}}
+            if tool.description is not None:
+                function["description"] = tool.description
+            out["tools"].append({"type": "function", "function": function})
+    if choice is not None:
+        if choice.type == "tool":
+            if not choice.name:
+                raise APIError(400, "tool_choice of type \"tool\" names the tool", param="tool_choice.name")
+            out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            if choice.type == "auto":     # refused here whether or not the server parses "auto" calls at all
+                raise APIError(400, "one tool call at most is enforced under tool_choice any or tool (by the "
+                                    "grammar), not under auto", param="tool_choice.disable_parallel_tool_use")
+            out["parallel_tool_calls"] = False
+    return out
+
+
+def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
+    """The Messages request as the chat route's request (a 400 naming the Messages field for what kvflow refuses)."""
+    check(req, "")
+    check(req.metadata, "metadata")
+    response_format = None
+    if req.output_config is not None:
+        check(req.output_config, "output_config")
+        if req.output_config.format is not None:
+            check(req.output_config.format, "output_config.format")
+            response_format = {"type": "json_schema",
+                               "json_schema": {"name": "output", "schema": req.output_config.format.json_schema}}
+    messages = chat_messages(req)
+    # a final assistant turn is a prefill: the reply continues it (and does not repeat it)
+    prefill = req.messages[-1].role == "assistant"
+    body = {"model": req.model, "messages": messages, "max_tokens": req.max_tokens, "stop": req.stop_sequences,
+            "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stream": req.stream,
+            "response_format": response_format, "user": req.metadata.user_id if req.metadata else None,
+            "request_id": uuid.uuid4().hex, "continue_final_message": prefill, "add_generation_prompt": not prefill,
+            **chat_tools(req)}
+    return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+
+
+# ---- chat results -> Anthropic's shapes -------------------------------------------------------------------------
+def stop_reason(finish_reason: str | None, stop: int | str | None) -> tuple[StopReason, str | None]:
+    """(stop_reason, stop_sequence) of a finished choice."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if finish_reason == "tool_calls":
+        return "tool_use", None
+    if isinstance(stop, str):      # a stop string, not the EOS (None) or a stop token id
+        return "stop_sequence", stop
+    return "end_turn", None
+
+
+def content_blocks(message: ChatResponseMessage) -> list[ContentOut]:
+    blocks: list[ContentOut] = [TextContent(text=message.content)] if message.content else []
+    for call in message.tool_calls or []:
+        arguments = json.loads(call.function.arguments)     # the tool-call parser's own JSON
+        if isinstance(arguments, dict):
+            blocks.append(ToolUseContent(id=call.id, name=call.function.name, input=arguments))
+        else:    # "auto" lets the model write any arguments; a tool's input is an object: keep the call as text
+            blocks.append(TextContent(text=json.dumps({"name": call.function.name, "arguments": arguments})))
+    return blocks
+
+
+def usage(gen: Generation) -> MessagesUsage:
+    u = OpenAIServing.usage(gen)
+    cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+    return MessagesUsage(input_tokens=u.prompt_tokens - cached, output_tokens=u.completion_tokens,
+                         cache_creation_input_tokens=0, cache_read_input_tokens=cached)
+
+
+class StreamedBlocks:
+    """The chat route's deltas -> content block events: a text block while text comes, a tool_use block per call
+    (its input as the JSON text the model writes). Each block is started, filled and stopped before the next (the
+    chat stream sends no text between or after calls); `index` is the block's place in the content."""
+
+    def __init__(self) -> None:
+        self.index = 0                          # of the open block, or of the next one
+        self.open: str | None = None            # the open block's type
+        self.call_blocks: dict[int, int] = {}   # tool call index -> its block's index
+
+    def start(self, block: ContentOut) -> list[StreamEvent]:
+        events = self.stop()
+        self.open = block.type
+        return events + [ContentBlockStartEvent(index=self.index, content_block=block)]
+
+    def stop(self) -> list[StreamEvent]:
+        if self.open is None:
+            return []
+        self.open = None
+        self.index += 1
+        return [ContentBlockStopEvent(index=self.index - 1)]
+
+    def push(self, delta) -> list[StreamEvent]:
+        events: list[StreamEvent] = []
+        if delta.content:
+            if self.open != "text":
+                events += self.start(TextContent(text=""))
+            events.append(ContentBlockDeltaEvent(index=self.index, delta=TextDelta(text=delta.content)))
+        for call in delta.tool_calls or []:
+            if "id" in call:                # a call starts: {"index", "id", "type", "function": {"name", ...}}
+                events += self.start(ToolUseContent(id=call["id"], name=call["function"]["name"], input={}))
+                self.call_blocks[call["index"]] = self.index
+            fragment = (call.get("function") or {}).get("arguments")
+            if fragment:
+                events.append(ContentBlockDeltaEvent(index=self.call_blocks[call["index"]],
+                                                     delta=InputJsonDelta(partial_json=fragment)))
+        return events
+
+
+class MessagesAPI:
+    """POST /v1/messages over OpenAIServing's chat path."""
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create(self, req: MessagesRequest, raw: Request | None = None):
+        chat = chat_request(req)
+        gen = await self.serving.start_chat(chat, raw)
+        message_id = f"msg_{chat.request_id}"
+        if req.stream:
+            return EventStream(self.events(gen, message_id), gen.streams)
+        result = (await self.serving.collect(gen, raw))[0]
+        choice = self.serving.chat_choice(gen, 0, result)
+        reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason)
+        return MessagesResponse(id=message_id, model=gen.model, content=content_blocks(choice.message),
+                                stop_reason=reason, stop_sequence=sequence, usage=usage(gen))
+
+    async def events(self, gen: Generation, message_id: str) -> AsyncIterator[str]:
+        """The stream: message_start (the prompt's size), ping, the content blocks as the chat route streams them,
+        message_delta (stop reason, usage), message_stop; an `error` event if the engine fails the request."""
+        start = MessagesResponse(id=message_id, model=gen.model, content=[],
+                                 usage=MessagesUsage(input_tokens=gen.streams[0].num_prompt_tokens, output_tokens=0))
+        yield sse(MessageStartEvent(message=start))
+        yield sse(PingEvent())
+        blocks = StreamedBlocks()
+        finish = stop = None
+        try:
+            async for chunk in self.serving.chunks(gen):
+                for choice in chunk.choices:
+                    for event in blocks.push(choice.delta):
+                        yield sse(event)
+                    if choice.finish_reason is not None:
+                        finish, stop = choice.finish_reason, choice.stop_reason
+            for event in blocks.stop():
+                yield sse(event)
+            reason, sequence = stop_reason(finish, stop)
+            yield sse(MessageDeltaEvent(delta=StopDelta(stop_reason=reason, stop_sequence=sequence), usage=usage(gen)))
+            yield sse(MessageStopEvent())
+        except RequestFailedError as e:
+            yield sse(MessagesErrorResponse.model_validate(error_body(self.serving.failure(e))))
+        finally:
+            for s in gen.streams:
+                s.close()
+
+
+OPENAPI_RESPONSES = {
+    200: {"model": MessagesResponse,
+          "description": "the message, or with `stream: true` Server-Sent Events from `message_start` to "
+                         "`message_stop` (or an `error` event)",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    **{status: {"model": MessagesErrorResponse, "description": description} for status, description in (
+        (400, "invalid request (the message starts with the field's path)"), (401, "missing or wrong API key"),
+        (404, "unknown model"), (413, "request body larger than --max-request-body-size"),
+        (429, "queue full (--max-queue-len): retry after Retry-After seconds"),
+        (500, "the engine failed on this request"), (503, "the engine died or the server is shutting down"))}}
+
+
+def messages_router(serving: OpenAIServing) -> APIRouter:
+    """The /v1/messages route, for the app to include (its errors in Anthropic's shape: MessagesRoute)."""
+    api = MessagesAPI(serving)
+    router = APIRouter(route_class=MessagesRoute)
+
+    @router.post(MESSAGES_PATH, response_model=None, responses=OPENAPI_RESPONSES)
+    async def create_message(req: MessagesRequest, raw: Request):
+        return await api.create(req, raw)
+
+    return router
