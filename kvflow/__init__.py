@@ -8,7 +8,8 @@ import importlib
 
 __version__ = "0.1.0"
 _LAZY = {"LLM": "kvflow.llm", "SamplingParams": "kvflow.sampling_params", "EngineConfig": "kvflow.config",
-         "RequestOutput": "kvflow.outputs", "CompletionOutput": "kvflow.outputs"}
+         "RequestOutput": "kvflow.outputs", "CompletionOutput": "kvflow.outputs",
+         "PoolingParams": "kvflow.pooling_params"}
 __all__ = [*_LAZY, "__version__"]
 
 

@@ -22,6 +22,7 @@ from kvflow.engine_router import EngineRouter
 from kvflow.errors import InvalidRequestError
 from kvflow.metrics import EngineMetrics, FinishedRequest
 from kvflow.output_processor import CompletionDelta, OutputProcessor, RequestState
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "RequestStream", "CompletionDelta", "RequestFailedError", "EngineDeadError",
@@ -223,16 +224,17 @@ class AsyncEngine:
 
     # ---- event loop side ---------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               arrival_time: float | None = None) -> RequestStream:
+               arrival_time: float | None = None, pooling: PoolingParams | None = None) -> RequestStream:
         """Hand a request to the engine; call from the event loop. Raises InvalidRequestError (bad request),
-        EngineOverloadedError (queue full), EngineShutdownError, EngineDeadError before anything runs."""
+        EngineOverloadedError (queue full), EngineShutdownError, EngineDeadError before anything runs. `pooling`:
+        an embedding request, whose stream ends with one delta carrying the vector."""
         if self.death_reason is not None:
             raise EngineDeadError(f"the engine loop died: {self.death_reason}")
         if not self._accepting:
             raise EngineShutdownError("the server is shutting down")
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        prompt_token_ids, max_tokens = self.validator.admit(prompt_token_ids, params)
+        prompt_token_ids, max_tokens = self.validator.admit(prompt_token_ids, params, pooling)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         limit = self.max_queue_len
@@ -245,7 +247,7 @@ class AsyncEngine:
                 raise EngineOverloadedError(f"the server is overloaded: {queued} requests are waiting "
                                             f"(--max-queue-len {limit}); retry later")
         arrival = time.time() if arrival_time is None else arrival_time
-        adds = self.processor.add_request(request_id, prompt_token_ids, params, arrival, max_tokens)
+        adds = self.processor.add_request(request_id, prompt_token_ids, params, arrival, max_tokens, pooling)
         stream = RequestStream(self, self.processor.requests[request_id])
         self._streams[request_id] = stream
         self._pending_adds += len(adds)
@@ -295,9 +297,9 @@ class AsyncEngine:
                 finish_reasons=[c.finish_reason or "abort" for c in state.choices],
                 timings=[c.timings for c in state.choices], error=stream.error, n=state.params.n,
                 # vLLM's server resolves an absent max_tokens (to what is left of the context) before its metrics
-                # see it
-                max_tokens=(state.params.max_tokens if state.params.max_tokens is not None
-                            else self.max_model_len - state.num_prompt_tokens)))
+                # see it; an embedding request has none
+                max_tokens=(None if state.pooling is not None else state.params.max_tokens
+                            if state.params.max_tokens is not None else self.max_model_len - state.num_prompt_tokens)))
         except Exception:  # metrics must never break a request
             logger.exception("recording metrics of %s failed", state.request_id)
 

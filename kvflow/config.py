@@ -9,6 +9,7 @@ SCHEDULING_POLICIES = ("continuous", "static")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8")
+POOLING_TYPES = ("last", "mean")     # kvflow/pooling_params.py says what each computes
 
 
 def parse_bytes(value: int | str | None) -> int | None:
@@ -76,6 +77,9 @@ class EngineConfig:
     node_rank: int = _option(0, "this machine's index; node 0 runs the scheduler and serves HTTP, the others only run "
                                 "their ranks")
     seed: int = _option(0, "seed of the engine's default random generator (requests without a seed)")
+    pooling: str = _option("last", "how /v1/embeddings and LLM.embed pool a prompt's final hidden states (after the "
+                                   "model's last norm): last (the last token's, vLLM's default for decoder models) "
+                                   "or mean (over every prompt token)", choices=POOLING_TYPES)
     enforce_eager: bool = _option(os.environ.get("KVFLOW_ENFORCE_EAGER", "") == "1",
                                   "run every step eagerly: no torch.compile'd decode steps (the default compiles "
                                   "decode-only steps on CPU in the background and serves eagerly until each batch "
@@ -94,7 +98,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         for name, choices in (("dtype", DTYPES), ("scheduling_policy", SCHEDULING_POLICIES),
-                              ("quantization", QUANTIZATIONS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+                              ("quantization", QUANTIZATIONS), ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("pooling", POOLING_TYPES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(c for c in choices if c)}, "
                                  f"got {getattr(self, name)!r}")

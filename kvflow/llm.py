@@ -14,6 +14,7 @@ from kvflow.core.engine_core import EngineCore
 from kvflow.models.model_files import resolve_model_files
 from kvflow.output_processor import OutputProcessor, RequestState
 from kvflow.outputs import CompletionOutput, RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured_output import GrammarCompiler, spec_from_request
 from kvflow.tokenizer import Tokenizer
@@ -53,11 +54,24 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Complete each prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs in input order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        encoded = [self._encode(p) for p in prompts]
+        encoded = [self._encode(p) for p in self._prompt_list(prompts)]
         return self._run(encoded, sampling_params)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[list[float]]:
+        """One vector per prompt (as `generate` takes them), in input order: the final hidden states (after the
+        model's last norm) pooled as the engine's `pooling` says (last token, or mean), L2-normalised unless
+        `PoolingParams(normalize=False)`. Prefill only, in the same continuous batch as any generation."""
+        params = SamplingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        pooling = pooling_params or PoolingParams()
+        encoded = [ids for _, ids in (self._encode(p) for p in self._prompt_list(prompts))]
+        admitted = [self.engine.validator.admit(ids, params, pooling) for ids in encoded]
+        states = self._drive(OutputProcessor(self.tokenizer),
+                             [(ids, params, max_tokens, pooling) for ids, max_tokens in admitted])
+        failed = next((state for state in states if state.embedding is None), None)
+        if failed is not None:
+            raise RuntimeError(f"embedding request {failed.request_id} failed: {failed.choices[0].stop_reason}")
+        return [state.embedding for state in states]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -69,6 +83,13 @@ class LLM:
         return self._run(encoded, sampling_params)
 
     # ---- internals -----------------------------------------------------------------------------
+    @staticmethod
+    def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            return [prompts]
+        return prompts
+
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
@@ -97,18 +118,33 @@ class LLM:
         sampling_params = [compiled[id(p)] for p in sampling_params]
         # reject a bad prompt before running any; the core trusts what the validator admitted
         admitted = [self.engine.validator.admit(ids, params) for (_, ids), params in zip(encoded, sampling_params)]
+        states = self._drive(OutputProcessor(self.tokenizer, keep_logprobs=True),
+                             [(ids, params, max_tokens, None) for (ids, max_tokens), params
+                              in zip(admitted, sampling_params)])
+        return [RequestOutput(state.request_id, text, state.prompt_token_ids,
+                              [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
+                                                c.logprobs) for c in state.choices],
+                              num_cached_tokens=state.num_cached_tokens,
+                              prompt_logprobs=None if state.prompt_logprobs is None else [
+                                  None if p is None else {t: lp for t, (lp, _rank) in p.items()}
+                                  for p in state.prompt_logprobs])
+                for (text, _), state in zip(encoded, states)]
 
-        processor = OutputProcessor(self.tokenizer, keep_logprobs=True)
-        states: list[tuple[str | None, RequestState]] = []
+    def _drive(self, processor: OutputProcessor,
+               requests: list[tuple[list[int], SamplingParams, int, PoolingParams | None]]) -> list[RequestState]:
+        """Add the admitted requests (prompt ids, params, resolved max_tokens, pooling) and step the engine until
+        every one is done; their states, in order."""
+        states: list[RequestState] = []
         added = []
         try:
-            for (text, _), (ids, max_tokens), params in zip(encoded, admitted, sampling_params):
+            for ids, params, max_tokens, pooling in requests:
                 rid = str(next(self._ids))
-                for core in processor.add_request(rid, ids, params, time.time(), max_tokens):
+                for core in processor.add_request(rid, ids, params, time.time(), max_tokens, pooling):
                     self.engine.add_request(core.request_id, core.prompt_token_ids, core.params,
-                                            arrival_time=core.arrival_time, max_tokens=core.max_tokens)
+                                            arrival_time=core.arrival_time, max_tokens=core.max_tokens,
+                                            pooling=core.pooling)
                     added.append(core.request_id)
-                states.append((text, processor.requests[rid]))
+                states.append(processor.requests[rid])
             while self.engine.has_unfinished_requests():
                 processed = processor.process(self.engine.step())
                 if processed.to_abort:
@@ -118,11 +154,4 @@ class LLM:
             while self.engine.has_unfinished_requests() and not self.engine.requests:
                 self.engine.step()
             raise
-        return [RequestOutput(state.request_id, text, state.prompt_token_ids,
-                              [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
-                                                c.logprobs) for c in state.choices],
-                              num_cached_tokens=state.num_cached_tokens,
-                              prompt_logprobs=None if state.prompt_logprobs is None else [
-                                  None if p is None else {t: lp for t, (lp, _rank) in p.items()}
-                                  for p in state.prompt_logprobs])
-                for text, state in states]
+        return states

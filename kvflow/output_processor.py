@@ -5,6 +5,9 @@ Per request it keeps the choices (`n > 1` fans out into core requests `"{id}-{i}
 with its incremental detokenizer, stop strings, text, tokens, logprobs and timings. `process()` turns one
 step's `EngineOutput`s into per-request `CompletionDelta`s and says which core requests to abort (a stop
 string matched). An exception while handling one request's outputs fails that request only.
+
+An embedding request (`pooling`) has no text: its outputs carry sums of pooled hidden states, added up here
+(float64) until the last one, whose delta carries the finished vector (`CompletionDelta.embedding`).
 """
 from __future__ import annotations
 
@@ -12,10 +15,13 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvflow.core.messages import AddRequest
 from kvflow.core.outputs import EngineOutput
 from kvflow.detokenizer import IncrementalDetokenizer
 from kvflow.metrics import RequestTimings
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvflow")
@@ -30,6 +36,7 @@ class CompletionDelta:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or string; the message when "error"
+    embedding: list[float] | None = None  # an embedding request's vector, on its last delta
 
 
 @dataclass
@@ -59,6 +66,10 @@ class RequestState:
     # with prompt_logprobs: per prompt token, token id -> (logprob, rank); None for the first token (nothing
     # predicts it). Filled as the prompt's chunks are computed (by choice 0: the others share its prompt)
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
+    pooling: PoolingParams | None = None          # an embedding request
+    pooled_sum: np.ndarray | None = None          # its pooled hidden states so far, summed (float64)
+    num_pooled: int = 0                           # over how many prompt positions
+    embedding: list[float] | None = None          # the finished vector
 
     @property
     def finished(self) -> bool:
@@ -87,26 +98,27 @@ class OutputProcessor:
         self._choice_of: dict[str, tuple[RequestState, ChoiceState]] = {}   # core id -> its request and choice
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float, max_tokens: int | None = None) -> list[AddRequest]:
-        """Register a request; returns the core requests to add, one per choice."""
+                    arrival_time: float, max_tokens: int | None = None,
+                    pooling: PoolingParams | None = None) -> list[AddRequest]:
+        """Register a request; returns the core requests to add, one per choice (an embedding request: one)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         state = RequestState(request_id, list(prompt_token_ids), params, [],
-                             prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                             prompt_logprobs=None if params.prompt_logprobs is None else [None], pooling=pooling)
         core = []
         for i in range(params.n):
             core_id = request_id if params.n == 1 else f"{request_id}-{i}"
             # one choice computes the prompt logprobs; the others may then take the prompt from the prefix cache
             child = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=params.child_seed(i), prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            detok = None if self.tokenizer is None else IncrementalDetokenizer(
+            detok = None if self.tokenizer is None or pooling is not None else IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=child.skip_special_tokens, stop=child.stop,
                 include_stop_str_in_output=child.include_stop_str_in_output)
             choice = ChoiceState(i, core_id, RequestTimings(arrival=arrival_time), detok,
                                  logprobs=[] if self.keep_logprobs and child.logprobs is not None else None)
             state.choices.append(choice)
             self._choice_of[core_id] = (state, choice)
-            core.append(AddRequest(core_id, state.prompt_token_ids, child, arrival_time, max_tokens))
+            core.append(AddRequest(core_id, state.prompt_token_ids, child, arrival_time, max_tokens, pooling))
         self.requests[request_id] = state
         return core
 
@@ -143,6 +155,8 @@ class OutputProcessor:
             return self._fail(choice, str(out.stop_reason or "the engine failed on this request"), t_end)
         if out.prompt_logprobs and state.prompt_logprobs is not None:
             state.prompt_logprobs += out.prompt_logprobs
+        if state.pooling is not None:
+            return self._pooled(state, choice, out, t_end)
         new_ids = list(out.new_token_ids)
         if new_ids:
             if t.first_token is None:
@@ -173,6 +187,28 @@ class OutputProcessor:
         if not text and not new_ids and finish_reason is None:
             return None
         return CompletionDelta(choice.index, text, new_ids, out.new_logprobs, finish_reason, stop_reason)
+
+    @staticmethod
+    def _pooled(state: RequestState, choice: ChoiceState, out: EngineOutput, when: float) -> CompletionDelta | None:
+        """An embedding request's output: add its pooled sum; on the last one, finish the vector. Its vector is its
+        first (and only) result, so the metrics see it as a first token at that time."""
+        if out.pooled_sum is not None:
+            chunk = np.asarray(out.pooled_sum, dtype=np.float64)
+            state.pooled_sum = chunk if state.pooled_sum is None else state.pooled_sum + chunk
+            state.num_pooled += out.num_pooled
+        if out.finish_reason is None:
+            return None
+        t = choice.timings
+        if out.finish_reason == "stop":
+            if state.pooled_sum is None:
+                raise RuntimeError("the engine finished an embedding request without pooling any position")
+            state.embedding = state.pooling.embedding(state.pooled_sum, state.num_pooled)
+            t.first_token = t.last_token = when
+            if t.scheduled is None:
+                t.scheduled = when
+        t.finished = when
+        choice.finish_reason = out.finish_reason
+        return CompletionDelta(choice.index, "", [], finish_reason=out.finish_reason, embedding=state.embedding)
 
     @staticmethod
     def _fail(choice: ChoiceState, message: str, when: float) -> CompletionDelta:

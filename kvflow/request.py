@@ -5,6 +5,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ FINISH_REASONS = {
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, arrival_time: float | None = None):
+                 max_tokens: int, arrival_time: float | None = None, pooling: PoolingParams | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)   # prompt + generated
@@ -46,6 +47,9 @@ class Request:
         self.num_computed_tokens = 0              # tokens whose KV is in the cache
         self.num_cached_tokens = 0                # prompt tokens that came from the prefix cache
         self.num_prompt_logprobs_sent = 0         # prompt positions whose logprobs went out (kept over preemption)
+        # an embedding request: prefill only, its pooled hidden states go out, it samples nothing
+        self.pooling = pooling
+        self.num_pooled_tokens = 0                # prompt positions whose hidden states went out (kept over preemption)
         self.stop_reason: int | str | None = None    # the stop token id; the message when FINISHED_ERROR
         # wall-clock seconds (time.time()), the clock the server stamps requests with on arrival
         self.arrival_time = arrival_time if arrival_time is not None else time.time()

@@ -9,7 +9,8 @@ ROOT = Path(__file__).resolve().parent.parent / "kvflow"
 
 # bottom to top; a unit may import its own layer and those below it
 LAYERS = [
-    {"__init__", "errors", "config", "platform", "sampling_params", "structured_output"},   # __init__: lazy re-exports
+    # __init__: lazy re-exports
+    {"__init__", "errors", "config", "platform", "sampling_params", "pooling_params", "structured_output"},
     {"distributed", "request"},
     {"layers", "models"},
     {"runner"},

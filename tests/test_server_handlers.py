@@ -70,10 +70,10 @@ class FakeEngine:
     def __init__(self, refuse: Exception | None = None, fail=False):
         self.refuse, self.fail, self.streams = refuse, fail, []
 
-    def submit(self, request_id, prompt, params, arrival_time=None):
+    def submit(self, request_id, prompt, params, arrival_time=None, pooling=None):
         if self.refuse:
             raise self.refuse
-        RequestValidator(self.vocab_size, self.max_model_len).validate(prompt, params)   # the engine's own check
+        RequestValidator(self.vocab_size, self.max_model_len).validate(prompt, params, pooling)   # the engine's check
         self.streams.append(FakeStream(params, prompt, self.fail))
         return self.streams[-1]
 

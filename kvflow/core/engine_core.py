@@ -10,11 +10,12 @@ from typing import Iterable
 
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.outputs import EngineOutput, StepStats
+from kvflow.core.outputs import EngineOutput, ScheduledRequest, StepStats
 from kvflow.core.request_validator import RequestValidator
 from kvflow.core.scheduler import Scheduler
 from kvflow.executor import create_executor
 from kvflow.models.model_files import ModelFiles, resolve_model_files
+from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -72,17 +73,18 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, max_tokens: int | None = None) -> None:
+                    arrival_time: float | None = None, max_tokens: int | None = None,
+                    pooling: PoolingParams | None = None) -> None:
         """`max_tokens`: resolved by the frontend's `RequestValidator.admit`, which checked the request (the
         frontends do: it is not checked twice). Without it the core checks the request itself and raises
-        InvalidRequestError before anything is queued."""
+        InvalidRequestError before anything is queued. `pooling`: an embedding request (prefill only)."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n != 1:
             raise ValueError("the engine core takes n=1 requests; fan out n>1 before add_request")
         if max_tokens is None:
-            max_tokens = self.validator.validate(prompt_token_ids, params)
-        req = Request(request_id, prompt_token_ids, params, max_tokens, arrival_time)
+            max_tokens = self.validator.validate(prompt_token_ids, params, pooling)
+        req = Request(request_id, prompt_token_ids, params, max_tokens, arrival_time, pooling)
         req.eos_token_ids = self.eos_token_ids
         self.scheduler.add_request(req)
 
@@ -135,9 +137,8 @@ class EngineCore:
         self.num_prompt_tokens_computed += num_prompt
         # vLLM's iteration_tokens_total (IterationStats: num_prompt_tokens + num_generation_tokens) counts the
         # whole prompt (cached tokens too) of each request in the step of its first output, and every token
-        # sampled: not the chunk tokens the model computed. These requests sample their first token now:
-        first_output = {s.request_id for s in sched.scheduled
-                        if s.samples and requests[s.request_id].num_output_tokens == 0}
+        # sampled: not the chunk tokens the model computed. These requests have their first output now:
+        first_output = {s.request_id for s in sched.scheduled if self._first_output(requests[s.request_id], s)}
         sampled = self.executor.execute(sched.step)
         step_outputs = self.scheduler.update(sched, sampled)
         outputs += step_outputs
@@ -148,6 +149,14 @@ class EngineCore:
                                       num_generated_tokens=len(sampled.token_ids),
                                       duration_s=time.perf_counter() - t0)
         return outputs
+
+    @staticmethod
+    def _first_output(req: Request, s: ScheduledRequest) -> bool:
+        """Whether this step gives the request its first output: its first token, or (an embedding request, whose
+        one result is its vector) its last chunk."""
+        if req.pooling is not None:
+            return s.num_computed_tokens + s.num_new_tokens == req.num_prompt_tokens
+        return s.samples and req.num_output_tokens == 0
 
     def stats(self) -> StepStats:
         """The engine as it is now, with the counters' deltas since the last stats (for an idle look)."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.core.outputs import EngineOutput, StepStats
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class AddRequest:
     params: SamplingParams
     arrival_time: float
     max_tokens: int | None = None     # resolved by the frontend's validator, which admitted it: not checked again
+    pooling: PoolingParams | None = None   # an embedding request: pooled hidden states, no sampling
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class EngineOutput:
-    """New tokens of one request after one step. `finish_reason` is set on its last output."""
+    """New tokens (or pooled hidden states) of one request after one step. `finish_reason` is set on its last
+    output."""
     request_id: str
     new_token_ids: list[int]
     # one dict per new token: {token_id: logprob} of the top-k plus the sampled token, when logprobs were asked
@@ -45,6 +46,10 @@ class EngineOutput:
     first_scheduled_time: float | None = None   # when the scheduler first admitted it (ends its queue time)
     queued_time: float | None = None            # when it entered the core's waiting queue (starts its queue time)
     num_preemptions: int = 0                    # how often it was preempted so far
+    # an embedding request: the sum of the final hidden states of the `num_pooled` prompt positions this step pooled
+    # (the frontend adds them up over the chunks and divides: PoolingParams.embedding)
+    pooled_sum: list[float] | None = None
+    num_pooled: int = 0
 
     @property
     def finished(self) -> bool:

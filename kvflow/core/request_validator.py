@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvflow.errors import InvalidRequestError
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 
@@ -15,20 +16,27 @@ class RequestValidator:
     vocab_size: int
     max_model_len: int
 
-    def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[list[int], int]:
-        """The prompt as the engine runs it (`truncate_prompt_tokens` applied) and max_tokens resolved; raises
-        InvalidRequestError for anything the engine cannot run. The one check: the engine trusts what it admits."""
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams,
+              pooling: PoolingParams | None = None) -> tuple[list[int], int]:
+        """The prompt as the engine runs it (`truncate_prompt_tokens` applied) and max_tokens resolved (0 for an
+        embedding request, `pooling`); raises InvalidRequestError for anything the engine cannot run. The one check:
+        the engine trusts what it admits."""
         k = params.truncate_prompt_tokens
         if k is not None and k > self.max_model_len:
             raise InvalidRequestError(f"truncate_prompt_tokens ({k}) is greater than this model's maximum context "
                                       f"length ({self.max_model_len})", param="truncate_prompt_tokens",
                                       code="invalid_value")
         prompt_token_ids = params.truncated(list(prompt_token_ids), self.max_model_len)
-        return prompt_token_ids, self.validate(prompt_token_ids, params)
+        return prompt_token_ids, self.validate(prompt_token_ids, params, pooling)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 pooling: PoolingParams | None = None) -> int:
         """Raise InvalidRequestError for anything the engine cannot run; return max_tokens, resolved."""
         params.validate()
+        if pooling is not None and (params.n != 1 or params.prompt_logprobs is not None):
+            name = "n" if params.n != 1 else "prompt_logprobs"
+            raise InvalidRequestError(f"an embedding request samples nothing: {name} does not apply to it",
+                                      param=name, code="invalid_value")
         params.check_vocabulary(self.vocab_size)
         if params.bad_words and params.bad_words_token_ids is None:
             raise InvalidRequestError("bad_words must be tokenized before the engine sees the request (LLM and "
@@ -43,7 +51,11 @@ class RequestValidator:
         # the length first: a prompt of millions of tokens is refused without a Python pass over them (this
         # runs on the server's event loop)
         limit = self.max_model_len
-        if n >= limit:
+        if pooling is not None and n > limit:       # nothing is generated: the prompt may fill the context
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens, more than this model's maximum context length ({limit} tokens); "
+                f"shorten the prompt or set truncate_prompt_tokens", param="prompt", code="context_length_exceeded")
+        if pooling is None and n >= limit:
             raise InvalidRequestError(
                 f"the prompt has {n} tokens, which leaves no room to generate within this model's maximum "
                 f"context length ({limit} tokens); shorten the prompt", param="prompt",
@@ -52,6 +64,8 @@ class RequestValidator:
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt",
                                       code="invalid_value")
+        if pooling is not None:
+            return 0
         if params.max_tokens is None:
             return limit - n
         if n + params.max_tokens > limit:

@@ -11,6 +11,12 @@ so while they stream, prompts advance in small chunks; with no one decoding, pro
 
 `schedule()` hands out the whole step (`SchedulerOutput.step`: rows, token ids, block tables, sampling rows);
 `update()` takes the sampled tokens back and returns what each request produced (`EngineOutput`s).
+
+An embedding request (`Request.pooling`) is a prompt that never samples: its chunks run in the same steps as
+everyone's, each chunk's pooled positions (`--pooling`: the last prompt position, or every one) go out summed in
+`EngineOutput.pooled_sum`, and it finishes after its last chunk, its blocks freed. With mean pooling it takes no
+prefix-cache hits (a hit skips positions whose hidden states it needs); with last pooling it does (the last
+position is always computed, on top of the same cached KV a recompute would write).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
         self.static = config.scheduling_policy == "static"
+        self.pool_every_position = config.pooling == "mean"     # else only the last prompt position
         self.max_model_len = max_model_len
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}   # every unfinished request, by id
@@ -82,8 +89,7 @@ class Scheduler:
             req = self.waiting[0]
             if not self.static and min(budget, prefill_budget) <= 0:
                 break
-            # a request that asks for prompt logprobs computes every prompt position: no prefix-cache hits (as vLLM)
-            queried = self.kv.enable_prefix_caching and req.params.prompt_logprobs is None
+            queried = self.kv.enable_prefix_caching and self._takes_prefix_hits(req)
             computed_blocks, num_cached = self.kv.get_computed_blocks(req) if queried else ([], 0)
             remaining = req.num_tokens - num_cached
             num_new = min(remaining, budget, prefill_budget)   # prefill_budget >= budget unless capped
@@ -111,10 +117,16 @@ class Scheduler:
             out.step = self._model_step(out.rows)
         return out
 
+    def _takes_prefix_hits(self, req: Request) -> bool:
+        """Whether cached blocks may stand in for the request's first positions: not when it needs something of
+        every prompt position (prompt logprobs, as vLLM; mean pooling)."""
+        return req.params.prompt_logprobs is None and not (req.pooling is not None and self.pool_every_position)
+
     def _model_step(self, scheduled: list[ScheduledRequest]) -> ModelStep:
         token_ids: list[int] = []
         sampling = []
         spans, prompt_rows = [], []
+        pooling_spans, pools = [], False
         for s in scheduled:
             req = self.requests[s.request_id]
             token_ids += req.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
@@ -126,13 +138,27 @@ class Scheduler:
                 first = s.num_computed_tokens + span[0]
                 prompt_rows.append(PromptLogprobsRow(req.prompt_token_ids[first + 1:first + 1 + span[1]],
                                                      req.params.prompt_logprobs))
+            pooling_span = self._pooling_span(req, s) if req.pooling is not None else (0, 0)
+            pooling_spans.append(pooling_span)
+            pools = pools or pooling_span[1] > 0
         batch = StepBatch(num_decodes=sum(s.num_new_tokens == 1 for s in scheduled), token_ids=token_ids,
                           num_computed_tokens=[s.num_computed_tokens for s in scheduled],
                           num_new_tokens=[s.num_new_tokens for s in scheduled],
                           block_tables=[self.kv.block_tables[s.request_id] for s in scheduled],
                           samples=[s.samples for s in scheduled],
-                          prompt_logprob_spans=tuple(spans) if prompt_rows else ())
+                          prompt_logprob_spans=tuple(spans) if prompt_rows else (),
+                          pooling_spans=tuple(pooling_spans) if pools else ())
         return ModelStep(batch, sampling, prompt_rows)
+
+    def _pooling_span(self, req: Request, s: ScheduledRequest) -> tuple[int, int]:
+        """(offset in the chunk, count) of the positions an embedding request pools this step: mean, every position
+        of the chunk not sent yet (a recompute after a preemption skips what was sent); last, the prompt's last
+        position, in the chunk that reaches it."""
+        end = s.num_computed_tokens + s.num_new_tokens
+        if not self.pool_every_position:
+            return (s.num_new_tokens - 1, 1) if end == req.num_prompt_tokens else (0, 0)
+        first = max(s.num_computed_tokens, req.num_pooled_tokens)
+        return (first - s.num_computed_tokens, end - first) if end > first else (0, 0)
 
     @staticmethod
     def _prompt_logprob_span(req: Request, s: ScheduledRequest) -> tuple[int, int]:
@@ -159,7 +185,7 @@ class Scheduler:
     @staticmethod
     def _scheduled(req: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(req.request_id, req.num_computed_tokens, num_new,
-                                samples=req.num_computed_tokens + num_new == req.num_tokens)
+                                samples=req.num_computed_tokens + num_new == req.num_tokens and req.pooling is None)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -177,7 +203,9 @@ class Scheduler:
         finished = []
         k = 0
         spans = out.step.batch.prompt_logprob_spans if out.step is not None else ()
+        pooling_spans = out.step.batch.pooling_spans if out.step is not None else ()
         prompt_logprobs = iter(sampled.prompt_logprobs)
+        pooled = iter(sampled.pooled)
         for i, s in enumerate(out.rows):
             req = self.requests[s.request_id]
             req.num_computed_tokens += s.num_new_tokens
@@ -186,6 +214,20 @@ class Scheduler:
             if spans and spans[i][1]:
                 new_prompt_logprobs = next(prompt_logprobs)
                 req.num_prompt_logprobs_sent += len(new_prompt_logprobs)
+            if req.pooling is not None:
+                offset, count = pooling_spans[i] if pooling_spans else (0, 0)
+                if count:
+                    req.num_pooled_tokens = s.num_computed_tokens + offset + count
+                if req.num_computed_tokens == req.num_prompt_tokens:     # its last chunk: done, nothing to sample
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    finished.append(req)
+                if count or req.status.finished:
+                    outputs.append(EngineOutput(
+                        req.request_id, [], pooled_sum=next(pooled) if count else None, num_pooled=count,
+                        finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+                        num_cached_tokens=req.num_cached_tokens, first_scheduled_time=req.first_scheduled_time,
+                        queued_time=req.queued_time, num_preemptions=req.num_preemptions))
+                continue
             if not s.samples:
                 if new_prompt_logprobs:
                     outputs.append(EngineOutput(req.request_id, [], prompt_logprobs=new_prompt_logprobs,

@@ -247,10 +247,11 @@ class ModelRunner:
         return torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf")).to(self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch) -> torch.Tensor | None:
+    def forward(self, batch: StepBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every rank's part of a step: the forward, then the logits of the sampling rows (rank 0 gets the whole
-        vocabulary's; other ranks, and steps where no request samples, get None). A decode-only step whose padded
-        size has a compiled graph ready runs that graph (eagerly if the graph fails)."""
+        vocabulary's; other ranks, and steps where no request samples, get None) and, on rank 0, the pooled hidden
+        states of the pooling rows (None when none pools). A decode-only step whose padded size has a compiled graph
+        ready runs that graph (eagerly if the graph fails)."""
         bucket = self.compiled_decode.bucket_for(batch) if self.compiled_decode else None
         threads = self.threads_for(bucket or len(batch.num_new_tokens))
         if not bucket and threads > 1 and self.compiled_decode is not None and self.compiled_decode.compiling:
@@ -264,16 +265,36 @@ class ModelRunner:
         if hidden is None:
             ids, pos, meta, logits_indices = self.prepare_inputs(batch)
             hidden = self.model(ids, pos, meta)
+        # every rank holds the whole hidden state (the residual stream is all-reduced, the final norm replicated):
+        # rank 0 pools its own
+        pooled = self.pool(hidden, batch) if batch.pooling_spans and self.tp.is_first else None
         if not len(logits_indices):
-            return None
-        return self.model.compute_logits(hidden[logits_indices])
+            return None, pooled
+        return self.model.compute_logits(hidden[logits_indices]), pooled
+
+    def pool(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """[rows with a pooling span, hidden size] float32: the sum of each span's final hidden states (the model's
+        output: after its last norm, before the LM head). Rows lie in the flat batch as laid out by prepare_inputs
+        (the padding of a compiled bucket comes after every row of a decode-only step, so it shifts none)."""
+        offsets, counts = (torch.tensor(x, dtype=torch.long) for x in zip(*batch.pooling_spans))
+        lens = torch.tensor(batch.num_new_tokens, dtype=torch.long)
+        pooling = counts > 0
+        first = (torch.cumsum(lens, 0) - lens + offsets)[pooling]     # each span's first position in the flat batch
+        counts = counts[pooling]
+        owner = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        positions = first[owner] + torch.arange(len(owner)) - (torch.cumsum(counts, 0) - counts)[owner]
+        sums = torch.zeros(len(counts), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+        return sums.index_add_(0, owner.to(hidden.device), hidden[positions.to(hidden.device)].float())
 
     @torch.inference_mode()
     def execute(self, step: ModelStep) -> SampledTokens:
-        """Rank 0: the forward, then one sampled token per sampling row (and the prompt logprobs asked for)."""
-        logits = self.forward(step.batch)
-        if logits is None:
-            return SampledTokens([], [])
+        """Rank 0: the forward, then one sampled token per sampling row (and the prompt logprobs asked for, the
+        pooled hidden states of the pooling rows)."""
+        logits, pooled = self.forward(step.batch)
+        sampled = SampledTokens([], []) if logits is None else self._sample(logits, step)
+        return sampled if pooled is None else dataclasses.replace(sampled, pooled=pooled.tolist())
+
+    def _sample(self, logits: torch.Tensor, step: ModelStep) -> SampledTokens:
         num_sampling = len(step.sampling)
         prompt = prompt_logprobs(logits[num_sampling:], step.prompt_logprobs) if step.prompt_logprobs else []
         logits = logits[:num_sampling]

@@ -26,6 +26,9 @@ class StepBatch:
     samples: list[bool]                 # per row: does this chunk end at the last known token (sample one)?
     # per row: (offset in the chunk, count) of the positions whose logits give prompt logprobs; empty: none this step
     prompt_logprob_spans: tuple[tuple[int, int], ...] = ()
+    # per row: (offset in the chunk, count) of the positions whose final hidden states an embedding request pools
+    # (summed: the scheduler picks the positions, the frontend divides); empty: no row pools this step
+    pooling_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,11 @@ class ModelStep:
 
 @dataclass(frozen=True)
 class SampledTokens:
-    """One token per sampling row, in `ModelStep.sampling` order; logprobs per row when asked."""
+    """What the step computed: one token per sampling row, in `ModelStep.sampling` order; logprobs per row when
+    asked; the pooled hidden states of the pooling rows."""
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     errors: dict[int, str] = field(default_factory=dict)   # row -> why sampling failed for it alone
     prompt_logprobs: list[list[PromptLogprob]] = field(default_factory=list)   # per `ModelStep.prompt_logprobs` row
+    # per row with a pooling span, in row order: the float32 sum of its span's final hidden states
+    pooled: list[list[float]] = field(default_factory=list)

@@ -22,6 +22,7 @@ from kvflow.async_engine import AsyncEngine
 from kvflow.errors import InvalidRequestError
 from kvflow.metrics import CONTENT_TYPE_LATEST
 from kvflow.server.config import ServerConfig
+from kvflow.server.embeddings_api import EMBEDDINGS_OPENAPI, EmbeddingRequest, EmbeddingsServing
 from kvflow.server.middleware import AuthAndArrival, BodySizeLimit
 from kvflow.server.messages_api import messages_router
 from kvflow.server.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -116,6 +117,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **_errors(401)})
     async def list_models():
         return serving.models()
+
+    embeddings = EmbeddingsServing(serving)     # pooled hidden states: prefill-only requests in the same batch
+
+    @app.post("/v1/embeddings", response_model=None, responses={**EMBEDDINGS_OPENAPI, **GENERATE_ERRORS})
+    async def create_embedding(req: EmbeddingRequest, raw: Request):
+        return await embeddings.create(req, raw)
 
     @app.post("/v1/chat/completions", response_model=None,
               responses={**_streamed_or(ChatCompletionResponse), **GENERATE_ERRORS})

@@ -71,6 +71,24 @@ REFUSED = {
     "detokenize": {},
 }
 
+# ---- /v1/embeddings (server/embeddings_api.py) -------------------------------------------------------------------
+# vLLM's EmbeddingCompletionRequest over its versions (the pooling mixins of `entrypoints/pooling/base/protocol.py`:
+# `normalize` until it became `use_activation`; `additional_data` before; `padding`, `truncation_side`, `cache_salt`,
+# `mm_processor_kwargs` since), and `messages`, the field of its chat form (EmbeddingChatRequest), written down by hand.
+VLLM_FIELDS["embeddings"] = (
+    "model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "request_id", "priority",
+    "add_special_tokens", "normalize", "use_activation", "embed_dtype", "endianness", "additional_data",
+    "mm_processor_kwargs", "cache_salt", "padding", "truncation_side", "messages")
+# Why each is refused: dimensions: no matryoshka representation (cutting a vector that was not trained for it gives
+# worse vectors, vLLM refuses it too); embed_dtype other than float32: base64 carries float32, as OpenAI; padding,
+# truncation_side: kvflow neither pads nor truncates but from the left (truncate_prompt_tokens keeps the last
+# tokens); messages: the chat form is not built; additional_data, priority, cache_salt, mm_processor_kwargs: as on
+# chat.
+REFUSED["embeddings"] = {
+    "dimensions": None, "embed_dtype": "float32", "padding": None, "truncation_side": None, "messages": None,
+    "additional_data": None, "priority": 0, "cache_salt": None, "mm_processor_kwargs": None,
+}
+
 
 def refused_field(route: str, data: dict) -> str | None:
     """The first field of `data` this route refuses (set to something but its default), or None."""

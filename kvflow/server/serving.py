@@ -32,6 +32,7 @@ from kvflow.server.protocol import (APIError, ChatCompletionChoice, ChatCompleti
                                     DetokenizeResponse, ModelCard, ModelList, PromptLogprob, PromptTokensDetails,
                                     TokenizeRequest,
                                     TokenizeResponse, TokenLogprob, ToolCall, TopLogprob, UsageInfo, random_id)
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.chat_template import ChatTemplateOptions, template_variables
 from kvflow.server.protocol import ModelPermission, TokenizerInfoResponse
@@ -284,13 +285,14 @@ class OpenAIServing:
         return list(ids)
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, arrival: float,
-               param_names: dict[str, str]) -> list[RequestStream]:
-        """One engine request per prompt; all or none (the ones already submitted are closed on failure)."""
+               param_names: dict[str, str], pooling: PoolingParams | None = None) -> list[RequestStream]:
+        """One engine request per prompt; all or none (the ones already submitted are closed on failure).
+        `pooling`: embedding requests (server/embeddings_api.py)."""
         streams: list[RequestStream] = []
         try:
             for k, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-p{k}"
-                streams.append(self.engine.submit(rid, ids, params, arrival_time=arrival))
+                streams.append(self.engine.submit(rid, ids, params, arrival_time=arrival, pooling=pooling))
         except BaseException as e:
             for s in streams:
                 s.close()
