@@ -223,6 +223,22 @@ def test_a_function_tool_call_is_a_function_call_item_and_its_output_goes_back_i
     required = respond(client, input=q, tools=[WEATHER_TOOL], tool_choice="required", max_output_tokens=40)
     assert required.output and all(item.type == "function_call" and item.name == "get_weather"
                                    for item in required.output)
+    assert required.parallel_tool_calls is True
+
+    # a turn with two calls shown before: the model calls twice again, unless parallel_tool_calls=false (the chat
+    # route's grammar then allows one call)
+    shot = [{"role": "user", "content": "What is the weather in Oslo and in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "rain, 8 C"},
+            {"type": "function_call_output", "call_id": "call_2", "output": "sunny, 21 C"},
+            {"role": "assistant", "content": "Oslo: rain, 8 C. Paris: sunny, 21 C."},
+            {"role": "user", "content": "And what is the weather in Rome and in Berlin?"}]
+    two = respond(client, input=shot, tools=[WEATHER_TOOL], tool_choice="required", max_output_tokens=80)
+    one = respond(client, input=shot, tools=[WEATHER_TOOL], tool_choice="required", max_output_tokens=80,
+                  parallel_tool_calls=False)
+    assert [item.type for item in two.output] == ["function_call"] * 2
+    assert [item.type for item in one.output] == ["function_call"] and one.parallel_tool_calls is False
 
     # stateless multi-turn: the call and its output go back as input items, as the client holds them
     turn2 = [{"role": "user", "content": q}, call.model_dump(exclude_none=True),

@@ -124,16 +124,15 @@ VLLM_FIELDS["responses"] = (
 # comes back as `input` instead.
 RESPONSES_STATEFUL = ("previous_response_id", "store", "conversation", "background", "background_options",
                       "previous_response", "previous_input_messages", "enable_response_messages")
-# Why the others are refused: max_tool_calls counts built-in tools (kvflow has none); parallel_tool_calls=false:
-# "required" and "auto" may always answer several calls; truncation "auto" would drop input items; service_tier,
-# moderation, access_programs, image, context_management, safety_identifier, prompt (stored prompt templates),
-# the prompt-cache options (kvflow's prefix cache needs no key) and stream_options (no obfuscation): not built;
-# priority, cache_salt, mm_processor_kwargs, vllm_xargs: as on chat.
+# Why the others are refused: max_tool_calls counts built-in tools (kvflow has none); truncation "auto" would
+# drop input items; service_tier, moderation, access_programs, image, context_management, safety_identifier,
+# prompt (stored prompt templates), the prompt-cache options (kvflow's prefix cache needs no key) and
+# stream_options (no obfuscation): not built; priority, cache_salt, mm_processor_kwargs, vllm_xargs: as on chat.
 REFUSED["responses"] = {
     "previous_response_id": None, "store": False, "conversation": None, "background": False,
     "background_options": None, "previous_response": None, "previous_input_messages": None,
     "enable_response_messages": False,
-    "max_tool_calls": None, "parallel_tool_calls": True, "truncation": "disabled", "service_tier": "auto",
+    "max_tool_calls": None, "truncation": "disabled", "service_tier": "auto",
     "moderation": None, "access_programs": None, "image": None, "context_management": None,
     "safety_identifier": None, "prompt": None, "prompt_cache_key": None, "prompt_cache_options": None,
     "prompt_cache_retention": None, "stream_options": None,

@@ -142,7 +142,8 @@ def chat_request_body(req: ResponsesRequest, rid: str) -> dict[str, Any]:
     if req.include_logprobs:
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     if req.tools:
-        body.update(tools=chat_tools(req.tools, req.tool_choice), tool_choice=chat_tool_choice(req.tool_choice))
+        body.update(tools=chat_tools(req.tools, req.tool_choice), tool_choice=chat_tool_choice(req.tool_choice),
+                    parallel_tool_calls=req.parallel_tool_calls)
     elif req.tool_choice is not None:
         body["tool_choice"] = chat_tool_choice(req.tool_choice)   # the chat route's 400 unless "none"
     return {k: v for k, v in body.items() if v is not None}
@@ -294,7 +295,8 @@ def response_head(req: ResponsesRequest, rid: str, gen: Generation) -> Responses
         id=rid, created_at=gen.created, status="in_progress", model=gen.model, instructions=req.instructions,
         max_output_tokens=req.max_output_tokens, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_logprobs=req.top_logprobs, text={"format": fmt},
-        tools=req.tools or [], tool_choice=req.tool_choice or "auto", reasoning=req.reasoning,
+        tools=req.tools or [], tool_choice=req.tool_choice or "auto",
+        parallel_tool_calls=req.parallel_tool_calls is not False, reasoning=req.reasoning,
         metadata=req.metadata, user=req.user)
 
 

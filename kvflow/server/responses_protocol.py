@@ -9,7 +9,6 @@ where they are translated (`responses_api.py`), naming their path (`text.format.
 """
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from typing import Any, ClassVar, Literal, Union
@@ -17,11 +16,8 @@ from typing import Any, ClassVar, Literal, Union
 from pydantic import Field, model_validator
 
 from kvflow import sampling_params as limits
-from kvflow.server.protocol import APIError, OpenAIModel, Text, documented
-from kvflow.server.request_fields import REFUSED, RESPONSES_STATEFUL, refused_field
-
-logger = logging.getLogger("kvflow.server")
-_IGNORED_LOGGED: set[str] = set()       # unknown field names already logged (once each)
+from kvflow.server.protocol import APIError, OpenAIModel, Text, apply_field_rule, documented
+from kvflow.server.request_fields import RESPONSES_STATEFUL, refused_field
 
 # the one `include` value kvflow implements
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -45,6 +41,7 @@ class ResponsesRequest(OpenAIModel):
     text: dict[str, Any] | None = None               # {"format": {"type": "text" | "json_object" | "json_schema"}}
     tools: list[dict[str, Any]] | None = None        # function tools only
     tool_choice: Union[Text, dict[str, Any], None] = None   # "none" | "auto" | "required" | {"type": "function", "name"}
+    parallel_tool_calls: bool | None = None          # false: one call at most (as on chat: not under "auto")
     include: list[Text] | None = documented(description=f"only {INCLUDE_LOGPROBS!r}")
     top_logprobs: int | None = documented(minimum=0, maximum=limits.MAX_LOGPROBS)
     reasoning: dict[str, Any] | None = documented(description="only `effort`, for chat templates that read "
@@ -70,22 +67,15 @@ class ResponsesRequest(OpenAIModel):
     @classmethod
     def _refuse_what_is_not_implemented(cls, data: Any) -> Any:
         """A field of OpenAI's or vLLM's Responses schema that kvflow does not implement is a 400 naming it unless
-        left at its default; a field neither defines is ignored, as vLLM does, and logged once per name."""
+        left at its default (one that needs kept responses says so); a field neither defines is ignored."""
         if not isinstance(data, dict):
             return data
         name = refused_field(cls.ROUTE, data)
-        if name is not None:
-            if name in RESPONSES_STATEFUL:
-                shown = f"{name}: true" if data[name] is True else name
-                raise APIError(400, f"{shown} is not supported by kvflow: it keeps no responses on the server "
-                                    "(store=false); send the whole conversation as `input`", param=name)
-            raise APIError(400, f"{name} is not supported by kvflow: leave it unset (or at its default)",
-                           param=name)
-        for unknown in set(data) - set(cls.model_fields) - set(REFUSED[cls.ROUTE]) - _IGNORED_LOGGED:
-            _IGNORED_LOGGED.add(unknown)
-            logger.warning("ignoring the request field %r: neither OpenAI's nor vLLM's Responses API defines it",
-                           unknown)
-        return data
+        if name in RESPONSES_STATEFUL:
+            shown = f"{name}: true" if data[name] is True else name
+            raise APIError(400, f"{shown} is not supported by kvflow: it keeps no responses on the server "
+                                "(store=false); send the whole conversation as `input`", param=name)
+        return apply_field_rule(cls.ROUTE, data, cls.model_fields)
 
     @property
     def include_logprobs(self) -> bool:
