@@ -27,7 +27,8 @@ from kvflow.server.middleware import AuthAndArrival, BodySizeLimit
 from kvflow.server.messages_api import messages_router
 from kvflow.server.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
-                                    ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse)
+                                    ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse,
+                                    validation_error)
 from kvflow.server.serving import OpenAIServing
 from kvflow.server.responses_api import RESPONSES_OPENAPI, ResponsesServing
 from kvflow.server.responses_protocol import ResponsesRequest
@@ -90,17 +91,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
-            return error_response(APIError(400, msg, param=None))
-        msgs = []
-        for e in errors[:5]:
-            p = validation_param(e.get("loc", ()))
-            msgs.append(f"{p}: {e.get('msg')}" if p else str(e.get("msg")))
-        return error_response(APIError(400, "; ".join(msgs) or "invalid request",
-                                       param=validation_param(first.get("loc", ()))))
+        return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException):
@@ -216,14 +207,6 @@ class PrometheusText(PlainTextResponse):
 
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
-
-
-def validation_param(loc) -> str | None:
-    parts = [str(x) for x in loc if x not in ("body", "query", "path")]
-    # drop pydantic's union-branch names ("str", "list[int]", "function-after[...]") that follow the field
-    keep = [p for p in parts if p not in ("str", "int", "float", "bool")
-            and not p.startswith(("list[", "dict[", "function-"))]
-    return ".".join(keep) or None
 
 
 def openapi_document(app: FastAPI, max_n: int) -> dict:

@@ -80,6 +80,28 @@ class APIError(Exception):
         return cls(400, str(e), param=(rename or {}).get(param, param), code=getattr(e, "code", None))
 
 
+def validation_error(errors: list[dict]) -> APIError:
+    """The 400 for a body its route's pydantic model refused (`ValidationError.errors()`): the server's answer to a
+    RequestValidationError, and `kvflow run-batch`'s to a line's body."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
+        return APIError(400, msg, param=None)
+    msgs = []
+    for e in errors[:5]:
+        p = validation_param(e.get("loc", ()))
+        msgs.append(f"{p}: {e.get('msg')}" if p else str(e.get("msg")))
+    return APIError(400, "; ".join(msgs) or "invalid request", param=validation_param(first.get("loc", ())))
+
+
+def validation_param(loc) -> str | None:
+    parts = [str(x) for x in loc if x not in ("body", "query", "path")]
+    # drop pydantic's union-branch names ("str", "list[int]", "function-after[...]") that follow the field
+    keep = [p for p in parts if p not in ("str", "int", "float", "bool")
+            and not p.startswith(("list[", "dict[", "function-"))]
+    return ".".join(keep) or None
+
+
 def apply_field_rule(route: str, data: dict, implemented) -> dict:
     """The field rule of one route (request_fields.py): a field it refuses, set, is a 400 naming it; a field that
     neither it implements nor refuses is ignored, as vLLM does, and logged once per name."""
