@@ -229,3 +229,33 @@ def test_the_progress_bar_shows_on_a_terminal_only(batch, model_path, tmp_path):
     os.close(master)
     text = seen.decode("utf-8", "replace")
     assert "4/4" in text and "output tok/s" in text and "failed" in text, text[-2000:]
+
+
+def test_an_interrupted_run_keeps_what_finished_and_a_rerun_completes_it(model_path, tmp_path):
+    import signal
+    import time
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(line(f"c{i}", "/v1/completions", {"model": "tiny", "prompt": f"count {i}",
+                                                              "max_tokens": 60, "ignore_eos": True}) + "\n"
+                           for i in range(60)))
+    proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "run-batch", "-i", str(inp), "-o", str(out),
+                             str(model_path), *FLAGS, "--max-concurrency", "2"], cwd=REPO, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 300
+    while not (out.exists() and out.read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted after" in stderr and "rerun the same command to resume" in stderr
+    before = out.read_text()
+    kept = len(before.splitlines())
+    assert 3 <= kept < 60
+    again = run_batch(model_path, inp, out)
+    assert processed(again) == (60 - kept, 0, kept)
+    text = out.read_text()
+    assert text.startswith(before)
+    ids = [json.loads(x)["custom_id"] for x in text.splitlines()]
+    assert sorted(ids) == sorted(f"c{i}" for i in range(60))

@@ -124,10 +124,17 @@ def output_record(custom_id: str | None, status_code: int, request_id: str, body
             "response": {"status_code": status_code, "request_id": request_id, "body": body}, "error": error}
 
 
+@dataclasses.dataclass
+class BatchCounts:
+    done: int = 0             # lines written, failed ones included
+    failed: int = 0           # of those, lines whose status is not 200
+    output_tokens: int = 0
+
+
 class BatchRunner:
     """The lines of one batch through the server's routes, `max_concurrency` at a time."""
 
-    def __init__(self, serving, embeddings, max_concurrency: int) -> None:
+    def __init__(self, serving, embeddings, max_concurrency: int, counts: BatchCounts | None = None) -> None:
         from kvflow.server.embeddings_api import EmbeddingRequest
         from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -135,7 +142,7 @@ class BatchRunner:
                        "/v1/completions": (CompletionRequest, serving.completions),
                        "/v1/embeddings": (EmbeddingRequest, embeddings.create)}
         self.max_concurrency = max_concurrency
-        self.done = self.failed = self.output_tokens = 0
+        self.counts = counts or BatchCounts()
 
     async def run_line(self, line: BatchLine) -> tuple[dict, int]:
         """(the output record, its output tokens); never raises for what the line holds."""
@@ -184,9 +191,9 @@ class BatchRunner:
                 record, tokens = await self.run_line(line)
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
                 out.flush()
-                self.done += 1
-                self.failed += record["response"]["status_code"] != 200
-                self.output_tokens += tokens
+                self.counts.done += 1
+                self.counts.failed += record["response"]["status_code"] != 200
+                self.counts.output_tokens += tokens
                 if on_result is not None:
                     on_result()
 
@@ -236,18 +243,23 @@ def run_batch_command(args) -> int:
     pending = [line for line in lines if line.key not in skip]
     progress = not args.no_progress and sys.stderr.isatty()
     t0 = time.perf_counter()
-    runner = None
+    counts = BatchCounts()
     if pending:
-        runner = asyncio.run(_run(config, pending, args.output_file, args.max_concurrency or config.max_num_seqs,
-                                  progress))
-    done, failed = (runner.done, runner.failed) if runner else (0, 0)
+        try:
+            asyncio.run(_run(config, pending, args.output_file, args.max_concurrency or config.max_num_seqs,
+                             progress, counts))
+        except KeyboardInterrupt:
+            print(f"run-batch: interrupted after {counts.done} line(s); what finished is in {args.output_file}: "
+                  "rerun the same command to resume", file=sys.stderr)
+            return 130
+    done, failed = counts.done, counts.failed
     print(f"run-batch: {done} line(s) processed ({failed} failed), {len(lines) - len(pending)} skipped "
           f"(already in {args.output_file}), in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 0
 
 
 async def _run(config: EngineConfig, lines: list[BatchLine], output_file: str, max_concurrency: int,
-               progress: bool) -> BatchRunner:
+               progress: bool, counts: BatchCounts) -> None:
     from kvflow.async_engine import AsyncEngine
     from kvflow.server.embeddings_api import EmbeddingsServing
     from kvflow.server.serving import OpenAIServing
@@ -255,7 +267,7 @@ async def _run(config: EngineConfig, lines: list[BatchLine], output_file: str, m
     engine = await asyncio.to_thread(AsyncEngine.from_config, config)
     engine.start()
     serving = OpenAIServing(engine)
-    runner = BatchRunner(serving, EmbeddingsServing(serving), max_concurrency)
+    runner = BatchRunner(serving, EmbeddingsServing(serving), max_concurrency, counts)
     try:
         with open(output_file, "a", encoding="utf-8") as out:
             if not progress:
@@ -264,7 +276,6 @@ async def _run(config: EngineConfig, lines: list[BatchLine], output_file: str, m
                 await _run_with_progress(runner, lines, out)
     finally:
         await serving.shutdown_engine()
-    return runner
 
 
 async def _run_with_progress(runner: BatchRunner, lines: list[BatchLine], out) -> None:
@@ -277,7 +288,8 @@ async def _run_with_progress(runner: BatchRunner, lines: list[BatchLine], out) -
         task = bar.add_task("run-batch", total=len(lines), stats="")
 
         def on_result():
-            rate = runner.output_tokens / max(time.perf_counter() - t0, 1e-9)
-            bar.update(task, completed=runner.done, stats=f"{runner.failed} failed · {rate:.1f} output tok/s")
+            c = runner.counts
+            rate = c.output_tokens / max(time.perf_counter() - t0, 1e-9)
+            bar.update(task, completed=c.done, stats=f"{c.failed} failed · {rate:.1f} output tok/s")
 
         await runner.run(lines, out, on_result)
