@@ -22,7 +22,8 @@ from kvflow.async_engine import RequestFailedError
 from kvflow.errors import InvalidRequestError
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
-from kvflow.server.protocol import APIError, OpenAIModel, Text, apply_field_rule, documented, random_id
+from kvflow.server.protocol import (APIError, OpenAIModel, Text, apply_field_rule, documented, prompt_list,
+                                    random_id)
 from kvflow.server.serving import OpenAIServing, arrival_time, merge, run_unless_disconnected
 
 MAX_INPUTS = 2048                       # one request's inputs at most, as OpenAI allows
@@ -55,17 +56,11 @@ class EmbeddingRequest(OpenAIModel):
         return apply_field_rule(cls.ROUTE, data, cls.model_fields) if isinstance(data, dict) else data
 
     def inputs(self) -> list[str | list[int]]:
-        p = self.input
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise APIError(400, "input must not be empty", param="input")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        if len(p) > MAX_INPUTS:
-            raise APIError(400, f"input holds {len(p)} inputs, more than {MAX_INPUTS}", param="input",
+        inputs = prompt_list(self.input, "input")
+        if len(inputs) > MAX_INPUTS:
+            raise APIError(400, f"input holds {len(inputs)} inputs, more than {MAX_INPUTS}", param="input",
                            code="invalid_value")
-        return list(p)
+        return inputs
 
     def pooling_params(self) -> PoolingParams:
         if None not in (self.normalize, self.use_activation) and self.normalize != self.use_activation:

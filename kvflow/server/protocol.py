@@ -329,14 +329,18 @@ class CompletionRequest(_SamplingRequest):
         return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+        return prompt_list(self.prompt, "prompt")
+
+
+def prompt_list(value: str | list, param: str) -> list[str | list[int]]:
+    """OpenAI's prompt forms (a text, texts, token ids, lists of ids) as a list of prompts; empty is a 400."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise APIError(400, f"{param} must not be empty", param=param)
+    if all(isinstance(x, int) for x in value):
+        return [list(value)]
+    return list(value)
 
 
 class _TokenizerRouteRequest(OpenAIModel):
