@@ -224,10 +224,12 @@ class AsyncEngine:
 
     # ---- event loop side ---------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               arrival_time: float | None = None, pooling: PoolingParams | None = None) -> RequestStream:
+               arrival_time: float | None = None, pooling: PoolingParams | None = None,
+               priority: int = 0) -> RequestStream:
         """Hand a request to the engine; call from the event loop. Raises InvalidRequestError (bad request),
         EngineOverloadedError (queue full), EngineShutdownError, EngineDeadError before anything runs. `pooling`:
-        an embedding request, whose stream ends with one delta carrying the vector."""
+        an embedding request, whose stream ends with one delta carrying the vector. `priority`: the scheduler's, a lower
+        value first (interactive 0; the Batch API's lines higher)."""
         if self.death_reason is not None:
             raise EngineDeadError(f"the engine loop died: {self.death_reason}")
         if not self._accepting:
@@ -247,7 +249,8 @@ class AsyncEngine:
                 raise EngineOverloadedError(f"the server is overloaded: {queued} requests are waiting "
                                             f"(--max-queue-len {limit}); retry later")
         arrival = time.time() if arrival_time is None else arrival_time
-        adds = self.processor.add_request(request_id, prompt_token_ids, params, arrival, max_tokens, pooling)
+        adds = self.processor.add_request(request_id, prompt_token_ids, params, arrival, max_tokens, pooling,
+                                          priority)
         stream = RequestStream(self, self.processor.requests[request_id])
         self._streams[request_id] = stream
         self._pending_adds += len(adds)

@@ -5,7 +5,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-SCHEDULING_POLICIES = ("continuous", "static")
+SCHEDULING_POLICIES = ("continuous", "fcfs", "priority", "static")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -58,8 +58,10 @@ class EngineConfig:
                                                         "prompt tokens per step, so their streams do not stall behind "
                                                         "a long prompt (0: no cap; see docs/performance.md)")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of a shared prompt prefix")
-    scheduling_policy: str = _option("continuous", "continuous, or static (admit a batch, run it to the end) for A/B "
-                                                   "benchmarks")
+    scheduling_policy: str = _option("continuous", "continuous (= vLLM's fcfs; the Batch API's lines still run after "
+                                                   "interactive requests), priority (as continuous, and requests may "
+                                                   "set their own priority: a lower value first, as vLLM), or static "
+                                                   "(admit a batch, run it to the end) for A/B benchmarks")
     quantization: str | None = _option(
         None, "weights: unset keeps a quantized GGUF's own codes on CPU; none (float), int4 (group 32), int8 or "
               "fp8 (per-channel scales)", aliases=("-q",))

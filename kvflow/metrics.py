@@ -43,6 +43,9 @@ PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 # vLLM's two reasons a request waits: "capacity" (for a slot, tokens or KV blocks) and "deferred" (held back by a
 # transient constraint: LoRA budget, KV transfer, a blocked status). kvflow's scheduler only has the first.
 WAITING_REASONS = ("capacity", "deferred")
+# OpenAI's batch statuses (kvflow:batches{status})
+BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                  "cancelled")
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # the StepStats counters the periodic log line sums up, for its rates
 _TOTALS = ("num_prompt_tokens_computed", "num_generated_tokens", "prefix_cache_queries", "prefix_cache_hits",
@@ -218,6 +221,18 @@ class EngineMetrics:
         self.resident_memory.set_function(process_resident_memory_bytes)
         self.engine_alive = gauge("kvflow:engine_alive", "1 while the engine loop is alive.")
         self.max_step_batch_size = gauge("kvflow:max_step_batch_size", "Largest batch run in one step so far.")
+        # the online Batch API (server/batch_worker.py): lines committed, batches by status, lines still to run
+        self.batch_requests = Counter("kvflow:batch_requests", "Batch API request lines finished (committed), by "
+                                      "outcome: completed (status 200) or failed.", ["model_name", "status"],
+                                      registry=r)
+        for status in ("completed", "failed"):
+            self.batch_requests.labels(model_name, status)
+        self.batches = Gauge("kvflow:batches", "Batch API batches in the store, by status.", ["model_name", "status"],
+                             registry=r)
+        for status in BATCH_STATUSES:
+            self.batches.labels(model_name, status)
+        self.batch_queue_depth = gauge("kvflow:batch_queue_depth",
+                                       "Request lines of in-progress batches not yet finished.")
 
         self._lock = threading.Lock()
         self._last_stats = StepStats()
@@ -355,6 +370,7 @@ class EngineMetrics:
             "ttft": _round(first.ttft if first else None),
             "e2e": _round(max(ends) - first.arrival if first and ends else None),
             "finish_reason": req.finish_reasons[0] if len(req.finish_reasons) == 1 else req.finish_reasons,
+            "num_preemptions": sum(t.num_preemptions for t in req.timings),
             "error": req.error,
         }
         with self._lock:

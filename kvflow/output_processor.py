@@ -99,7 +99,7 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float, max_tokens: int | None = None,
-                    pooling: PoolingParams | None = None) -> list[AddRequest]:
+                    pooling: PoolingParams | None = None, priority: int = 0) -> list[AddRequest]:
         """Register a request; returns the core requests to add, one per choice (an embedding request: one)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -118,7 +118,8 @@ class OutputProcessor:
                                  logprobs=[] if self.keep_logprobs and child.logprobs is not None else None)
             state.choices.append(choice)
             self._choice_of[core_id] = (state, choice)
-            core.append(AddRequest(core_id, state.prompt_token_ids, child, arrival_time, max_tokens, pooling))
+            core.append(AddRequest(core_id, state.prompt_token_ids, child, arrival_time, max_tokens, pooling,
+                                   priority))
         self.requests[request_id] = state
         return core
 

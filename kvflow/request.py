@@ -37,12 +37,14 @@ FINISH_REASONS = {
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, arrival_time: float | None = None, pooling: PoolingParams | None = None):
+                 max_tokens: int, arrival_time: float | None = None, pooling: PoolingParams | None = None,
+                 priority: int = 0):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)   # prompt + generated
         self.params = params
         self.max_tokens = max_tokens              # resolved: never None here
+        self.priority = priority                  # vLLM's: a lower value is scheduled first (batch work: 10)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0              # tokens whose KV is in the cache
         self.num_cached_tokens = 0                # prompt tokens that came from the prefix cache

@@ -278,3 +278,10 @@ def test_parallel_tool_calls_false_allows_one_call(client):
     with pytest.raises(InvalidRequestError) as e:      # "auto" leaves the model's syntax free: not promised
         parse_tool_request([weather], "auto", tool_parser="hermes", parallel_tool_calls=False)
     assert e.value.param == "parallel_tool_calls"
+
+
+# ---- priority (vLLM's: honoured only under --scheduling-policy priority) -----------------------------------------
+def test_priority_without_the_priority_policy_is_a_400_naming_it(client):
+    body = bad_request(lambda: complete(client, extra_body={"priority": 5}))
+    assert body["param"] == "priority" and "--scheduling-policy priority" in body["message"]
+    assert complete(client, extra_body={"priority": 0}).choices[0].text      # the default is no priority

@@ -161,3 +161,75 @@ def test_a_mixed_step_hands_the_runner_everything_it_needs():
     outputs = sched.update(out, SampledTokens([8], [None]))
     assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", [8])]
     assert (a.num_computed_tokens, b.num_computed_tokens) == (7, 9)
+
+
+# ---- priorities (vLLM's: a lower value first; the Batch API's lines run at 10) --------------------------------
+def add_p(sched, rid, n, priority, max_tokens=4):
+    r = Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens,
+                priority=priority)
+    sched.add_request(r)
+    return r
+
+
+def test_a_waiting_interactive_request_is_admitted_before_earlier_batch_requests():
+    sched, kv = make(max_num_seqs=2)
+    for i in range(3):
+        add_p(sched, f"batch{i}", 3, priority=10)
+    add_p(sched, "chat", 3, priority=0)                  # arrives last
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["chat", "batch0"]
+    assert [r.request_id for r in sched.waiting] == ["batch1", "batch2"]
+
+
+def test_an_interactive_request_preempts_a_batch_request_when_max_num_seqs_is_full():
+    sched, kv = make(max_num_seqs=2)
+    reqs = {}
+    for i in range(2):
+        reqs[f"batch{i}"] = add_p(sched, f"batch{i}", 3, priority=10, max_tokens=50)
+    run_step(sched, reqs)
+    add_p(sched, "chat", 3, priority=0)
+    out = sched.schedule()
+    assert out.preempted_ids == ["batch1"]               # the newest of the highest value
+    assert {s.request_id for s in out.scheduled} == {"batch0", "chat"}
+    assert reqs["batch1"].status == RequestStatus.PREEMPTED and sched.waiting.peek() is reqs["batch1"]
+    sched.update(out, sampled(out))
+    while sched.has_unfinished_requests():
+        run_step(sched, reqs)
+    assert reqs["batch1"].num_output_tokens == 50        # recomputed, nothing lost
+    kv.check()
+
+
+def test_when_blocks_run_out_a_batch_request_is_preempted_never_an_interactive_one():
+    # 6 blocks of 4 tokens: two long-running requests cannot both grow to 16 tokens
+    sched, kv = make(num_blocks=6, block_size=4)
+    chat = add_p(sched, "chat", 7, priority=0, max_tokens=9)
+    batch = add_p(sched, "batch", 7, priority=10, max_tokens=9)
+    preempted = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        preempted += out.preempted_ids
+        sched.update(out, sampled(out))
+    assert preempted and set(preempted) == {"batch"}
+    assert chat.num_preemptions == 0 and chat.num_output_tokens == 9 and batch.num_output_tokens == 9
+    kv.check()
+
+
+def test_batch_prompt_chunks_wait_while_an_interactive_request_is_admitted():
+    sched, kv = make(max_num_batched_tokens=8)
+    reqs = {"batch": add_p(sched, "batch", 20, priority=10)}
+    run_step(sched, reqs)                                # batch: 8 of 20 prompt tokens
+    add_p(sched, "chat", 6, priority=0)
+    out = sched.schedule()
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("chat", 6)]
+    sched.update(out, sampled(out))
+    assert [(s.request_id, s.num_new_tokens) for s in sched.schedule().scheduled] == [("chat", 1), ("batch", 7)]
+
+
+def test_equal_priorities_are_first_come_first_served_and_abort_finds_waiting_requests():
+    sched, kv = make(max_num_seqs=1)
+    for rid, p in (("a", 5), ("b", 5), ("c", 1)):
+        add_p(sched, rid, 3, priority=p)
+    assert [r.request_id for r in sched.waiting] == ["c", "a", "b"]
+    sched.abort(["a"])
+    assert [r.request_id for r in sched.waiting] == ["c", "b"] and len(sched.waiting) == 2
+    kv.check()

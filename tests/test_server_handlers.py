@@ -70,7 +70,7 @@ class FakeEngine:
     def __init__(self, refuse: Exception | None = None, fail=False):
         self.refuse, self.fail, self.streams = refuse, fail, []
 
-    def submit(self, request_id, prompt, params, arrival_time=None, pooling=None):
+    def submit(self, request_id, prompt, params, arrival_time=None, pooling=None, priority=0):
         if self.refuse:
             raise self.refuse
         RequestValidator(self.vocab_size, self.max_model_len).validate(prompt, params, pooling)   # the engine's check
@@ -198,7 +198,7 @@ def test_server_flags_reach_the_server_config():
     # "-q none" stays "none": float weights asked for explicitly (unset keeps a GGUF quantized)
     assert (engine.model, engine.served_model_name, engine.quantization, engine.seed) == ("m", "a", "none", 7)
     with pytest.raises(ValueError, match="scheduling_policy"):
-        configs_from_args(serve_parser().parse_args(["serve", "--scheduling-policy", "fcfs"]))
+        configs_from_args(serve_parser().parse_args(["serve", "--scheduling-policy", "lifo"]))
 
 
 def test_cli_help_and_bench_do_not_import_torch():

@@ -74,17 +74,18 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, max_tokens: int | None = None,
-                    pooling: PoolingParams | None = None) -> None:
+                    pooling: PoolingParams | None = None, priority: int = 0) -> None:
         """`max_tokens`: resolved by the frontend's `RequestValidator.admit`, which checked the request (the
         frontends do: it is not checked twice). Without it the core checks the request itself and raises
-        InvalidRequestError before anything is queued. `pooling`: an embedding request (prefill only)."""
+        InvalidRequestError before anything is queued. `pooling`: an embedding request (prefill only). `priority`:
+        the scheduler's, a lower value first (core/scheduler.py)."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n != 1:
             raise ValueError("the engine core takes n=1 requests; fan out n>1 before add_request")
         if max_tokens is None:
             max_tokens = self.validator.validate(prompt_token_ids, params, pooling)
-        req = Request(request_id, prompt_token_ids, params, max_tokens, arrival_time, pooling)
+        req = Request(request_id, prompt_token_ids, params, max_tokens, arrival_time, pooling, priority)
         req.eos_token_ids = self.eos_token_ids
         self.scheduler.add_request(req)
 

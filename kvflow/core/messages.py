@@ -24,6 +24,7 @@ class AddRequest:
     arrival_time: float
     max_tokens: int | None = None     # resolved by the frontend's validator, which admitted it: not checked again
     pooling: PoolingParams | None = None   # an embedding request: pooled hidden states, no sampling
+    priority: int = 0                 # the scheduler's: a lower value first (interactive 0, batch work higher)
 
 
 @dataclass(frozen=True)

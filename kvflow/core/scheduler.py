@@ -1,9 +1,18 @@
 """Scheduler: decides who runs each step and how many tokens each computes. It never touches tensors.
 
 One token budget per step. Running requests go first (a decode costs one token, an unfinished prefill
-takes what is left of the budget); then waiting requests are admitted in arrival order while the budget,
-`max_num_seqs` and free blocks allow. A request that needs a block when none is free preempts the newest
-running request, which loses its KV and goes back to the head of the waiting queue (recompute).
+takes what is left of the budget); then waiting requests are admitted while the budget, `max_num_seqs` and free
+blocks allow. A request that needs a block when none is free preempts the newest running request, which loses
+its KV and goes back to the head of the waiting queue (recompute).
+
+Priorities (vLLM's: a lower `Request.priority` value first; interactive requests 0, the Batch API's lines 10):
+the waiting queue is admitted lowest value first (`WaitingQueue`), the running list is kept in (priority,
+admission) order so a step's budget goes to lower values first and the preemption victim — always the last
+running request — is the newest of the highest value; and a waiting request of a lower value than some running
+request preempts those running requests when `max_num_seqs` or the free blocks would keep it waiting, and holds
+their prompt chunks back for the step it is admitted in (its time to first token is then what it would be
+without them, but for their decode rows). With every
+request at 0 this is plain first-come, first-served.
 
 `max_prefill_tokens_while_decoding` (0: off) caps the prompt tokens of a step while any running request is
 already generating: a step with a long prefill chunk is a long gap between the streaming requests' tokens,
@@ -20,14 +29,19 @@ position is always computed, on top of the same cached KV a recompute would writ
 """
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.outputs import EngineOutput, ScheduledRequest, SchedulerOutput
+from kvflow.core.waiting_queue import WaitingQueue
 from kvflow.request import Request, RequestStatus
 from kvflow.runner.step import ModelStep, PromptLogprobsRow, SampledTokens, SamplingRow, StepBatch
+
+
+def _priority(req: Request) -> int:
+    return req.priority
 
 
 class Scheduler:
@@ -40,8 +54,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}   # every unfinished request, by id
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []      # oldest first: the newest is preempted first
+        self.waiting = WaitingQueue()          # lowest priority value first, then arrival order
+        self.running: list[Request] = []      # (priority, admission) order: the last is preempted first
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
@@ -59,6 +73,13 @@ class Scheduler:
         decoding = cap > 0 and any(r.num_output_tokens > 0 and r.num_tokens - r.num_computed_tokens == 1
                                    for r in self.running)
         prefill_budget = cap if decoding else budget          # prompt tokens this step
+        # a waiting request of a lower value than running ones: they give way (preempted if it would not fit,
+        # and their prompt chunks wait a step, so its prefill has the budget and the step is no longer for it)
+        yield_above = None
+        if self.waiting and self.running and self.waiting.peek().priority < self.running[-1].priority:
+            yield_above = self.waiting.peek().priority
+            self._preempt_for(self.waiting.peek(), out)
+        out_of_blocks = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -66,7 +87,7 @@ class Scheduler:
             num_new = min(remaining, budget)
             if remaining > 1:                                  # a prompt (or recompute) chunk, not a decode
                 num_new = min(num_new, prefill_budget)
-                if num_new <= 0:
+                if num_new <= 0 or (yield_above is not None and req.priority > yield_above):
                     i += 1
                     continue
                 prefill_budget -= num_new
@@ -74,6 +95,7 @@ class Scheduler:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
+                out_of_blocks = True
                 if victim is req:
                     break
             else:
@@ -84,9 +106,9 @@ class Scheduler:
         # static batching: a batch forms while none of its requests has produced a token (its prefill
         # steps), then runs to completion before the next batch is admitted
         batch_closed = self.static and any(r.num_output_tokens > 0 for r in self.running)
-        may_admit = not out.preempted_ids and not batch_closed
+        may_admit = not out_of_blocks and not batch_closed
         while may_admit and self.waiting and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             if not self.static and min(budget, prefill_budget) <= 0:
                 break
             queried = self.kv.enable_prefix_caching and self._takes_prefix_hits(req)
@@ -107,7 +129,10 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
                 req.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            if self.running and self.running[-1].priority > req.priority:    # before the higher values
+                self.running.insert(bisect.bisect_right(self.running, req.priority, key=_priority), req)
+            else:
+                self.running.append(req)
             if num_new > 0:
                 out.scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
@@ -116,6 +141,17 @@ class Scheduler:
             out.rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1)   # decodes first (stable)
             out.step = self._model_step(out.rows)
         return out
+
+    def _preempt_for(self, head: Request, out: SchedulerOutput) -> None:
+        """Preempt running requests of a higher priority value than the waiting `head` (the newest of the highest
+        value first) while `max_num_seqs` or the free blocks would keep `head` waiting. The blocks it needs are
+        estimated for its first chunk, without prefix-cache hits (an estimate on the safe side)."""
+        need = self.kv.blocks_needed(min(head.num_tokens, self.max_num_batched_tokens))
+        while (self.running and self.running[-1].priority > head.priority
+               and (len(self.running) >= self.max_num_seqs or self.kv.num_free_blocks < need)):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
 
     def _takes_prefix_hits(self, req: Request) -> bool:
         """Whether cached blocks may stand in for the request's first positions: not when it needs something of

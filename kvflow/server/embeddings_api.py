@@ -22,7 +22,7 @@ from kvflow.async_engine import RequestFailedError
 from kvflow.errors import InvalidRequestError
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
-from kvflow.server.protocol import (APIError, OpenAIModel, Text, apply_field_rule, documented, prompt_list,
+from kvflow.server.protocol import (PRIORITY_FIELD, APIError, OpenAIModel, Text, apply_field_rule, documented, prompt_list,
                                     random_id)
 from kvflow.server.serving import OpenAIServing, arrival_time, merge, run_unless_disconnected
 
@@ -46,6 +46,7 @@ class EmbeddingRequest(OpenAIModel):
     use_activation: bool | None = None   # vLLM's later name for normalize (the embedding pooler's activation)
     endianness: Literal["native", "little", "big"] = "native"   # of base64's bytes (native: little on x86 and ARM)
     request_id: Text | None = documented(description="the response's id is built from it (embd-ID)")
+    priority: int = PRIORITY_FIELD
 
     ROUTE: ClassVar[str] = "embeddings"
     PARAM_NAMES: ClassVar[dict[str, str]] = {"prompt": "input"}     # the validator's names -> this request's
@@ -106,7 +107,9 @@ class EmbeddingsServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def create(self, req: EmbeddingRequest, raw: Request | None = None) -> EmbeddingResponse:
+    async def create(self, req: EmbeddingRequest, raw: Request | None = None, *, priority: int = 0
+                     ) -> EmbeddingResponse:
+        """`priority`: the base the request's own priority adds to (the Batch API's; 0 for interactive)."""
         serving = self.serving
         arrival = arrival_time(raw)
         model = serving.check_model(req.model)
@@ -115,7 +118,8 @@ class EmbeddingsServing:
         serving.check_prompt_chars(max((len(p) for p in inputs if isinstance(p, str)), default=0), "input")
         prompt_ids = await asyncio.to_thread(serving.completion_prompt_ids, inputs, req.add_special_tokens)
         request_id = f"embd-{req.request_id}" if req.request_id else random_id("embd")
-        streams = serving.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES, pooling=pooling)
+        streams = serving.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES, pooling=pooling,
+                                 priority=serving.priority(req, priority))
         vectors: list[list[float] | None] = [None] * len(streams)
 
         async def gather():

@@ -158,6 +158,14 @@ class ChatMessage(OpenAIModel):
         return "\n".join(parts)
 
 
+# vLLM's request field: the scheduler's priority, a lower value first; honoured only under --scheduling-policy
+# priority (OpenAIServing.priority), as vLLM. Bounded so that the Batch API's offset cannot overflow anything.
+MAX_PRIORITY = 2**31 - 1
+PRIORITY_FIELD = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY,
+                       description="scheduling priority, a lower value first (vLLM's); needs --scheduling-policy "
+                                   "priority")
+
+
 class _SamplingRequest(OpenAIModel):
     model: Text | None = None
     max_tokens: int | None = documented(minimum=1)
@@ -190,6 +198,7 @@ class _SamplingRequest(OpenAIModel):
     allowed_token_ids: list[int] | None = documented(items={"minimum": 0})
     bad_words: list[Text] | None = documented(maxItems=limits.MAX_BAD_WORDS)
     request_id: Text | None = documented(description="the response's id is built from it (cmpl-/chatcmpl-ID)")
+    priority: int = PRIORITY_FIELD
     return_token_ids: bool | None = None             # prompt_token_ids and each choice's token_ids
     return_tokens_as_token_ids: bool | None = None   # logprobs' tokens as "token_id:N"
     # structured outputs (kvflow.structured_output.spec_from_request checks their shape and names the field)

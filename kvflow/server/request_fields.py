@@ -55,12 +55,12 @@ _MISSING = object()
 # spaces_between_special_tokens=false: kvflow writes special tokens as the fast tokenizer decodes them, as vLLM's
 # fast detokenizer does, and has no slow path that inserts or removes spaces; structural_tag,
 # guided_decoding_backend, guided_whitespace_pattern: one grammar backend (llguidance), JSON without free
-# whitespace; priority: no priority scheduling; logits_processors: no user code in the engine; cache_salt,
+# whitespace; logits_processors: no user code in the engine; cache_salt,
 # kv_transfer_params, vllm_xargs, prompt_embeds, mm_processor_kwargs: not built; include_reasoning: no reasoning
 # parser.
 _COMMON = {
     "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
-    "structural_tag": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None, "priority": 0,
+    "structural_tag": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
     "logits_processors": None, "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None,
     **{name: None for name in OPENAI_ONLY},
 }
@@ -82,11 +82,10 @@ VLLM_FIELDS["embeddings"] = (
 # Why each is refused: dimensions: no matryoshka representation (cutting a vector that was not trained for it gives
 # worse vectors, vLLM refuses it too); embed_dtype other than float32: base64 carries float32, as OpenAI; padding,
 # truncation_side: kvflow neither pads nor truncates but from the left (truncate_prompt_tokens keeps the last
-# tokens); messages: the chat form is not built; additional_data, priority, cache_salt, mm_processor_kwargs: as on
-# chat.
+# tokens); messages: the chat form is not built; additional_data, cache_salt, mm_processor_kwargs: as on chat.
 REFUSED["embeddings"] = {
     "dimensions": None, "embed_dtype": "float32", "padding": None, "truncation_side": None, "messages": None,
-    "additional_data": None, "priority": 0, "cache_salt": None, "mm_processor_kwargs": None,
+    "additional_data": None, "cache_salt": None, "mm_processor_kwargs": None,
 }
 
 
@@ -127,7 +126,8 @@ RESPONSES_STATEFUL = ("previous_response_id", "store", "conversation", "backgrou
 # Why the others are refused: max_tool_calls counts built-in tools (kvflow has none); truncation "auto" would
 # drop input items; service_tier, moderation, access_programs, image, context_management, safety_identifier,
 # prompt (stored prompt templates), the prompt-cache options (kvflow's prefix cache needs no key) and
-# stream_options (no obfuscation): not built; priority, cache_salt, mm_processor_kwargs, vllm_xargs: as on chat.
+# stream_options (no obfuscation): not built; cache_salt, mm_processor_kwargs, vllm_xargs: as on chat; priority:
+# not passed through the Responses adapter.
 REFUSED["responses"] = {
     "previous_response_id": None, "store": False, "conversation": None, "background": False,
     "background_options": None, "previous_response": None, "previous_input_messages": None,

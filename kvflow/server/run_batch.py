@@ -134,7 +134,10 @@ class BatchCounts:
 class BatchRunner:
     """The lines of one batch through the server's routes, `max_concurrency` at a time."""
 
-    def __init__(self, serving, embeddings, max_concurrency: int, counts: BatchCounts | None = None) -> None:
+    def __init__(self, serving, embeddings, max_concurrency: int, counts: BatchCounts | None = None, *,
+                 priority: int = 0) -> None:
+        """`priority`: the scheduler priority every line runs at, added to the line's own `priority` (the online
+        Batch API runs its lines behind interactive traffic; offline, nothing else runs)."""
         from kvflow.server.embeddings_api import EmbeddingRequest
         from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -142,6 +145,7 @@ class BatchRunner:
                        "/v1/completions": (CompletionRequest, serving.completions),
                        "/v1/embeddings": (EmbeddingRequest, embeddings.create)}
         self.max_concurrency = max_concurrency
+        self.priority = priority
         self.counts = counts or BatchCounts()
 
     async def run_line(self, line: BatchLine) -> tuple[dict, int]:
@@ -161,7 +165,7 @@ class BatchRunner:
             if getattr(req, "stream", None):
                 raise APIError(400, "stream is not supported in a batch: each line's response is written whole",
                                param="stream")
-            resp = await route(req)
+            resp = await route(req, priority=self.priority)
         except APIError as e:
             return self.error_record(line, e), 0
         except InvalidRequestError as e:

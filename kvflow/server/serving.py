@@ -107,15 +107,16 @@ class OpenAIServing:
                                          permission=[ModelPermission()])
                                for name in self.names])
 
-    async def chat(self, req: ChatCompletionRequest, raw: Request | None = None):
-        return await self.respond(await self.start_chat(req, raw), bool(req.stream), raw)
+    async def chat(self, req: ChatCompletionRequest, raw: Request | None = None, *, priority: int = 0):
+        return await self.respond(await self.start_chat(req, raw, priority=priority), bool(req.stream), raw)
 
-    async def completions(self, req: CompletionRequest, raw: Request | None = None):
-        return await self.respond(await self.start_completions(req, raw), bool(req.stream), raw)
+    async def completions(self, req: CompletionRequest, raw: Request | None = None, *, priority: int = 0):
+        return await self.respond(await self.start_completions(req, raw, priority=priority), bool(req.stream), raw)
 
-    async def start_chat(self, req: ChatCompletionRequest, raw: Request | None = None) -> Generation:
+    async def start_chat(self, req: ChatCompletionRequest, raw: Request | None = None, *,
+                         priority: int = 0) -> Generation:
         """A chat request submitted: its Generation, to respond with (or for another API's adapter to read through
-        `collect` or `chunks`)."""
+        `collect` or `chunks`). `priority`: the base the request's own priority adds to (see `priority`)."""
         arrival = arrival_time(raw)
         model = self.check_model(req.model)
         params = self.sampling_params(req, num_prompts=1)
@@ -126,7 +127,8 @@ class OpenAIServing:
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")   # text, flattened above
         prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, messages, **render_args)
         request_id = f"chatcmpl-{req.request_id}" if req.request_id else random_id("chatcmpl")
-        streams = self.submit(request_id, [prompt_ids], params, arrival, req.PARAM_NAMES)
+        streams = self.submit(request_id, [prompt_ids], params, arrival, req.PARAM_NAMES,
+                              priority=self.priority(req, priority))
         # vLLM's echo: the reply starts with the last message when that is the assistant's (a prefill to continue)
         echo = [messages[-1]["content"]] if req.echo and req.messages[-1].role == "assistant" else None
         gen = Generation(request_id, model, True, streams, req.num_logprobs, req.include_usage, req.continuous_usage,
@@ -134,7 +136,8 @@ class OpenAIServing:
                          return_token_ids=bool(req.return_token_ids), tokens_as_ids=self.tokens_as_ids(req))
         return gen
 
-    async def start_completions(self, req: CompletionRequest, raw: Request | None = None) -> Generation:
+    async def start_completions(self, req: CompletionRequest, raw: Request | None = None, *,
+                                priority: int = 0) -> Generation:
         arrival = arrival_time(raw)
         model = self.check_model(req.model)
         prompts = req.prompts()
@@ -144,7 +147,8 @@ class OpenAIServing:
         self.check_prompt_chars(max((len(p) for p in prompts if isinstance(p, str)), default=0), "prompt")
         prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, prompts, req.add_special_tokens)
         request_id = f"cmpl-{req.request_id}" if req.request_id else random_id("cmpl")
-        streams = self.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES)
+        streams = self.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES,
+                              priority=self.priority(req, priority))
         # echo: the prompt as given, or as the engine runs it when that is token ids or truncated
         echo = [p if isinstance(p, str) and len(s.prompt_token_ids) == len(ids)
                 else self.tokenizer.decode(s.prompt_token_ids, False)
@@ -284,15 +288,25 @@ class OpenAIServing:
                            code="invalid_value")
         return list(ids)
 
+    def priority(self, req, base: int = 0) -> int:
+        """The scheduler priority of a request: `base` (the Batch API's, 0 for interactive traffic) plus the
+        request's own `priority`, which vLLM honours only under --scheduling-policy priority (else a 400)."""
+        if req.priority and getattr(self.engine.config, "scheduling_policy", None) != "priority":
+            raise APIError(400, "priority is honoured only when the server runs with --scheduling-policy priority",
+                           param="priority", code="invalid_value")
+        return base + req.priority
+
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, arrival: float,
-               param_names: dict[str, str], pooling: PoolingParams | None = None) -> list[RequestStream]:
+               param_names: dict[str, str], pooling: PoolingParams | None = None,
+               priority: int = 0) -> list[RequestStream]:
         """One engine request per prompt; all or none (the ones already submitted are closed on failure).
-        `pooling`: embedding requests (server/embeddings_api.py)."""
+        `pooling`: embedding requests (server/embeddings_api.py); `priority`: the scheduler's (lower first)."""
         streams: list[RequestStream] = []
         try:
             for k, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-p{k}"
-                streams.append(self.engine.submit(rid, ids, params, arrival_time=arrival, pooling=pooling))
+                streams.append(self.engine.submit(rid, ids, params, arrival_time=arrival, pooling=pooling,
+                                                  priority=priority))
         except BaseException as e:
             for s in streams:
                 s.close()
