@@ -190,7 +190,7 @@ def test_an_interactive_request_preempts_a_batch_request_when_max_num_seqs_is_fu
     add_p(sched, "chat", 3, priority=0)
     out = sched.schedule()
     assert out.preempted_ids == ["batch1"]               # the newest of the highest value
-    assert {s.request_id for s in out.scheduled} == {"batch0", "chat"}
+    assert [s.request_id for s in out.scheduled] == ["chat"]   # batch0 sits out the step that admits chat
     assert reqs["batch1"].status == RequestStatus.PREEMPTED and sched.waiting.peek() is reqs["batch1"]
     sched.update(out, sampled(out))
     while sched.has_unfinished_requests():
@@ -214,7 +214,7 @@ def test_when_blocks_run_out_a_batch_request_is_preempted_never_an_interactive_o
     kv.check()
 
 
-def test_batch_prompt_chunks_wait_while_an_interactive_request_is_admitted():
+def test_batch_rows_sit_out_the_step_that_admits_an_interactive_request():
     sched, kv = make(max_num_batched_tokens=8)
     reqs = {"batch": add_p(sched, "batch", 20, priority=10)}
     run_step(sched, reqs)                                # batch: 8 of 20 prompt tokens
@@ -223,6 +223,18 @@ def test_batch_prompt_chunks_wait_while_an_interactive_request_is_admitted():
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("chat", 6)]
     sched.update(out, sampled(out))
     assert [(s.request_id, s.num_new_tokens) for s in sched.schedule().scheduled] == [("chat", 1), ("batch", 7)]
+
+
+def test_batch_decodes_sit_out_the_step_that_admits_an_interactive_request_then_resume():
+    sched, kv = make()
+    reqs = {"batch": add_p(sched, "batch", 4, priority=10, max_tokens=20)}
+    run_step(sched, reqs)
+    run_step(sched, reqs)                                # batch decoding
+    add_p(sched, "chat", 6, priority=0)
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["chat"]
+    sched.update(out, sampled(out))
+    assert [s.request_id for s in sched.schedule().scheduled] == ["chat", "batch"]   # both decode
 
 
 def test_equal_priorities_are_first_come_first_served_and_abort_finds_waiting_requests():

@@ -9,9 +9,9 @@ Priorities (vLLM's: a lower `Request.priority` value first; interactive requests
 the waiting queue is admitted lowest value first (`WaitingQueue`), the running list is kept in (priority,
 admission) order so a step's budget goes to lower values first and the preemption victim — always the last
 running request — is the newest of the highest value; and a waiting request of a lower value than some running
-request preempts those running requests when `max_num_seqs` or the free blocks would keep it waiting, and holds
-their prompt chunks back for the step it is admitted in (its time to first token is then what it would be
-without them, but for their decode rows). With every
+request preempts those running requests when `max_num_seqs` or the free blocks would keep it waiting, and they
+sit out the step it is admitted in (decodes too): its time to first token is then what it would be without them,
+but for the step already under way when it arrived. Batch work fills what interactive traffic leaves idle. With every
 request at 0 this is plain first-come, first-served.
 
 `max_prefill_tokens_while_decoding` (0: off) caps the prompt tokens of a step while any running request is
@@ -73,8 +73,8 @@ class Scheduler:
         decoding = cap > 0 and any(r.num_output_tokens > 0 and r.num_tokens - r.num_computed_tokens == 1
                                    for r in self.running)
         prefill_budget = cap if decoding else budget          # prompt tokens this step
-        # a waiting request of a lower value than running ones: they give way (preempted if it would not fit,
-        # and their prompt chunks wait a step, so its prefill has the budget and the step is no longer for it)
+        # a waiting request of a lower value than running ones: they give way (preempted if it would not fit, and
+        # left out of the step it is admitted in, so its first token costs what it would without them)
         yield_above = None
         if self.waiting and self.running and self.waiting.peek().priority < self.running[-1].priority:
             yield_above = self.waiting.peek().priority
@@ -83,11 +83,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if yield_above is not None and req.priority > yield_above:
+                break                                          # the rest are of higher values too (sorted)
             remaining = req.num_tokens - req.num_computed_tokens
             num_new = min(remaining, budget)
             if remaining > 1:                                  # a prompt (or recompute) chunk, not a decode
                 num_new = min(num_new, prefill_budget)
-                if num_new <= 0 or (yield_above is not None and req.priority > yield_above):
+                if num_new <= 0:
                     i += 1
                     continue
                 prefill_budget -= num_new
