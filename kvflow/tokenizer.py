@@ -95,7 +95,19 @@ class Tokenizer:
 
     @classmethod
     def from_files(cls, files: ModelFiles) -> "Tokenizer":
-        """The tokenizer `resolve_model_files` found: a GGUF's metadata (already parsed) or an HF folder."""
+        """The tokenizer `resolve_model_files` found: a GGUF's metadata (already parsed) or an HF folder. The
+        architecture's own chat template stands in where the tokenizer carries none, and its end-of-turn tokens
+        (Gemma's <end_of_turn>) stop generation beside the EOS."""
+        tok = cls._from_files(files)
+        arch = files.config.arch
+        if arch.chat_template and not tok.chat_template:
+            tok.hf.chat_template = arch.chat_template
+        vocab = tok.hf.get_vocab() if arch.end_of_turn_tokens else {}
+        tok.eos_token_ids |= {vocab[t] for t in arch.end_of_turn_tokens if t in vocab}
+        return tok
+
+    @classmethod
+    def _from_files(cls, files: ModelFiles) -> "Tokenizer":
         if files.tokenizer_gguf is not None:
             hf, extra = _hf_from_gguf(files.tokenizer_gguf)
             return cls(hf, extra)

@@ -9,6 +9,11 @@ the index tensors and masks once per step (`AttentionMetadata`); no layer loops 
 Gathers use `index_select`, not `cache[block_tables]`: advanced indexing enters an OpenMP parallel region even
 for a few KiB, which cost ~15 ms per call on this project's 2-core machine when other processes held the cores
 (index_select stays serial at this size: 2.5 us). See docs/performance.md.
+
+Sliding-window layers (`sliding_window` W: Gemma 3's local layers, Mistral, Phi-3) attend to keys p - W + 1 .. p
+only: the same calls under the step's sliding masks (`decode_mask_sliding`, `PrefillBatch.mask_sliding`, built
+with the others), or kvflow's kernel with its window argument. The cache keeps every position's K/V (prefix-cache
+hits and chunked prefill read them back as for any layer).
 """
 from __future__ import annotations
 
@@ -24,12 +29,14 @@ FP8_MAX = 448.0
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 sliding_window: int | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window = sliding_window or 0      # 0: every key up to the query's position
         # set by the model runner once the cache is allocated: [num_blocks, block_size, Hkv, D] each
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -42,7 +49,7 @@ class PagedAttention(nn.Module):
         nd = meta.num_decode_tokens
         if meta.seq_tables is not None:
             out = native_kernels.paged_attention(q, self.k_cache, self.v_cache, meta.seq_tables, meta.row_seq,
-                                                 meta.positions, self.scale)
+                                                 meta.positions, self.scale, self.sliding_window)
         elif meta.prefill is None:
             out = self._decode(q, meta)
         elif nd == 0:
@@ -79,18 +86,24 @@ class PagedAttention(nn.Module):
         values = self._load(self.v_cache, blocks, q.dtype, "block").view(B, -1, Hkv, D).transpose(1, 2)
         # grouped-query attention without repeating K/V: the group's heads act as query rows
         q = q.view(B, Hkv, Hq // Hkv, D)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
+        mask = meta.decode_mask
+        if self.sliding_window and meta.decode_mask_sliding is not None:
+            mask = meta.decode_mask_sliding
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         return o.reshape(B, Hq, D)
 
     def _prefill(self, q, k, v, p: PrefillBatch) -> torch.Tensor:
         gqa = self.num_heads != self.num_kv_heads
+        sliding = self.sliding_window and p.mask_sliding is not None
         if p.mask is None:      # one chunk and no past: its own K/V, causal (no mask to build or read)
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               is_causal=True, scale=self.scale, enable_gqa=gqa)
+                                               attn_mask=p.mask_sliding[0] if sliding else None,
+                                               is_causal=not sliding, scale=self.scale, enable_gqa=gqa)
             return o.transpose(0, 1)
         P, Lq, Lk, D = p.num_seqs, p.max_q_len, p.max_context_len, self.head_dim
         queries = q.index_select(0, p.query_rows).view(P, Lq, self.num_heads, D).transpose(1, 2)
         keys = self._load(self.k_cache, p.key_slots, q.dtype, "slot").view(P, Lk, -1, D).transpose(1, 2)
         values = self._load(self.v_cache, p.key_slots, q.dtype, "slot").view(P, Lk, -1, D).transpose(1, 2)
-        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=p.mask, scale=self.scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=p.mask_sliding if sliding else p.mask,
+                                           scale=self.scale, enable_gqa=gqa)
         return o.transpose(1, 2).reshape(P * Lq, self.num_heads, D).index_select(0, p.output_rows)

@@ -26,6 +26,10 @@ class PrefillBatch:
     output_rows: torch.Tensor     # [prefill rows] where each real row sits in the padded [P * max_q_len] layout
     key_slots: torch.Tensor       # [P * max_context_len] cache slot of each padded key (pads: the scratch slot)
     mask: torch.Tensor | None     # [P, 1, max_q_len, max_context_len] additive 0 / -inf; None: one chunk, no past
+    # the same for sliding-window layers (also keys more than `sliding_window` positions back masked); None where no
+    # query of the step has keys beyond its window (then `mask` serves them). With `mask` None: [1, 1, L, L] over
+    # the chunk's own keys
+    mask_sliding: torch.Tensor | None = None
 
 
 @dataclass
@@ -34,6 +38,7 @@ class AttentionMetadata:
     num_decode_tokens: int                # the first rows of the batch are decodes, one token each
     decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks] (pads: the scratch block)
     decode_mask: torch.Tensor | None = None           # [num_decodes, 1, 1, max_blocks*block_size] additive 0 / -inf
+    decode_mask_sliding: torch.Tensor | None = None   # decode_mask for sliding-window layers (None: decode_mask)
     prefill: PrefillBatch | None = None
     # kvflow's attention kernel (native_kernels.c), when it runs: every row alone, over its own keys
     seq_tables: torch.Tensor | None = None            # [sequences, max_blocks] block tables (pads: the scratch block)

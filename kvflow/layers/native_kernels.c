@@ -255,7 +255,8 @@ static void softmax(float *p, int64_t len) {
 //   before the call); out [T, Hq, D]. Query heads h * G .. h * G + G - 1 share KV head h (G = Hq / Hkv).
 // Each row's sums run over its own keys in one fixed order, whatever else is in the step, however its
 // sequence was chunked, and on however many threads: the result of a row depends on that row's inputs only
-// (batch invariance). D must be a multiple of 8 and at most 256.
+// (batch invariance). D must be a multiple of 8 and at most 256. `window` > 0 (a sliding-window layer): the row
+// attends to keys positions[t] - window + 1 .. positions[t] only (the cache still holds the older ones).
 // 8 cache values as floats: float32, or bfloat16 (its bits are the top half of a float32's)
 static inline __m256 load8(const void *cache, int64_t i, int bf16) {
     if (bf16)
@@ -269,7 +270,8 @@ static inline __m256 load8(const void *cache, int64_t i, int bf16) {
 int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
                            const void *k_cache, const void *v_cache, int64_t block_size,
                            const int64_t *tables, int64_t width, const int64_t *row_seq,
-                           const int64_t *positions, float scale, float *out, int threads, int bf16) {
+                           const int64_t *positions, float scale, float *out, int threads, int bf16,
+                           int64_t window) {
     const int64_t G = Hq / Hkv, V = D / 8;
     int64_t longest = 1;
     for (int64_t t = 0; t < T; t++) longest = positions[t] + 1 > longest ? positions[t] + 1 : longest;
@@ -284,26 +286,27 @@ int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, i
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < T * Hkv; i++) {
             if (!p) continue;
-            const int64_t t = i / Hkv, h = i % Hkv, len = positions[t] + 1;
+            const int64_t t = i / Hkv, h = i % Hkv, end = positions[t] + 1;
+            const int64_t first = window > 0 && end > window ? end - window : 0, len = end - first;
             const int64_t *table = tables + row_seq[t] * width;
             const float *qh = q + (t * Hq + h * G) * D;
             float *oh = out + (t * Hq + h * G) * D;
-            for (int64_t j = 0; j < len; j++) {
+            for (int64_t j = first; j < end; j++) {
                 const int64_t k = ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
                 for (int64_t g = 0; g < G; g++) {
                     __m256 acc = _mm256_setzero_ps();
                     for (int64_t v = 0; v < V; v++)
                         acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 8 * v), load8(k_cache, k + 8 * v, bf16), acc);
-                    p[g * longest + j] = hsum(acc) * scale;
+                    p[g * longest + j - first] = hsum(acc) * scale;
                 }
             }
             for (int64_t g = 0; g < G; g++) softmax(p + g * longest, len);
             for (int64_t g = 0; g < G; g++) {
                 __m256 acc[32];                     // D <= 256: checked by the caller
                 for (int64_t c = 0; c < V; c++) acc[c] = _mm256_setzero_ps();
-                for (int64_t j = 0; j < len; j++) {
+                for (int64_t j = first; j < end; j++) {
                     const int64_t v = ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
-                    const __m256 w = _mm256_set1_ps(p[g * longest + j]);
+                    const __m256 w = _mm256_set1_ps(p[g * longest + j - first]);
                     for (int64_t c = 0; c < V; c++) acc[c] = _mm256_fmadd_ps(w, load8(v_cache, v + 8 * c, bf16), acc[c]);
                 }
                 for (int64_t c = 0; c < V; c++) _mm256_storeu_ps(oh + g * D + 8 * c, acc[c]);

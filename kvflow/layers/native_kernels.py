@@ -107,7 +107,7 @@ def library() -> ctypes.CDLL | None:
                                                                           ctypes.c_int, ctypes.c_int]
     lib.kvflow_q5_linear.argtypes = lib.kvflow_q5_linear_x16.argtypes = lib.kvflow_q8_linear.argtypes
     lib.kvflow_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr,
-                                           ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
+                                           ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int, i64]
     lib.kvflow_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
     lib.kvflow_rms_norm.restype = None
     for fn in (lib.kvflow_q4_linear, lib.kvflow_q8_linear, lib.kvflow_q4_linear_x16, lib.kvflow_q8_linear_x16,
@@ -264,7 +264,7 @@ _OPS.define("q4_linear(Tensor x, Tensor codes, Tensor scale, Tensor minimum) -> 
 _OPS.define("q8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor")
 _OPS.define("q5_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor")
 _OPS.define("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor row_seq, "
-            "Tensor positions, float scale) -> Tensor")
+            "Tensor positions, float scale, int window=0) -> Tensor")
 _OPS.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 
 
@@ -294,8 +294,9 @@ def _out_rows(codes: torch.Tensor) -> int:
 
 
 def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                     row_seq: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, Hq, D] attending, row t, to keys 0..positions[t] of sequence row_seq[t], whose block table is
+                     row_seq: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """q [T, Hq, D] attending, row t, to keys 0..positions[t] (with `window` > 0: only the last `window` of them,
+    positions[t] - window + 1 .. positions[t]) of sequence row_seq[t], whose block table is
     tables[row_seq[t]] (int64), in caches [blocks, block_size, Hkv, D] (float32 or bfloat16, q's dtype) ->
     [T, Hq, D]. Every row is computed alone, in a fixed order, in float32 (batch invariant)."""
     dtype = q.dtype
@@ -306,7 +307,7 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if library().kvflow_paged_attention(
                 q.data_ptr(), T, Hq, k_cache.shape[2], D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
                 tables.data_ptr(), tables.shape[1], row_seq.data_ptr(), positions.data_ptr(), scale, out.data_ptr(),
-                torch.get_num_threads(), int(k_cache.dtype == torch.bfloat16)):
+                torch.get_num_threads(), int(k_cache.dtype == torch.bfloat16), window):
             raise MemoryError("native kernel: out of memory for attention scores")
     return out.to(dtype)
 

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral) and its Qwen2 (QKV bias) / Qwen3 (Q/K norm) variants.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral) and its Qwen2 (QKV bias) / Qwen3 (Q/K norm) / Phi-3 (fused
+qkv and gate_up in the checkpoint, split at load; partial rotary; sliding window on every layer) variants; Gemma 3
+builds on it (gemma3.py).
 
 Q, K and V are one fused projection, and so are gate and up: one matmul each instead of three or two.
 `forward(input_ids, positions, meta)` takes the flat batch of every scheduled token and the step's
@@ -70,7 +72,8 @@ class TensorParallelSizes:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
+                 layer: int = 0):
         super().__init__()
         self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = sizes.num_heads, sizes.num_kv_heads, cfg.head_dim
@@ -81,7 +84,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale,
+                                   cfg.sliding_window if cfg.is_sliding(layer) else None)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
@@ -89,7 +94,7 @@ class Attention(nn.Module):
         # q and k heads sit side by side in qkv's rows: rotate them as one [T, Hq + Hkv, D] tensor
         qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:      # Qwen3: per-head norms, with their own weights for q and k
+        if self.q_norm is not None:      # Qwen3, Gemma 3: per-head norms, with their own weights for q and k
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         q, k = self.rotary.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         return self.tp.all_reduce(self.o_proj(self.attn(q, k, v, meta)))
@@ -102,17 +107,25 @@ class MLP(nn.Module):
         self.intermediate_size = sizes.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
+        if cfg.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden activation {cfg.hidden_act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+        self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
+
+
+# the MLP's gate activation by config name (GeGLU's tanh GELU: Gemma)
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
+                 layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, tp, sizes)
+        self.self_attn = Attention(cfg, rotary, tp, sizes, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp, sizes)
 
@@ -132,11 +145,14 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp = tp or TensorParallel()
         self.sizes = sizes = TensorParallelSizes(cfg, tp)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
         self.embed_tokens = nn.Embedding(sizes.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, tp, sizes) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, self.rotary, tp, sizes, i)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, sizes.vocab_size, bias=False)
+
+    decoder_layer = DecoderLayer
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
@@ -170,7 +186,11 @@ class LlamaForCausalLM(nn.Module):
             logits = head.project(hidden).float()
         else:
             logits = F.linear(hidden, head.weight).float()
-        return self.tp.gather_last_dim(logits, self.config.vocab_size)
+        logits = self.tp.gather_last_dim(logits, self.config.vocab_size)
+        cap = self.config.final_logit_softcapping
+        if cap and logits is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

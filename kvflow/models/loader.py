@@ -49,13 +49,16 @@ _GGUF_BLOCK_TO_HF = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def gguf_name_to_hf(name: str) -> str | None:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors we don't use."""
+def gguf_name_to_hf(name: str, renames: dict[str, str] | None = None) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors we don't use.
+    `renames`: the architecture's block names that differ from the llama table (`Architecture.gguf_tensor_names`)."""
     if name in _GGUF_TO_HF:
         return _GGUF_TO_HF[name]
     m = _BLOCK_RE.fullmatch(name)
-    if m and m.group(2) in _GGUF_BLOCK_TO_HF:
-        return f"model.layers.{m.group(1)}.{_GGUF_BLOCK_TO_HF[m.group(2)]}.{m.group(3)}"
+    if m:
+        piece = (renames or {}).get(m.group(2)) or _GGUF_BLOCK_TO_HF.get(m.group(2))
+        if piece:
+            return f"model.layers.{m.group(1)}.{piece}.{m.group(3)}"
     return None
 
 
@@ -79,21 +82,51 @@ REROUND_VALUES = 1 << 22      # float32 values dequantized at once when re-round
 
 
 def _iter_gguf(g: GGUFFile, config: ModelConfig, keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    permuted = config.family == "llama"
+    arch = config.arch
+    renames = dict(arch.gguf_tensor_names)
     for info in g.tensors.values():
-        name = gguf_name_to_hf(info.name)
+        name = gguf_name_to_hf(info.name, renames)
         if name is None:
             logger.debug("%s: skipping tensor %s", g.path, info.name)
             continue
         w = _gguf_tensor(g, info, keep_quantized)
         heads = (config.num_attention_heads if ".self_attn.q_proj." in name
                  else config.num_key_value_heads if ".self_attn.k_proj." in name else 0)
-        if permuted and heads:
+        if arch.permuted_qk and heads:
             if isinstance(w, GroupQuantized):      # a row permutation: codes and scales move with their rows
                 w = w.take_rows(unpermute_qk(torch.arange(w.shape[0]), heads))
             else:
                 w = unpermute_qk(w, heads)
+        if config.family == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1       # llama.cpp stores Gemma's norms as 1 + w; the checkpoint's w (as transformers undoes it)
         yield name, w
+
+
+# fused checkpoint tensors (Phi-3's) -> the pieces every other architecture's checkpoint has, so that one
+# loading path (fusing, tensor-parallel slices, GGUF codes) serves all
+_SPLIT = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def split_fused(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Phi-3's qkv_proj ([q; k; v] rows) and gate_up_proj ([gate; up] rows) as separate q/k/v and gate/up tensors
+    (float or GroupQuantized rows alike)."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    for name, w in weights:
+        fused = next((f for f in _SPLIT if f".{f}." in name), None)
+        if fused is None:
+            yield name, w
+            continue
+        sizes = [q, kv, kv] if "qkv" in fused else [w.shape[0] // 2] * 2
+        if w.shape[0] != sum(sizes):
+            raise ValueError(f"checkpoint tensor {name!r} has {w.shape[0]} rows, expected {sum(sizes)}")
+        start = 0
+        for piece, size in zip(_SPLIT[fused], sizes):
+            rows = torch.arange(start, start + size)
+            part = w.take_rows(rows) if isinstance(w, GroupQuantized) else w[start:start + size]
+            yield name.replace(fused, piece), part
+            start += size
 
 
 def _gguf_tensor(g: GGUFFile, info: GGUFTensorInfo, keep_quantized: bool) -> torch.Tensor | GroupQuantized:
@@ -149,12 +182,12 @@ def iter_weights(files: ModelFiles | Path, keep_quantized: bool = False) -> Iter
     `keep_quantized`, each quantized matrix as `GroupQuantized` (its float values: `.dequantize()`)."""
     if not isinstance(files, ModelFiles):
         path = Path(files)
-        if path.is_dir():
+        if path.is_dir() and not (path / "config.json").is_file():
             return _iter_safetensors(path)
         files = resolve_model_files(path)   # reads the header now: a corrupt file fails here, not on next()
-    if files.format == "hf":
-        return _iter_safetensors(files.path)
-    return _iter_gguf(files.gguf, files.config, keep_quantized)
+    weights = (_iter_safetensors(files.path) if files.format == "hf"
+               else _iter_gguf(files.gguf, files.config, keep_quantized))
+    return split_fused(weights, files.config) if files.config.family == "phi3" else weights
 
 
 def weight_quantization(files: ModelFiles, quantization: str | None, dtype_setting: str, tp_size: int = 1,

@@ -1,32 +1,151 @@
 """ModelConfig: the architecture numbers a model needs, read from config.json, or from GGUF metadata turned into
-the config.json it stands for (`model_files.gguf_model_config`): one builder for both formats."""
+the config.json it stands for (`model_files.gguf_model_config`): one builder for both formats.
+
+Which architectures kvflow serves is one table, `ARCHITECTURES`: each row names the config.json `architectures`
+entry, its `model_type`s, its GGUF `general.architecture`, the model class that runs it and how its config reads.
+An architecture that is not in it is one `ValueError` naming it and listing the supported ones; the few that are
+known and refused on purpose (`REFUSED`) say why.
+"""
 from __future__ import annotations
 
+import importlib
+import logging
 from dataclasses import dataclass, field
 
-# config.json `architectures[0]` -> our family name
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str                          # config.json `architectures[0]`
+    family: str                        # ModelConfig.family
+    model_types: tuple[str, ...]       # config.json `model_type` values that mean this architecture
+    gguf: tuple[str, ...]              # GGUF `general.architecture` values
+    model_class: str                   # "module:Class" under kvflow.models, imported on use
+    attention_bias: bool = False       # q/k/v bias unless config.json says otherwise (Qwen2)
+    qk_norm: bool = False              # RMSNorm on per-head q and k (Qwen3, Gemma 3)
+    permuted_qk: bool = False          # llama.cpp permutes Q/K rows in its GGUF (llama family)
+    sliding_window_everywhere: bool = False   # config `sliding_window` applies to every layer (Mistral, Phi-3)
+    # GGUF tensor names (the piece after blk.N.) that differ from the llama table in loader.py
+    gguf_tensor_names: tuple[tuple[str, str], ...] = ()
+    # for a tokenizer that carries none (llama.cpp's Gemma 3 GGUFs have no tokenizer.chat_template): the family's own
+    chat_template: str | None = None
+    # tokens that end a turn besides the tokenizer's EOS (Gemma's <end_of_turn>, as its generation_config says)
+    end_of_turn_tokens: tuple[str, ...] = ()
+
+    def load_class(self):
+        module, cls = self.model_class.split(":")
+        return getattr(importlib.import_module(f"kvflow.models.{module}"), cls)
+
+
+# Gemma 3's chat template (its instruction-tuned tokenizer_config.json): no system role, a system message is folded
+# into the first user turn; the assistant is "model"; image parts become <start_of_image> (refused before this)
+GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture("LlamaForCausalLM", "llama", ("llama",), ("llama",), "llama:LlamaForCausalLM", permuted_qk=True),
+    Architecture("MistralForCausalLM", "llama", ("mistral",), ("mistral",), "llama:LlamaForCausalLM",
+                 permuted_qk=True, sliding_window_everywhere=True),
+    Architecture("Qwen2ForCausalLM", "qwen2", ("qwen2",), ("qwen2",), "llama:LlamaForCausalLM", attention_bias=True),
+    Architecture("Qwen3ForCausalLM", "qwen3", ("qwen3",), ("qwen3",), "llama:LlamaForCausalLM", qk_norm=True),
+    Architecture("Phi3ForCausalLM", "phi3", ("phi3",), ("phi3",), "llama:LlamaForCausalLM",
+                 sliding_window_everywhere=True,
+                 gguf_tensor_names=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
+    Architecture("Gemma3ForCausalLM", "gemma3", ("gemma3_text",), ("gemma3",), "gemma3:Gemma3ForCausalLM",
+                 qk_norm=True,
+                 gguf_tensor_names=(("post_attention_norm", "post_attention_layernorm"),
+                                    ("ffn_norm", "pre_feedforward_layernorm"),
+                                    ("post_ffw_norm", "post_feedforward_layernorm")),
+                 chat_template=GEMMA3_CHAT_TEMPLATE, end_of_turn_tokens=("<end_of_turn>",)),
+)
+# known architectures refused on purpose: why, and what to use instead
+REFUSED = {
+    "Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (4B and larger, image input) is not supported; "
+                                      "kvflow serves Gemma 3's text model (Gemma3ForCausalLM: 270M, 1B, or a GGUF "
+                                      "of the text model, which llama.cpp's converter writes without the tower)",
 }
-# GGUF `general.architecture` -> the config.json architecture it stands for
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
+_BY_NAME = {a.name: a for a in ARCHITECTURES}
+_BY_MODEL_TYPE = {t: a for a in ARCHITECTURES for t in a.model_types}
+_BY_GGUF = {g: a for a in ARCHITECTURES for g in a.gguf}
+
+
+def supported_architectures() -> str:
+    return ", ".join(sorted(_BY_NAME))
+
+
+def architecture_for(name: str | None, model_type: str | None = None) -> Architecture:
+    """The table's row for config.json's `architectures[0]` (or, without one, its `model_type`)."""
+    if name in REFUSED:
+        raise ValueError(f"unsupported architecture {name!r}: {REFUSED[name]}")
+    arch = _BY_NAME.get(name) if name else _BY_MODEL_TYPE.get(model_type)
+    if arch is None:
+        raise ValueError(f"unsupported architecture {name or model_type!r}; supported: {supported_architectures()}")
+    return arch
+
+
+def gguf_architecture(name: str | None, where: str = "") -> Architecture:
+    """The table's row for a GGUF's `general.architecture`."""
+    arch = _BY_GGUF.get(name)
+    if arch is None:
+        raise ValueError(f"{where}unsupported GGUF architecture {name!r}; supported: {', '.join(sorted(_BY_GGUF))}")
+    return arch
+
+
 # GGUF metadata `{arch}.{key}` -> the config.json key it stands for
 GGUF_CONFIG_KEYS = {
     "vocab_size": "vocab_size", "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
     "block_count": "num_hidden_layers", "attention.head_count": "num_attention_heads",
     "attention.head_count_kv": "num_key_value_heads", "attention.key_length": "head_dim",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta",
-    "context_length": "max_position_embeddings",
+    "context_length": "max_position_embeddings", "attention.sliding_window": "sliding_window",
 }
+
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str                       # "llama" | "qwen2" | "qwen3"
+    family: str                       # "llama" | "qwen2" | "qwen3" | "phi3" | "gemma3" (ARCHITECTURES)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -36,50 +155,120 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # HF's rope_scaling dict (llama3 type supported)
+    rope_scaling: dict | None = None  # HF's rope_scaling dict (llama3, linear; longrope's short factors)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False      # bias on q/k/v projections (Qwen2)
-    qk_norm: bool = False             # RMSNorm on per-head q and k (Qwen3)
+    qk_norm: bool = False             # RMSNorm on per-head q and k (Qwen3, Gemma 3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    architecture: str = "LlamaForCausalLM"   # the ARCHITECTURES row (its name)
+    hidden_act: str = "silu"          # the MLP's gate activation: silu, or gelu_pytorch_tanh (Gemma 3)
+    rotary_dim: int | None = None     # rotated dims per head (partial_rotary_factor; None: all of head_dim)
+    # sliding-window attention: a layer typed "sliding_attention" attends to its last `sliding_window` keys only
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None        # per layer, SLIDING or FULL (None: every layer FULL)
+    rope_local_theta: float | None = None             # RoPE base of the sliding layers (Gemma 3's local 10k)
+    query_pre_attn_scalar: float | None = None        # attention scale = this ** -0.5 (None: head_dim ** -0.5)
+    final_logit_softcapping: float | None = None      # logits = cap * tanh(logits / cap)
+
+    @property
+    def arch(self) -> Architecture:
+        return _BY_NAME[self.architecture]
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer] == SLIDING
 
     @staticmethod
     def from_hf_dict(cfg: dict) -> "ModelConfig":
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: "
-                             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
-        family = SUPPORTED_ARCHITECTURES[arch]
+        arch = architecture_for(archs[0] if archs else None, cfg.get("model_type"))
+        family = arch.family
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        layers = cfg["num_hidden_layers"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
+        rope_local_theta = cfg.get("rope_local_base_freq")
+        partial = cfg.get("partial_rotary_factor")
         rope_params = cfg.get("rope_parameters")  # transformers 5 folds theta and scaling in here
+        if rope_params and FULL in rope_params:   # ... per layer type (Gemma 3)
+            local, rope_params = rope_params.get(SLIDING) or {}, rope_params[FULL]
+            rope_local_theta = rope_local_theta or local.get("rope_theta")
         if rope_params:
             rope_theta = rope_theta or rope_params.get("rope_theta")
+            partial = partial or rope_params.get("partial_rotary_factor")
             if rope_params.get("rope_type", "default") != "default" and rope_scaling is None:
                 rope_scaling = dict(rope_params)
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("default", None):
             rope_scaling = None
+        max_positions = cfg.get("max_position_embeddings", 2048)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("longrope", "su"):
+            # LongRoPE (Phi-3 128k, Phi-4-mini): transformers rotates every position of a sequence that stays within
+            # the original context with the short factors, and switches the whole sequence to the long ones past
+            # it. kvflow serves the first regime only: the context is capped at the original length.
+            original = rope_scaling.get("original_max_position_embeddings") or cfg.get(
+                "original_max_position_embeddings")
+            if not original or "short_factor" not in rope_scaling:
+                raise ValueError("LongRoPE scaling without original_max_position_embeddings or short_factor is "
+                                 "not supported")
+            rope_scaling = {**rope_scaling, "rope_type": "longrope", "original_max_position_embeddings": original,
+                            "max_position_embeddings": max_positions}
+            if max_positions > original:
+                logger.warning("LongRoPE: serving contexts up to the original %d tokens (short factors), not %d "
+                               "(the long factors are not implemented)", original, max_positions)
+                max_positions = original
+        if family == "gemma3" and cfg.get("attn_logit_softcapping"):
+            raise ValueError("attn_logit_softcapping is not supported (Gemma 3 has none; Gemma 2 does)")
+        sliding_window = cfg.get("sliding_window")
+        layer_types = cfg.get("layer_types")
+        if family == "gemma3":
+            if layer_types is None:       # transformers' rule: every `sliding_window_pattern`-th layer is global
+                pattern = cfg.get("sliding_window_pattern") or 6
+                layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+        elif family in ("qwen2", "qwen3"):
+            if not cfg.get("use_sliding_window"):
+                layer_types = None
+            elif layer_types is None:
+                first = cfg.get("max_window_layers", layers)
+                layer_types = [SLIDING if i >= first else FULL for i in range(layers)]
+        elif arch.sliding_window_everywhere and sliding_window and layer_types is None:
+            layer_types = [SLIDING] * layers
+        elif not arch.sliding_window_everywhere:
+            layer_types = None
+        if not sliding_window or not layer_types or SLIDING not in layer_types:
+            sliding_window, layer_types = None, None
+        if layer_types is not None and len(layer_types) != layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
+        gemma = family == "gemma3"
         return ModelConfig(
             family=family,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta or 10000.0),
+            rope_theta=float(rope_theta or (1_000_000.0 if gemma else 10000.0)),
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            attention_bias=bool(cfg.get("attention_bias", arch.attention_bias)),
+            qk_norm=arch.qk_norm,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            architecture=arch.name,
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or (
+                "gelu_pytorch_tanh" if gemma else "silu"),
+            rotary_dim=int(head_dim * partial) if partial and partial != 1.0 else None,
+            sliding_window=sliding_window,
+            layer_types=tuple(layer_types) if layer_types else None,
+            rope_local_theta=float(rope_local_theta or 10000.0) if gemma else None,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
         )
+

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from kvflow.models.gguf_reader import GGUFFile, read_gguf
-from kvflow.models.model_config import GGUF_ARCHITECTURES, GGUF_CONFIG_KEYS, ModelConfig
+from kvflow.models.model_config import GGUF_CONFIG_KEYS, ModelConfig, gguf_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +120,7 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
     """The GGUF metadata as the config.json it stands for, read by the one ModelConfig builder."""
     md = g.metadata
     arch = md.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"{g.path}: unsupported GGUF architecture {arch!r}; supported: "
-                         f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
+    row = gguf_architecture(arch, f"{g.path}: ")
     cfg = {hf: md[f"{arch}.{key}"] for key, hf in GGUF_CONFIG_KEYS.items() if f"{arch}.{key}" in md}
     for key in ("rms_norm_eps", "rope_theta"):
         if key in cfg:
@@ -140,8 +138,15 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
         logger.warning("%s: llama3-style rope_freqs tensor present but no rope scaling metadata; "
                        "rope scaling is ignored", g.path)
     eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
-    cfg.update(architectures=[GGUF_ARCHITECTURES[arch]], tie_word_embeddings="output.weight" not in g.tensors,
-               attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in g.tensors,
+    rotary = md.get(f"{arch}.rope.dimension_count")
+    if rotary and "hidden_size" in cfg and cfg.get("num_attention_heads"):
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        if rotary != head_dim:        # partial rotary (Phi-4-mini rotates 3/4 of each head)
+            cfg["partial_rotary_factor"] = rotary / head_dim
+    if any(n.startswith("rope_factors_") for n in g.tensors):
+        raise ValueError(f"{g.path}: LongRoPE factors (rope_factors_long/short) are not supported in GGUF files")
+    cfg.update(architectures=[row.name], tie_word_embeddings="output.weight" not in g.tensors,
+               attention_bias=row.attention_bias or "blk.0.attn_q.bias" in g.tensors,
                bos_token_id=md.get("tokenizer.ggml.bos_token_id"), eos_token_id=list(dict.fromkeys(eos)))
     try:
         return ModelConfig.from_hf_dict(cfg)

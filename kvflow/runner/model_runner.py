@@ -19,9 +19,9 @@ from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers import native_kernels
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
 from kvflow.layers.norm import RMSNorm
+from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.layers.quantization import quantize_model
 from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
-from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.loader import ModelFiles, iter_weights, resolve_model_files, weight_quantization
 from kvflow.models.model_config import ModelConfig
 from kvflow.runner.compiled_decode import CompiledDecode, model_identity, plain_module_state
@@ -29,9 +29,6 @@ from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
 from kvflow.runner.sampler import Sampler, prompt_logprobs
 
 log = logging.getLogger("kvflow")
-
-MODEL_FAMILIES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": LlamaForCausalLM}
-
 
 class ModelRunner:
     """`tp`: this process's tensor-parallel rank (default: the only one)."""
@@ -42,6 +39,8 @@ class ModelRunner:
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
+        # the sliding-window layers' window (their masks are built beside the others; None: no such layer)
+        self.sliding_window = model_config.sliding_window
         self.tp = tp = tp or TensorParallel()
         self.device = platform.pick_device(config.device, tp.local_rank if tp.size > 1 else None)
         files = model_path if isinstance(model_path, ModelFiles) else resolve_model_files(model_path)
@@ -55,11 +54,13 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         with torch.device(self.device):
-            model = MODEL_FAMILIES[model_config.family](model_config, max_model_len, tp)
+            model = model_config.arch.load_class()(model_config, max_model_len, tp)
         model.load_weights(iter_weights(files, keep_quantized=self.quantization == "gguf"))
         # weights in the compute dtype; the rotary tables stay float32 (norms compute in float32 inside)
         self.model = model.to(self.dtype)
-        model.rotary.float()
+        for rotary in model.modules():
+            if isinstance(rotary, RotaryEmbedding):
+                rotary.float()
         if self.quantization:
             quantize_model(model, self.quantization, self.dtype)
         elif platform.small_batch_bf16_copies(config.dtype, self.device, self.dtype):
@@ -131,7 +132,8 @@ class ModelRunner:
         # the width of the block tables (the longest context) is a dynamic dimension of the compiled graph; the
         # marks go on the compiler's inputs only (a graph loaded from a file rejects marked inputs it was not
         # compiled with)
-        for t, dim in ((meta.seq_tables, 1), (meta.decode_block_tables, 1), (meta.decode_mask, 3)):
+        for t, dim in ((meta.seq_tables, 1), (meta.decode_block_tables, 1), (meta.decode_mask, 3),
+                       (meta.decode_mask_sliding, 3)):
             if t is not None:
                 torch._dynamo.maybe_mark_dynamic(t, dim)
         return ids, pos, meta
@@ -200,7 +202,11 @@ class ModelRunner:
             if rows:
                 decode_width = max(max(len(t) for t in tables[:rows]), 2 if pad_to else 1)
                 meta.decode_block_tables = table[:rows, :decode_width].contiguous().to(self.device)
-                meta.decode_mask = self._causal_mask(torch.arange(decode_width * bs), pos[:rows, None])[:, None, None, :]
+                key_pos = torch.arange(decode_width * bs)
+                meta.decode_mask = self._causal_mask(key_pos, pos[:rows, None])[:, None, None, :]
+                if self.sliding_window:         # always (a compiled graph takes the same inputs every step)
+                    meta.decode_mask_sliding = self._causal_mask(key_pos, pos[:rows, None],
+                                                                 self.sliding_window)[:, None, None, :]
             if nd < len(batch.num_new_tokens):
                 meta.prefill = self._prefill_batch(batch)
         # the sampling rows' last positions, then the positions whose logits give prompt logprobs (rare)
@@ -223,8 +229,12 @@ class ModelRunner:
         tables = [torch.tensor(t, dtype=torch.long) for t in batch.block_tables[nd:]]
         P, Lq, Lk = len(lens), max(lens), max(s + n for s, n in zip(starts, lens))
         empty = torch.empty(0, dtype=torch.long, device=self.device)
+        window = self.sliding_window
         if P == 1 and starts[0] == 0:
-            return PrefillBatch(1, Lq, Lk, empty, empty, empty, None)
+            sliding = None
+            if window and Lq > window:        # the chunk's own keys, causal and windowed
+                sliding = self._causal_mask(torch.arange(Lq), torch.arange(Lq)[:, None], window)[None, None]
+            return PrefillBatch(1, Lq, Lk, empty, empty, empty, None, sliding)
         query_rows = torch.zeros(P, Lq, dtype=torch.long)
         key_slots = torch.full((P, Lk), self.scratch_block * bs, dtype=torch.long)
         query_pos = torch.zeros(P, Lq, dtype=torch.long)
@@ -237,13 +247,18 @@ class ModelRunner:
             key_slots[i, :start + n] = table[key_pos // bs] * bs + key_pos % bs
             row += n
         mask = self._causal_mask(torch.arange(Lk), query_pos[:, :, None])[:, None]
+        sliding = None
+        if window and Lk > window:
+            sliding = self._causal_mask(torch.arange(Lk), query_pos[:, :, None], window)[:, None]
         return PrefillBatch(P, Lq, Lk, query_rows.flatten().to(self.device), torch.cat(output_rows).to(self.device),
-                            key_slots.flatten().to(self.device), mask)
+                            key_slots.flatten().to(self.device), mask, sliding)
 
-    def _causal_mask(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+    def _causal_mask(self, key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """Additive mask (0 where key_pos <= query_pos, else -inf) in the compute dtype: SDPA would otherwise turn a
-        boolean mask into this once per layer."""
+        boolean mask into this once per layer. `window`: also -inf where key_pos <= query_pos - window."""
         allowed = key_pos <= query_pos
+        if window:
+            allowed &= key_pos > query_pos - window
         return torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf")).to(self.device)
 
     @torch.inference_mode()
