@@ -19,6 +19,8 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 SMOLLM2_VOCAB = 49152
 
@@ -40,6 +42,10 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
     )
     if family in ("qwen2", "qwen3"):
         kwargs.update(head_dim=16, use_sliding_window=False)
+    if family == "gemma3":      # Gemma 3 270M's shape, small: head_dim 256, 1 KV head, 5 local : 1 global
+        kwargs.update(num_hidden_layers=6, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                      sliding_window=16, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=True)
     kwargs.update(overrides)
     hf_dtype = kwargs.pop("torch_dtype")
     config = cfg_cls(**kwargs)

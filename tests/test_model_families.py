@@ -1,0 +1,144 @@
+"""Issue 30's model families on random-weight models with their real configs (small sizes), token for token
+against transformers in float32: Gemma 3 (sliding window, in kvflow's attention kernel and in the pure-PyTorch
+paths, with chunked prefill and prefix caching), Phi-3 (fused qkv / gate_up, sliding window) and Phi-4-mini's shape
+(partial rotary, LongRoPE), Llama 3.2 (llama3 RoPE scaling), Qwen3 (QK-norm); and the architecture table."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.layers import native_kernels
+from kvflow.models.model_config import ARCHITECTURES, ModelConfig
+from kvflow.models.model_files import resolve_model_files
+from tiny_models import make_tiny_hf_model
+
+MAX_TOKENS = 24
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def prompts_for(window: int) -> list[list[int]]:
+    """Short ones, ones longer than the window (several blocks), and two sharing a long prefix (a prefix-cache hit
+    that starts past the window)."""
+    g = torch.Generator().manual_seed(7)
+    rand = lambda n: torch.randint(10, 40000, (n,), generator=g).tolist()     # noqa: E731
+    shared = rand(3 * window + 5)
+    return [rand(5), rand(window + 3), rand(4 * window + 1), shared + rand(4), shared + rand(9), [42]]
+
+
+def run(path, prompts, **engine) -> list[list[int]]:
+    llm = LLM(str(path), dtype="float32", max_model_len=256, kv_cache_memory="32MiB", **engine)
+    # which attention ran: kvflow's kernel where it can, else (KVFLOW_NATIVE_KERNELS=0) the pure-PyTorch paths
+    assert llm.engine.runner.native_attention == (native_kernels.usable()
+                                                  and os.environ.get("KVFLOW_NATIVE_KERNELS") != "0")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    # again, one at a time: every prompt's full blocks are prefix-cache hits now
+    again = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    llm.engine.kv_cache_manager.check()
+    assert again == first, "prefix-cache hits changed the output"
+    return first
+
+
+def check_family(tmp_path, monkeypatch, family: str, window: int | None = None, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_hf_model(tmp_path, family=family, seed=2, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = prompts_for(window or 16)
+    want = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    # chunked prefill: the budget cuts the long prompts into chunks that start past the window
+    paths = {"default": {}, "chunked": {"max_num_batched_tokens": 13}}
+    for name, engine in paths.items():
+        got = run(path, prompts, **engine)
+        for p, a, b in zip(prompts, got, want):
+            assert a == b, f"{family} ({name}), prompt of {len(p)}: kvflow {a} != transformers {b}"
+    if native_kernels.usable():     # the runs above used kvflow's attention kernel: now the pure-PyTorch paths
+        monkeypatch.setenv("KVFLOW_NATIVE_KERNELS", "0")
+        for name, engine in paths.items():
+            got = run(path, prompts, **engine)
+            for p, a, b in zip(prompts, got, want):
+                assert a == b, f"{family} (SDPA, {name}), prompt of {len(p)}: kvflow {a} != transformers {b}"
+    return path
+
+
+def test_gemma3_random_model_matches_transformers_with_its_sliding_window(tmp_path, monkeypatch):
+    path = check_family(tmp_path, monkeypatch, "gemma3", window=16)
+    cfg = resolve_model_files(path).config
+    assert cfg.sliding_window == 16 and cfg.layer_types.count("sliding_attention") == 5
+    assert cfg.rope_local_theta == 10_000.0 and cfg.rope_theta == 1_000_000.0 and cfg.head_dim == 256
+
+
+def test_the_window_changes_the_output(tmp_path, monkeypatch):
+    """The same weights with the window opened past the prompts: a different continuation on the long prompts, so
+    the test above checks the window and not attention that ignores it."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_hf_model(tmp_path / "w", family="gemma3", seed=2)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["sliding_window"] = 4096
+    (path / "config.json").write_text(json.dumps(cfg))
+    prompts = prompts_for(16)
+    wide = run(path, prompts)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert wide == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    narrow = run(make_tiny_hf_model(tmp_path / "n", family="gemma3", seed=2), prompts)
+    # the 5-token prompt's first 12 tokens are computed within the window (positions < 16); the long prompt's not
+    assert narrow[0][:12] == wide[0][:12] and narrow[0] != wide[0] and narrow[2] != wide[2]
+
+
+def test_phi3_fused_checkpoint_with_a_sliding_window_matches_transformers(tmp_path, monkeypatch):
+    # Phi-3-mini-4k's shape: fused qkv_proj and gate_up_proj, a window on every layer (2047 there)
+    check_family(tmp_path, monkeypatch, "phi3", window=16, sliding_window=16, num_key_value_heads=4)
+
+
+def test_phi4_mini_partial_rotary_and_longrope_match_transformers(tmp_path, monkeypatch):
+    # Phi-4-mini's shape: 3/4 of each head rotates, LongRoPE (short factors within the original context), tied
+    rotary_half = int(16 * 0.75) // 2
+    path = check_family(tmp_path, monkeypatch, "phi3", partial_rotary_factor=0.75, tie_word_embeddings=True,
+                        max_position_embeddings=131072, original_max_position_embeddings=4096,
+                        rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 4096,
+                                      "short_factor": [1.0 + 0.3 * i for i in range(rotary_half)],
+                                      "long_factor": [4.0 + i for i in range(rotary_half)]})
+    cfg = resolve_model_files(path).config
+    assert cfg.rotary_dim == 12 and cfg.max_position_embeddings == 4096     # capped: the short factors only
+
+
+def test_llama32_rope_scaling_matches_transformers(tmp_path, monkeypatch):
+    # Llama 3.2 1B's rope: theta 500k, llama3 scaling factor 32 from 8192, tied embeddings
+    check_family(tmp_path, monkeypatch, "llama", rope_theta=500_000.0, tie_word_embeddings=True,
+                 rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+
+def test_qwen3_qk_norm_matches_transformers(tmp_path, monkeypatch):
+    # Qwen3-0.6B's shape: head_dim larger than hidden / heads, QK-norm, theta 1M, tied embeddings
+    check_family(tmp_path, monkeypatch, "qwen3", head_dim=32, rope_theta=1_000_000.0, tie_word_embeddings=True)
+
+
+# ---- the architecture table ------------------------------------------------------------------------------------
+
+def test_architecture_table_and_its_errors():
+    names = {a.name for a in ARCHITECTURES}
+    assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"} <= names
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf_dict({**base, "architectures": ["GPT2LMHeadModel"]})
+    assert "'GPT2LMHeadModel'" in str(e.value) and all(n in str(e.value) for n in names)
+    with pytest.raises(ValueError, match="vision tower"):
+        ModelConfig.from_hf_dict({**base, "architectures": ["Gemma3ForConditionalGeneration"]})
+    # no `architectures`: the model_type names the row
+    assert ModelConfig.from_hf_dict({**base, "model_type": "gemma3_text"}).family == "gemma3"
+    with pytest.raises(ValueError, match="'gpt2'"):
+        ModelConfig.from_hf_dict({**base, "model_type": "gpt2"})
+    for arch in ARCHITECTURES:      # every row's model class imports
+        assert arch.load_class().__name__.endswith("ForCausalLM")
