@@ -12,6 +12,10 @@ DEFAULT_MAX_N = 128
 # A full 128k-token context is ~0.5 MB of text, ~3 MB if every character is JSON-escaped, ~1 MB as token ids;
 # 8 MiB leaves room for that and bounds the JSON parsing that still runs on the event loop to ~0.1 s.
 DEFAULT_MAX_REQUEST_BODY_SIZE = 8 * 2**20
+# OpenAI's limit for a batch input file
+DEFAULT_MAX_BATCH_FILE_SIZE = 200 * 2**20
+DEFAULT_BATCH_MIN_FREE_SPACE = 256 * 2**20
+DEFAULT_BATCH_DIR = "~/.cache/kvflow/batches"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -47,13 +51,29 @@ class ServerConfig:
                                                       "otherwise (its return_tokens_as_token_ids)")
     enable_tokenizer_info_endpoint: bool = _option(False, "serve GET /tokenizer_info: the tokenizer's configuration "
                                                           "(its tokenizer_config.json and chat template)")
+    # the online Batch API (server/batches_api.py, server/files_api.py)
+    batch_dir: str = _option(DEFAULT_BATCH_DIR, "where the Batch API keeps its SQLite store and files (created on "
+                                                "first use; batches found there at start resume)", metavar="DIR")
+    max_batch_file_size: int = _option(DEFAULT_MAX_BATCH_FILE_SIZE, "largest file /v1/files accepts (413 above), "
+                                                                    "e.g. 200MiB", type=str)
+    batch_min_free_space: int = _option(DEFAULT_BATCH_MIN_FREE_SPACE, "refuse an upload or a batch (507) that would "
+                                                                      "leave less free disk space in --batch-dir",
+                                        type=str)
+    batch_max_concurrency: int | None = _option(None, "most batch lines running at once (default: half of "
+                                                      "--max-num-seqs, at least 1: the rest stays free for "
+                                                      "interactive requests)")
+    batch_priority: int = _option(10, "scheduler priority of batch lines (lower runs first; interactive "
+                                      "requests: 0)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_request_body_size", parse_bytes(self.max_request_body_size))
+        object.__setattr__(self, "max_batch_file_size", parse_bytes(self.max_batch_file_size))
+        object.__setattr__(self, "batch_min_free_space", parse_bytes(self.batch_min_free_space))
         if self.served_model_name is not None:
             object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
         for name, lo in (("port", 0), ("max_queue_len", 1), ("max_n", 1), ("max_request_body_size", 1),
-                         ("shutdown_grace_period", 0)):
+                         ("shutdown_grace_period", 0), ("max_batch_file_size", 1), ("batch_min_free_space", 0),
+                         ("batch_max_concurrency", 1)):
             value = getattr(self, name)
             if value is not None and value < lo:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {value}")

@@ -37,22 +37,26 @@ class AuthAndArrival:
 
 class BodySizeLimit:
     """413 for a body over `max_bytes`: at once from Content-Length, else (chunked) as soon as the bytes read
-    so far pass the limit, so that neither the body nor its JSON parse ever exceed it."""
+    so far pass the limit, so that neither the body nor its JSON parse ever exceed it. `uploads`: the paths whose
+    POST bodies have a limit of their own (path -> (bytes, the flag that sets it)): /v1/files."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, uploads: dict[str, tuple[int, str]] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.uploads = uploads or {}
 
-    def too_large(self) -> HTTPException:
-        return HTTPException(413, f"the request body is larger than {self.max_bytes} bytes "
-                                  f"(--max-request-body-size)")
+    def too_large(self, limit: tuple[int, str] | None = None) -> HTTPException:
+        max_bytes, flag = limit or (self.max_bytes, "--max-request-body-size")
+        return HTTPException(413, f"the request body is larger than {max_bytes} bytes ({flag})")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.uploads.get(scope["path"]) if scope.get("method") == "POST" else None
+        max_bytes = limit[0] if limit else self.max_bytes
         length = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            err = APIError(413, self.too_large().detail, code="request_too_large")
+        if length.isdigit() and int(length) > max_bytes:
+            err = APIError(413, self.too_large(limit).detail, code="request_too_large")
             # the client may still be sending: tell it we will not read the rest
             await JSONResponse(error_body(scope, err), status_code=413,
                                headers={"Connection": "close"})(scope, receive, send)
@@ -64,8 +68,8 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise self.too_large()     # raised inside the route's body read: the app answers 413
+                if received > max_bytes:
+                    raise self.too_large(limit)     # raised inside the route's body read: the app answers 413
             return message
 
         await self.app(scope, limited_receive, send)

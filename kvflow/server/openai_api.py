@@ -21,8 +21,12 @@ from kvflow import __version__
 from kvflow.async_engine import AsyncEngine
 from kvflow.errors import InvalidRequestError
 from kvflow.metrics import CONTENT_TYPE_LATEST
+from kvflow.server.batch_store import StoreHandle
+from kvflow.server.batch_worker import BatchWorker
+from kvflow.server.batches_api import batches_router
 from kvflow.server.config import ServerConfig
 from kvflow.server.embeddings_api import EMBEDDINGS_OPENAPI, EmbeddingRequest, EmbeddingsServing
+from kvflow.server.files_api import MULTIPART_SLACK, files_router
 from kvflow.server.middleware import AuthAndArrival, BodySizeLimit
 from kvflow.server.messages_api import messages_router
 from kvflow.server.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -70,15 +74,26 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                             trust_request_chat_template=config.trust_request_chat_template,
                             return_tokens_as_token_ids=config.return_tokens_as_token_ids)
 
+    embeddings = EmbeddingsServing(serving)     # pooled hidden states: prefill-only requests in the same batch
+    # the Batch API: its store opens on first use; its worker resumes what a store found at start holds
+    batch_store = StoreHandle(config.batch_dir)
+    batch_worker = BatchWorker(batch_store, serving, embeddings, engine.metrics,
+                               max_concurrency=config.batch_max_concurrency or default_batch_concurrency(engine),
+                               priority=config.batch_priority)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        batch_worker.start()
         yield
+        batch_worker.pause()        # no new batch lines; those in flight finish within the grace period and commit
         await serving.shutdown_engine()
+        await batch_worker.stop()
 
     app = FastAPI(title="kvflow", version=__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.serving = serving
+    app.state.batch_worker = batch_worker
 
     # ---- errors in OpenAI's shape ------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -109,8 +124,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     async def list_models():
         return serving.models()
 
-    embeddings = EmbeddingsServing(serving)     # pooled hidden states: prefill-only requests in the same batch
-
     @app.post("/v1/embeddings", response_model=None, responses={**EMBEDDINGS_OPENAPI, **GENERATE_ERRORS})
     async def create_embedding(req: EmbeddingRequest, raw: Request):
         return await embeddings.create(req, raw)
@@ -132,6 +145,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         return await responses.create(req, raw)
 
     app.include_router(messages_router(serving))   # Anthropic's Messages API: its route answers errors in their shape
+    app.include_router(files_router(batch_store, config))                  # OpenAI's Files API, for batches
+    app.include_router(batches_router(batch_store, batch_worker, config))  # OpenAI's Batch API
 
     # ---- vLLM's extra routes -----------------------------------------------------------------------------------
     def health_response() -> Response:
@@ -196,13 +211,21 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
             return serving.tokenizer_info()
 
     app.openapi = lambda: openapi_document(app, config.max_n)
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_size)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_size,
+                       uploads={"/v1/files": (config.max_batch_file_size + MULTIPART_SLACK, "--max-batch-file-size")})
     app.add_middleware(AuthAndArrival, api_key=config.api_key)   # added last: runs first
     return app
 
 
 class PrometheusText(PlainTextResponse):
     media_type = CONTENT_TYPE_LATEST
+
+
+def default_batch_concurrency(engine: AsyncEngine) -> int:
+    """Half of the engine's sequence slots (all engines' together), at least 1: the other half stays free for
+    interactive requests, which the scheduler admits first anyway (batch lines run at --batch-priority)."""
+    config = engine.config
+    return max(1, config.max_num_seqs * config.data_parallel_size // 2)
 
 
 def error_response(err: APIError) -> JSONResponse:
