@@ -1,4 +1,4 @@
-"""The `kvflow` command: generate, serve, run-batch, bench."""
+"""The `kvflow` command: generate, serve, run-batch, batch report, bench."""
 from __future__ import annotations
 
 import argparse
@@ -42,11 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     from kvflow.bench.cli import add_bench_parser
     from kvflow.server.cli import add_serve_parser
+    from kvflow.server.batch_report import add_batch_parser
     from kvflow.server.run_batch import add_run_batch_parser
 
     _add_generate_parser(sub)
     add_serve_parser(sub)
     add_run_batch_parser(sub)
+    add_batch_parser(sub)
     add_bench_parser(sub)
     return parser
 

@@ -2,9 +2,10 @@
 content, delete; FileObject's shape. The bytes are files under `--batch-dir` (server/batch_store.py); a batch's
 output and error files are listed here too (purpose "batch_output").
 
-Limits, checked before the body is read where the headers allow: `--max-batch-file-size` (413, code
-`file_too_large`; the body-size middleware answers the same for the multipart body as a whole), and free disk space
-(`--batch-min-free-space` must remain after the upload: 507, code `insufficient_storage`).
+Limits: `--max-batch-file-size` (413, code `file_too_large`; from Content-Length before the body is read where the
+multipart body as a whole is over it, the body-size middleware's 413), and free disk space in `--batch-dir`
+(`--batch-min-free-space` must remain after the upload: 507, code `insufficient_storage`), checked before anything
+is written there.
 """
 from __future__ import annotations
 
@@ -60,8 +61,6 @@ def files_router(handle: StoreHandle, config: ServerConfig) -> APIRouter:
         if length.isdigit() and int(length) > config.max_batch_file_size + MULTIPART_SLACK:
             raise too_large(config)
         store = handle.get()
-        if length.isdigit():
-            check_free_space(store.dir, int(length), config.batch_min_free_space)
         if not raw.headers.get("content-type", "").startswith("multipart/form-data"):
             raise APIError(400, "upload the file as multipart/form-data with the fields `file` and `purpose`",
                            param="file")
@@ -88,6 +87,8 @@ def files_router(handle: StoreHandle, config: ServerConfig) -> APIRouter:
                                code="missing_required_parameter")
             if upload.size is not None and upload.size > config.max_batch_file_size:
                 raise too_large(config, upload.size)
+            # before anything is stored in --batch-dir (the form parser spools the part to a temporary file)
+            check_free_space(store.dir, upload.size or int(length or 0), config.batch_min_free_space)
             file_id = new_file_id()
 
             def chunks():
