@@ -23,6 +23,7 @@ from kvflow.errors import InvalidRequestError
 from kvflow.metrics import EngineMetrics, FinishedRequest
 from kvflow.output_processor import CompletionDelta, OutputProcessor, RequestState
 from kvflow.pooling_params import PoolingParams
+from kvflow.request_log import RequestLog
 from kvflow.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "RequestStream", "CompletionDelta", "RequestFailedError", "EngineDeadError",
@@ -56,6 +57,9 @@ class RequestStream:
         self.error: str | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
         self._closed = False
+        self.priority = 0
+        # an HTTP request's record holds this stream: the server writes its request-log line (server/request_record.py)
+        self.recorded = False
 
     def __getattr__(self, name: str):
         """The request's own numbers (request_id, params, num_prompt_tokens, ..., finished) are its state's."""
@@ -97,7 +101,8 @@ class AsyncEngine:
 
     def __init__(self, processes: list[EngineProcess], ready: EngineReady, tokenizer, config, model_path, *,
                  served_model_name: str | None = None, max_queue_len: int | None = None,
-                 request_log: str | None = None, log_stats_interval: float = 5.0) -> None:
+                 request_log: str | None = None, log_stats_interval: float = 5.0,
+                 request_log_options: dict | None = None) -> None:
         self.processes = processes
         self.process = processes[0]
         self.router = EngineRouter(len(processes), config.block_size)
@@ -111,9 +116,12 @@ class AsyncEngine:
         self.vocab_size: int = ready.vocab_size
         self.validator = RequestValidator(ready.vocab_size, ready.max_model_len)
         self.max_queue_len = max_queue_len
+        # the request log's writer thread (request_log.py); it hashes the model for model_version unless labelled
+        self.request_log = RequestLog(request_log, model_path=model_path, **(request_log_options or {})) \
+            if request_log else None
         self.metrics = EngineMetrics(
             self.served_model_name, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-            request_log=request_log, log_stats_interval=log_stats_interval)
+            request_log=self.request_log, log_stats_interval=log_stats_interval)
         self.metrics.record_cache_config(config, ready.num_blocks, num_engines=len(processes))
         self.metrics.weights_bytes.set(ready.weights_bytes * len(processes))
         self.metrics.kv_cache_bytes.set(ready.kv_cache_bytes * len(processes))
@@ -142,7 +150,7 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config, *, max_queue_len: int | None = None, request_log: str | None = None,
-                    log_stats_interval: float = 5.0) -> "AsyncEngine":
+                    log_stats_interval: float = 5.0, request_log_options: dict | None = None) -> "AsyncEngine":
         from kvflow.models.model_files import resolve_model_files
         from kvflow.tokenizer import Tokenizer
 
@@ -165,7 +173,8 @@ class AsyncEngine:
                 process.kill()
             raise
         engine = cls(processes, readies[0], tokenizer, config, files.path, max_queue_len=max_queue_len,
-                     request_log=request_log, log_stats_interval=log_stats_interval)
+                     request_log=request_log, log_stats_interval=log_stats_interval,
+                     request_log_options=request_log_options)
         logger.info("engine ready in %.2fs (engine process pid %s): serving %s, max_model_len %d",
                     time.perf_counter() - t0, " ".join(str(r.pid) for r in readies), engine.served_model_name,
                     engine.max_model_len)
@@ -252,6 +261,7 @@ class AsyncEngine:
         adds = self.processor.add_request(request_id, prompt_token_ids, params, arrival, max_tokens, pooling,
                                           priority)
         stream = RequestStream(self, self.processor.requests[request_id])
+        stream.priority = priority
         self._streams[request_id] = stream
         self._pending_adds += len(adds)
         rank = self.router.choose(prompt_token_ids)     # every choice of a request on one engine: one prefill
@@ -302,7 +312,8 @@ class AsyncEngine:
                 # vLLM's server resolves an absent max_tokens (to what is left of the context) before its metrics
                 # see it; an embedding request has none
                 max_tokens=(None if state.pooling is not None else state.params.max_tokens
-                            if state.params.max_tokens is not None else self.max_model_len - state.num_prompt_tokens)))
+                            if state.params.max_tokens is not None else self.max_model_len - state.num_prompt_tokens),
+                priority=stream.priority, logged=stream.recorded))
         except Exception:  # metrics must never break a request
             logger.exception("recording metrics of %s failed", state.request_id)
 

@@ -14,10 +14,8 @@ value differs from what vLLM would report, the definition says why. vLLM's `engi
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
 from kvflow.core.outputs import StepStats
+from kvflow.request_log import RequestLog
 
 logger = logging.getLogger("kvflow.metrics")
 
@@ -113,13 +112,16 @@ class FinishedRequest:
     error: str | None = None
     n: int = 1                        # the request's n
     max_tokens: int | None = None     # each choice's max_tokens, resolved as vLLM's server resolves it
+    priority: int = 0
+    # the server writes this request's log line itself, at the end of its HTTP response (server/request_record.py)
+    logged: bool = False
 
 
 class EngineMetrics:
     """All metrics of one server, on a private registry."""
 
     def __init__(self, model_name: str, max_model_len: int = 4096, max_num_seqs: int = 128,
-                 request_log: str | None = None, log_stats_interval: float = 5.0) -> None:
+                 request_log: RequestLog | str | None = None, log_stats_interval: float = 5.0) -> None:
         self.model_name = model_name
         # as vLLM does: no `*_created` series beside every counter and histogram (prometheus-client's switch)
         disable_created_metrics()
@@ -242,9 +244,8 @@ class EngineMetrics:
         self._totals_at_log = dict(self._totals)
         self._log_last_time = time.monotonic()
         self._busy_since_log = False
-        self._request_log_file = None
-        if request_log:
-            self._request_log_file = sys.stdout if request_log == "-" else open(request_log, "a", buffering=1)
+        # the request log's writer (request_log.py), or None; a path: a log with the default rotation
+        self.request_log = RequestLog(request_log) if isinstance(request_log, str) else request_log
 
     def record_cache_config(self, config, num_gpu_blocks: int, num_engines: int = 1) -> None:
         """vllm:cache_config_info, once the engines are loaded: one series per engine, labelled with the fields of
@@ -356,38 +357,57 @@ class EngineMetrics:
         self._write_request_log(req)
 
     def _write_request_log(self, req: FinishedRequest) -> None:
-        if self._request_log_file is None:
+        """The line of a request with no HTTP request of its own (the server writes the others)."""
+        if self.request_log is None or req.logged:
             return
-        first = req.timings[0] if req.timings else None
-        ends = [t.finished for t in req.timings if t.finished is not None]
-        line = {
-            "id": req.request_id,
-            "model": req.model,
-            "prompt_tokens": req.prompt_tokens,
-            "cached_tokens": req.cached_tokens,
-            "completion_tokens": req.completion_tokens,
-            "queue_time": _round(first.queue_time if first else None),
-            "ttft": _round(first.ttft if first else None),
-            "e2e": _round(max(ends) - first.arrival if first and ends else None),
-            "finish_reason": req.finish_reasons[0] if len(req.finish_reasons) == 1 else req.finish_reasons,
-            "num_preemptions": sum(t.num_preemptions for t in req.timings),
-            "error": req.error,
-        }
-        with self._lock:
-            try:
-                self._request_log_file.write(json.dumps(line) + "\n")
-                self._request_log_file.flush()
-            except (OSError, ValueError):  # closed file during shutdown
-                pass
+        self.request_log.write(request_line(req))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def close(self) -> None:
-        if self._request_log_file is not None and self._request_log_file is not sys.stdout:
-            self._request_log_file.close()
-        self._request_log_file = None
+        if self.request_log is not None:
+            self.request_log.close()
 
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 6)
+
+
+def timing_fields(timings: list[RequestTimings], end: float | None = None) -> dict:
+    """The request log's (and the trace span's) timings of one request, in seconds: queue time, TTFT and TPOT of
+    its first choice (vLLM's per-request definitions: TPOT is the decode phase over the tokens after the first),
+    end to end from arrival to its last choice's end (or `end`: when its HTTP response ended), and the
+    preemptions of every choice."""
+    first = timings[0] if timings else None
+    ends = [t.finished for t in timings if t.finished is not None]
+    if end is None and ends:
+        end = max(ends)
+    tpot = None
+    if first is not None and first.first_token is not None and len(first.token_times) > 1:
+        tpot = (first.last_token - first.first_token) / (len(first.token_times) - 1)
+    return {
+        "queue_time": _round(first.queue_time if first else None),
+        "ttft": _round(first.ttft if first else None),
+        "tpot": _round(tpot),
+        "e2e": _round(end - first.arrival if first is not None and end is not None else None),
+        "num_preemptions": sum(t.num_preemptions for t in timings),
+    }
+
+
+def request_line(req: FinishedRequest) -> dict:
+    """The request log's line of a request that had no HTTP request of its own (a Batch API line)."""
+    first = req.timings[0] if req.timings else None
+    return {
+        "time": _round(first.arrival if first else None),
+        "id": req.request_id,
+        "model": req.model,
+        "prompt_tokens": req.prompt_tokens,
+        "cached_tokens": req.cached_tokens,
+        "completion_tokens": req.completion_tokens,
+        **timing_fields(req.timings),
+        "finish_reason": req.finish_reasons[0] if len(req.finish_reasons) == 1 else req.finish_reasons,
+        "error": req.error,
+        "n": req.n,
+        "priority": req.priority,
+    }

@@ -16,7 +16,7 @@ LAYERS = [
     {"runner"},
     {"executor"},
     {"core"},
-    {"tokenizer", "detokenizer", "metrics", "outputs"},
+    {"tokenizer", "detokenizer", "metrics", "outputs", "request_log"},
     {"output_processor", "engine_process", "engine_router"},
     {"llm", "async_engine"},
     {"server", "bench"},

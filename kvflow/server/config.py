@@ -16,6 +16,7 @@ DEFAULT_MAX_REQUEST_BODY_SIZE = 8 * 2**20
 DEFAULT_MAX_BATCH_FILE_SIZE = 200 * 2**20
 DEFAULT_BATCH_MIN_FREE_SPACE = 256 * 2**20
 DEFAULT_BATCH_DIR = "~/.cache/kvflow/batches"
+DEFAULT_REQUEST_LOG_MAX_BYTES = 100 * 2**20
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -38,6 +39,16 @@ class ServerConfig:
                                          type=str)
     request_log: str | None = _option(None, "write one JSON line per finished request to PATH ('-' for stdout)",
                                       metavar="PATH")
+    request_log_prompts: bool = _option(False, "put each request's prompt (its messages, prompt or input as sent) "
+                                               "into its request-log line")
+    request_log_max_bytes: int = _option(DEFAULT_REQUEST_LOG_MAX_BYTES, "rotate the request log when it reaches "
+                                                                        "this size, e.g. 100MiB (0: never)", type=str)
+    request_log_backup_count: int = _option(5, "rotated request logs kept (PATH.1 ... PATH.N)")
+    model_version: str | None = _option(None, "the served model's version in the request log and traces (default: "
+                                              "sha256 of the model's weight files)")
+    otlp_traces_endpoint: str | None = _option(None, "send an OpenTelemetry span per request to this OTLP/HTTP "
+                                                     "endpoint, e.g. http://localhost:4318/v1/traces (vLLM's flag; "
+                                                     "needs pip install 'kvflow[tracing]')", metavar="URL")
     log_level: str = _option("info", "log level", choices=LOG_LEVELS)
     log_stats_interval: float = _option(5.0, "seconds between stats log lines")
     shutdown_grace_period: float = _option(30.0, "seconds in-flight requests get to finish after SIGTERM")
@@ -67,13 +78,15 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_request_body_size", parse_bytes(self.max_request_body_size))
+        object.__setattr__(self, "request_log_max_bytes", parse_bytes(self.request_log_max_bytes))
         object.__setattr__(self, "max_batch_file_size", parse_bytes(self.max_batch_file_size))
         object.__setattr__(self, "batch_min_free_space", parse_bytes(self.batch_min_free_space))
         if self.served_model_name is not None:
             object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
         for name, lo in (("port", 0), ("max_queue_len", 1), ("max_n", 1), ("max_request_body_size", 1),
                          ("shutdown_grace_period", 0), ("max_batch_file_size", 1), ("batch_min_free_space", 0),
-                         ("batch_max_concurrency", 1)):
+                         ("batch_max_concurrency", 1), ("request_log_max_bytes", 0),
+                         ("request_log_backup_count", 0)):
             value = getattr(self, name)
             if value is not None and value < lo:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {value}")

@@ -6,6 +6,7 @@ RequestValidationError (400) or an HTTPException; the catch-all handler is only 
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -33,6 +34,7 @@ from kvflow.server.protocol import (APIError, ChatCompletionRequest, ChatComplet
                                     CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                     ModelList, TokenizeRequest, TokenizeResponse, TokenizerInfoResponse,
                                     validation_error)
+from kvflow.server.request_record import OpenRecords, RequestObserver
 from kvflow.server.serving import OpenAIServing
 from kvflow.server.responses_api import RESPONSES_OPENAPI, ResponsesServing
 from kvflow.server.responses_protocol import ResponsesRequest
@@ -63,7 +65,10 @@ def _streamed_or(model) -> dict:
 
 def build_engine(config, server: ServerConfig) -> AsyncEngine:
     return AsyncEngine.from_config(config, max_queue_len=server.max_queue_len, request_log=server.request_log,
-                                   log_stats_interval=server.log_stats_interval)
+                                   log_stats_interval=server.log_stats_interval,
+                                   request_log_options=dict(max_bytes=server.request_log_max_bytes,
+                                                            backup_count=server.request_log_backup_count,
+                                                            model_version=server.model_version))
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
@@ -81,6 +86,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                                max_concurrency=config.batch_max_concurrency or default_batch_concurrency(engine),
                                priority=config.batch_priority)
 
+    # the request log's and the traces' record of each generate request (server/request_record.py); the tracer and
+    # OpenTelemetry are imported only when traces are on
+    sinks = []
+    if engine.request_log is not None:
+        sinks.append(lambda line, _record: engine.request_log.write(line))
+    tracer = None
+    if config.otlp_traces_endpoint:
+        from kvflow.server.tracing import Tracer
+        tracer = Tracer(config.otlp_traces_endpoint, model_version=lambda: config.model_version or (
+            engine.request_log.model_version if engine.request_log is not None else None))
+        sinks.append(tracer.emit)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
@@ -89,11 +106,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         batch_worker.pause()        # no new batch lines; those in flight finish within the grace period and commit
         await serving.shutdown_engine()
         await batch_worker.stop()
+        if tracer is not None:      # export what is still queued
+            await asyncio.to_thread(tracer.shutdown)
 
     app = FastAPI(title="kvflow", version=__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.serving = serving
     app.state.batch_worker = batch_worker
+    app.state.tracer = tracer
+    app.state.open_records = OpenRecords()
 
     # ---- errors in OpenAI's shape ------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -213,6 +234,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.openapi = lambda: openapi_document(app, config.max_n)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_size,
                        uploads={"/v1/files": (config.max_batch_file_size + MULTIPART_SLACK, "--max-batch-file-size")})
+    if sinks:       # outside the size limit (a 413 gets its line), inside the API key check
+        app.add_middleware(RequestObserver, sinks=sinks, log_prompts=config.request_log_prompts,
+                           open_records=app.state.open_records)
     app.add_middleware(AuthAndArrival, api_key=config.api_key)   # added last: runs first
     return app
 

@@ -35,6 +35,7 @@ from kvflow.server.protocol import (APIError, ChatCompletionChoice, ChatCompleti
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.chat_template import ChatTemplateOptions, template_variables
+from kvflow.server.request_record import current_record
 from kvflow.server.protocol import ModelPermission, TokenizerInfoResponse
 from kvflow.server.tool_prompt import chat_messages
 from kvflow.structured_output import GrammarCompiler, spec_from_request
@@ -127,6 +128,8 @@ class OpenAIServing:
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")   # text, flattened above
         prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, messages, **render_args)
         request_id = f"chatcmpl-{req.request_id}" if req.request_id else random_id("chatcmpl")
+        if (record := current_record()) is not None:      # the request log's and the trace's record
+            record.note_request(req, request_id, lambda: [m.model_dump(exclude_none=True) for m in req.messages])
         streams = self.submit(request_id, [prompt_ids], params, arrival, req.PARAM_NAMES,
                               priority=self.priority(req, priority))
         # vLLM's echo: the reply starts with the last message when that is the assistant's (a prefill to continue)
@@ -147,6 +150,8 @@ class OpenAIServing:
         self.check_prompt_chars(max((len(p) for p in prompts if isinstance(p, str)), default=0), "prompt")
         prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, prompts, req.add_special_tokens)
         request_id = f"cmpl-{req.request_id}" if req.request_id else random_id("cmpl")
+        if (record := current_record()) is not None:      # the request log's and the trace's record
+            record.note_request(req, request_id, req.prompt)
         streams = self.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES,
                               priority=self.priority(req, priority))
         # echo: the prompt as given, or as the engine runs it when that is token ids or truncated
@@ -195,9 +200,11 @@ class OpenAIServing:
 
     # ---- request -> engine -------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
+        if (record := current_record()) is not None:
+            record.model = model or self.names[0]
         if not model:
-            return self.names[0]
-        if model not in self.names:
+            model = self.names[0]
+        elif model not in self.names:
             raise APIError(404, f"The model `{model}` does not exist. Served models: {', '.join(self.names)}",
                            param="model", code="model_not_found")
         return model
@@ -219,6 +226,8 @@ class OpenAIServing:
         if forced is not None and spec is not None:
             raise APIError(400, f"tool_choice {req.tool_choice!r} and {spec.param} both constrain the output; "
                                 "give one of them", param=spec.param)
+        if (record := current_record()) is not None and (forced or spec) is not None:
+            record.structured_output = "tool_choice" if forced is not None else spec.kind
         spec = forced or spec
         if spec is not None:
             compiler = await self.grammar_compiler()
@@ -318,6 +327,9 @@ class OpenAIServing:
             if isinstance(e, ValueError):       # InvalidRequestError, or a plain ValueError of an older engine
                 raise APIError.bad_request(e, param_names) from None
             raise
+        if (record := current_record()) is not None:
+            record.attach(streams)
+            record.request_id = record.request_id or request_id
         return streams
 
     # ---- engine -> response: one path for chat and completions -------------------------------------------------
@@ -362,6 +374,8 @@ class OpenAIServing:
                                           tool_calls=[ToolCall(**c) for c in found.tool_calls] or None)
             if found.tool_calls and finish == "stop":
                 finish = "tool_calls"
+            if (record := current_record()) is not None:
+                record.choice_finished(index, finish, [c["function"]["name"] for c in found.tool_calls])
         return ChatCompletionChoice(index=index, message=message, logprobs=self.logprobs(gen, r.tokens)[0],
                                     finish_reason=finish, stop_reason=r.stop_reason,
                                     **self.token_ids(gen, [t for t, _ in r.tokens]))
@@ -407,7 +421,10 @@ class OpenAIServing:
             async for body in self.chunks(gen):
                 yield f"data: {body.model_dump_json(exclude_unset=True)}\n\n"
         except RequestFailedError as e:
-            yield f"data: {json.dumps(self.failure(e).body())}\n\n"
+            err = self.failure(e)
+            if (record := current_record()) is not None:
+                record.fail_in_stream(err)
+            yield f"data: {json.dumps(err.body())}\n\n"
         finally:
             for s in gen.streams:
                 s.close()
@@ -435,6 +452,8 @@ class OpenAIServing:
             opening = {}
             if gen.chat:
                 deltas, finish = chat_deltas(d, streamers[index] if streamers else None)
+                if finish is not None and streamers and (record := current_record()) is not None:
+                    record.choice_finished(index, finish, streamers[index].names)
             else:
                 text, prompt_tokens = "", []
                 if not opened[index]:      # the choice's first chunk: the echo, its prompt's ids

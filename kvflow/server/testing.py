@@ -85,9 +85,18 @@ class ServerThread:
                     and not self._any_unfinished():
                 time.sleep(0.05)   # let the engines send their last stats snapshot and go to sleep
                 if not self.engine._streams and not self._any_unfinished():
+                    self.wait_records(max(0.0, deadline - time.monotonic()))
                     return
             time.sleep(0.02)
         raise TimeoutError("the engine did not become idle")
+
+    def wait_records(self, timeout: float = 10.0) -> None:
+        """Wait until every HTTP request's request-log line / span is handed over, and the log is on disk."""
+        deadline = time.monotonic() + timeout
+        while self.app.state.open_records.count and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if self.engine.request_log is not None:
+            self.engine.request_log.flush(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> "ServerThread":
         return self.start()

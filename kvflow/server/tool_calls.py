@@ -285,6 +285,7 @@ class ToolCallStreamer:
         self._content_sent = 0
         self._args_sent: list[int] = []   # per announced call: characters of arguments sent
         self.ids: list[str] = []
+        self.names: list[str] = []         # the announced calls' function names
 
     @property
     def has_tool_calls(self) -> bool:
@@ -302,6 +303,7 @@ class ToolCallStreamer:
                 break                  # announce calls in order, each once its name is known
             if i == len(self.ids):
                 self.ids.append(tool_call_id())
+                self.names.append(call.name)
                 self._args_sent.append(0)
                 deltas.append({"tool_calls": [{"index": i, "id": self.ids[i], "type": "function",
                                                "function": {"name": call.name, "arguments": ""}}]})
