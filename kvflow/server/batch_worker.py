@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import logging
 import time
@@ -63,8 +62,7 @@ class BatchWorker:
         self.max_concurrency = max(1, max_concurrency)
         self.priority = priority
         self.max_lines = max_lines
-        kw = {"priority": priority} if "priority" in inspect.signature(BatchRunner.__init__).parameters else {}
-        self.runner = BatchRunner(serving, embeddings, self.max_concurrency, **kw)
+        self.runner = BatchRunner(serving, embeddings, self.max_concurrency, priority=priority)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._running: dict[str, Running] = {}
