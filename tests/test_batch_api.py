@@ -215,6 +215,7 @@ def test_files_and_metrics_after_the_batches(two_hundred, client, server):
     assert out.bytes == len(client.files.content(chat.output_file_id).content)
     inp = client.files.retrieve(two_hundred["files"][0].id)
     assert inp.purpose == "batch" and inp.filename == "chat.jsonl" and inp.status == "processed"
+    assert client.files.content(inp.id).content == jsonl([x for x in two_hundred["lines"] if '"chat-' in x])
     listed = [f.id for f in client.files.list(purpose="batch_output")]
     assert {chat.output_file_id, chat.error_file_id, cmpl.output_file_id, cmpl.error_file_id} <= set(listed)
     assert metric(server.url, "kvflow:batch_requests_total", status="completed") >= 194
@@ -423,7 +424,52 @@ def test_a_batch_past_its_completion_window_expires(model_path, tmp_path):
         assert all(r["response"] is None and r["error"]["code"] == "batch_expired" for r in err)
 
 
-# ---- SIGKILL and restart ----------------------------------------------------------------------------------------
+def test_an_embeddings_batch_equals_the_online_vectors(client, server):
+    inputs = ["a cat", "vector of blue", ["two", "inputs"]]
+    f = upload(client, [line(f"e{i}", "/v1/embeddings", {"model": "tiny", "input": x}) for i, x in enumerate(inputs)])
+    b = wait_for(client, client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings",
+                                               completion_window="24h").id)
+    assert b.status == "completed" and b.request_counts.completed == 3 and b.usage.output_tokens == 0
+    out = {r["custom_id"]: r["response"]["body"] for r in records(client, b.output_file_id)}
+    for i, x in enumerate(inputs):
+        online = client.embeddings.create(model="tiny", input=x)
+        assert len(out[f"e{i}"]["data"]) == len(online.data)
+        for got, want in zip(out[f"e{i}"]["data"], online.data):
+            assert got["embedding"] == pytest.approx(want.embedding, rel=1e-4, abs=1e-5)
+    assert b.usage.input_tokens == sum(body["usage"]["prompt_tokens"] for body in out.values())
+
+
+# ---- stop, SIGKILL and restart ----------------------------------------------------------------------------------
+def committed(batch_dir: Path, batch_id: str) -> tuple[dict, str]:
+    """The results committed for a batch (custom_id -> record text) and its status, read from the store."""
+    with sqlite3.connect(batch_dir / "batches.sqlite3") as db:
+        results = dict(db.execute("SELECT custom_id, record FROM results WHERE batch_id = ?", (batch_id,)).fetchall())
+        status, = db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
+    return results, status
+
+
+def test_a_graceful_stop_commits_the_lines_in_flight_and_a_restart_resumes(model_path, tmp_path):
+    batch_dir = tmp_path / "batches"
+    n = 16
+    config = EngineConfig(model=str(model_path), **ENGINE)
+    with ServerThread(config, batch_dir=str(batch_dir), batch_max_concurrency=2) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+        f = upload(client, [line(f"c{i}", "/v1/completions", slow_body(i)) for i in range(n)])
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        at_stop = wait_for(client, b.id, until=lambda b: b.request_counts.completed >= 2).request_counts.completed
+    results, status = committed(batch_dir, b.id)
+    # the two lines in flight finished within the grace period and were committed; none was refused and kept
+    assert status == "in_progress" and at_stop <= len(results) < n
+    assert all(json.loads(r)["response"]["status_code"] == 200 for r in results.values())
+    with ServerThread(config, batch_dir=str(batch_dir), batch_max_concurrency=2) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+        done = wait_for(client, b.id)
+        assert done.status == "completed" and done.request_counts.completed == n
+        out = records(client, done.output_file_id)
+        assert sorted(r["custom_id"] for r in out) == sorted(f"c{i}" for i in range(n))
+        assert engine_requests(server.url) == n - len(results)
+
+
 def serve(model_path, batch_dir, *flags) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -460,9 +506,7 @@ def test_sigkill_mid_batch_then_restart_completes_each_line_once(model_path, tmp
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    with sqlite3.connect(batch_dir / "batches.sqlite3") as db:     # what was committed before the kill
-        before = dict(db.execute("SELECT custom_id, record FROM results WHERE batch_id = ?", (b.id,)).fetchall())
-        status, = db.execute("SELECT status FROM batches WHERE id = ?", (b.id,)).fetchone()
+    before, status = committed(batch_dir, b.id)           # what was committed before the kill
     assert status == "in_progress" and 5 <= len(before) < n
     proc, base = serve(model_path, batch_dir, "--batch-max-concurrency", "2")
     try:
