@@ -287,6 +287,38 @@ def test_a_bad_input_file_fails_the_batch_with_openais_line_errors(client, serve
                                                   completion_window="24h").id).status == "completed"
 
 
+def test_more_than_50000_lines_fail_the_batch(client, server):
+    before = engine_requests(server.url)
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1})
+    text = "".join(f'{{"custom_id": "r{i}", "method": "POST", "url": "/v1/completions", "body": {body}}}\n'
+                   for i in range(50_001))
+    f = client.files.create(file=("many.jsonl", text.encode()), purpose="batch")
+    b = wait_for(client, client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                               completion_window="24h").id)
+    assert b.status == "failed" and [e.code for e in b.errors.data] == ["too_many_tasks"]
+    assert "50001" in b.errors.data[0].message and "50000" in b.errors.data[0].message
+    assert engine_requests(server.url) == before
+
+
+def test_the_batch_flags_reach_the_server_config(tmp_path):
+    import argparse
+
+    from kvflow.server.cli import add_serve_parser, configs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    _, server = configs_from_args(parser.parse_args([
+        "serve", "m", "--batch-dir", str(tmp_path), "--max-batch-file-size", "1MiB", "--batch-max-concurrency", "3",
+        "--batch-priority", "5", "--batch-min-free-space", "0"]))
+    assert (server.batch_dir, server.max_batch_file_size, server.batch_max_concurrency, server.batch_priority,
+            server.batch_min_free_space) == (str(tmp_path), 2**20, 3, 5, 0)
+    defaults = configs_from_args(parser.parse_args(["serve", "m"]))[1]
+    assert (defaults.batch_dir, defaults.max_batch_file_size, defaults.batch_max_concurrency,
+            defaults.batch_priority) == ("~/.cache/kvflow/batches", 200 * 2**20, None, 10)
+    with pytest.raises(ValueError, match="batch-max-concurrency"):
+        configs_from_args(parser.parse_args(["serve", "m", "--batch-max-concurrency", "0"]))
+
+
 def test_what_does_not_exist_is_a_404_in_openais_shape(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
@@ -394,6 +426,8 @@ def test_cancel_mid_run_finishes_running_lines_and_starts_no_more(model_path, tm
         f = upload(client, [line(f"c{i}", "/v1/completions", slow_body(i)) for i in range(30)])
         b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
         b = wait_for(client, b.id, until=lambda b: b.request_counts.completed >= 2)
+        assert metric(server.url, "kvflow:batches", status="in_progress") == 1
+        assert 0 < metric(server.url, "kvflow:batch_queue_depth") <= 28
         cancelled = client.batches.cancel(b.id)
         assert cancelled.status in ("cancelling", "cancelled") and cancelled.cancelling_at
         b = wait_for(client, b.id)
