@@ -34,6 +34,7 @@ logger = logging.getLogger("kvflow.server")
 MAX_LINES = 50_000        # OpenAI's limit of requests per batch
 MAX_ERRORS = 1000         # validation errors listed in a failed batch's `errors.data`
 RETRY_429_S = 1.0
+COMMIT_RETRY_S = 5.0
 # codes of a line's validation error, by the parameter parse_line names (OpenAI's batch error codes)
 CODE_BY_PARAM = {"url": "invalid_url", "method": "invalid_value", "body": "invalid_value"}
 
@@ -149,6 +150,7 @@ class BatchWorker:
                     await self._finalize(store, b, "completed")
                 else:                # a line that was not taken (and not requeued): look again from the start
                     r.next_idx, r.exhausted = 0, False
+                    self.wake()
         await self._refresh_gauges(store)
         ends = [r.batch["expires_at"] for r in self._running.values()
                 if r.stop is None and r.batch["expires_at"] is not None]
@@ -273,9 +275,15 @@ class BatchWorker:
                 record["error"] = None
             usage = (record["response"]["body"].get("usage") or {}) if status == 200 else {}
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            added = await asyncio.to_thread(store.add_result, batch_id, row["idx"], cid, record,
-                                            int(usage.get("prompt_tokens") or 0), int(cached),
-                                            int(usage.get("completion_tokens") or 0))
+            try:
+                added = await asyncio.to_thread(store.add_result, batch_id, row["idx"], cid, record,
+                                                int(usage.get("prompt_tokens") or 0), int(cached),
+                                                int(usage.get("completion_tokens") or 0))
+            except Exception:         # e.g. the disk is full: the line stays pending and runs again, not at once
+                logger.exception("batch %s: the result of line %d (custom_id %r) could not be committed", batch_id,
+                                 row["lineno"], cid)
+                await asyncio.sleep(COMMIT_RETRY_S)
+                return
             if added and self.metrics is not None:
                 self.metrics.batch_requests.labels(self.metrics.model_name,
                                                    "completed" if status == 200 else "failed").inc()
