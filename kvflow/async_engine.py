@@ -146,6 +146,8 @@ class AsyncEngine:
         # called once, on the reader thread, after the engine died and its requests were failed
         # (`kvflow serve` sets it to stop the server, which then exits non-zero)
         self.on_death = None
+        # the dashboard's hub (server/dashboard.py), or None: told of every step's stats and every finished request
+        self.observer = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     @classmethod
@@ -314,6 +316,8 @@ class AsyncEngine:
                 max_tokens=(None if state.pooling is not None else state.params.max_tokens
                             if state.params.max_tokens is not None else self.max_model_len - state.num_prompt_tokens),
                 priority=stream.priority, logged=stream.recorded))
+            if self.observer is not None:
+                self.observer.on_finish(stream)
         except Exception:  # metrics must never break a request
             logger.exception("recording metrics of %s failed", state.request_id)
 
@@ -333,6 +337,8 @@ class AsyncEngine:
             self.num_steps += 1
             self.max_batch_size = max(self.max_batch_size, stats.batch_size)
         self.metrics.record_step(stats)
+        if self.observer is not None:
+            self.observer.on_step(stats)
         for core_id, message in result.rejected:
             state = self.processor.request_of(core_id)
             if state is not None and state.request_id in self._streams:

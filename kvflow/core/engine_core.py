@@ -24,7 +24,7 @@ log = logging.getLogger("kvflow")
 
 class EngineCore:
     # what the frontend may call in the engine process between steps (`EngineProcess.call`): checks and numbers
-    UTILITY_METHODS = frozenset({"check", "has_unfinished_requests", "worker_pids", "counters"})
+    UTILITY_METHODS = frozenset({"check", "has_unfinished_requests", "worker_pids", "counters", "kv_block_map"})
 
     def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] | None = None,
                  files: ModelFiles | None = None):
@@ -112,6 +112,13 @@ class EngineCore:
         """Totals since start."""
         return {"num_preemptions": self.scheduler.num_preemptions,
                 "num_prompt_tokens_computed": self.num_prompt_tokens_computed}
+
+    def kv_block_map(self) -> bytes:
+        """One byte per KV block: 0 free, 1 free but holding a prefix-cache entry, 2 held by one request, 3 shared
+        by several (the dashboard asks for it, about once a second while a page is open: O(blocks))."""
+        kv = self.kv_cache_manager
+        return bytes((2 if c == 1 else 3) if c else (0 if k is None else 1)
+                     for c, k in zip(kv.ref_cnt, kv.block_key))
 
     def load_compiled_steps(self) -> bool:
         """While idle: load the decode graphs compiled in the background since the last step; True when one

@@ -49,6 +49,7 @@ class ServerConfig:
     otlp_traces_endpoint: str | None = _option(None, "send an OpenTelemetry span per request to this OTLP/HTTP "
                                                      "endpoint, e.g. http://localhost:4318/v1/traces (vLLM's flag; "
                                                      "needs pip install 'kvflow[tracing]')", metavar="URL")
+    disable_dashboard: bool = _option(False, "do not serve the live dashboard at /dashboard")
     log_level: str = _option("info", "log level", choices=LOG_LEVELS)
     log_stats_interval: float = _option(5.0, "seconds between stats log lines")
     shutdown_grace_period: float = _option(30.0, "seconds in-flight requests get to finish after SIGTERM")

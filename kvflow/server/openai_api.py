@@ -26,6 +26,7 @@ from kvflow.server.batch_store import StoreHandle
 from kvflow.server.batch_worker import BatchWorker
 from kvflow.server.batches_api import batches_router
 from kvflow.server.config import ServerConfig
+from kvflow.server.dashboard import DashboardHub, dashboard_router
 from kvflow.server.embeddings_api import EMBEDDINGS_OPENAPI, EmbeddingRequest, EmbeddingsServing
 from kvflow.server.files_api import MULTIPART_SLACK, files_router
 from kvflow.server.middleware import AuthAndArrival, BodySizeLimit
@@ -97,6 +98,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         tracer = Tracer(config.otlp_traces_endpoint, model_version=lambda: config.model_version or (
             engine.request_log.model_version if engine.request_log is not None else None))
         sinks.append(tracer.emit)
+    dashboard = None if config.disable_dashboard else DashboardHub(engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -115,6 +117,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.state.batch_worker = batch_worker
     app.state.tracer = tracer
     app.state.open_records = OpenRecords()
+    app.state.dashboard = dashboard
 
     # ---- errors in OpenAI's shape ------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -168,6 +171,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.include_router(messages_router(serving))   # Anthropic's Messages API: its route answers errors in their shape
     app.include_router(files_router(batch_store, config))                  # OpenAI's Files API, for batches
     app.include_router(batches_router(batch_store, batch_worker, config))  # OpenAI's Batch API
+    if dashboard is not None:
+        app.include_router(dashboard_router(dashboard))    # the live view of the batch: /dashboard
 
     # ---- vLLM's extra routes -----------------------------------------------------------------------------------
     def health_response() -> Response:
