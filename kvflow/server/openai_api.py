@@ -52,7 +52,7 @@ DESCRIPTIONS = {400: "invalid request (the error's `param` names the field)", 40
                 429: "queue full (--max-queue-len): retry after Retry-After seconds",
                 500: "the engine failed on this request", 503: "the engine died or the server is shutting down"}
 GENERATE_ERRORS = _errors(400, 401, 404, 413, 429, 500, 503)
-HEALTH_RESPONSES = {200: {"description": "the engine is alive (empty body)", "content": None}, **_errors(503)}
+HEALTH_RESPONSES = {200: {"description": "the server can serve (empty body)", "content": None}, **_errors(503)}
 # /invocations reads its body itself (it is one of two requests): the document says which
 INVOCATION_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"oneOf": [
     {"$ref": "#/components/schemas/ChatCompletionRequest"}, {"$ref": "#/components/schemas/CompletionRequest"}]}}}}}
@@ -175,15 +175,26 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         app.include_router(dashboard_router(dashboard))    # the live view of the batch: /dashboard
 
     # ---- vLLM's extra routes -----------------------------------------------------------------------------------
-    def health_response() -> Response:
-        if engine.is_alive:
+    def health_response(live: bool = False) -> Response:
+        """/health: 200 when the server can serve (the engine alive and accepting: not draining), the readiness a
+        load balancer or router needs; 503 naming why not (code engine_dead or draining). `live`: only whether the
+        engine is alive, draining included (a liveness probe must not kill a server finishing its requests)."""
+        if engine.is_accepting or (live and engine.is_alive):
             return Response(status_code=200)
+        if engine.is_alive:
+            return error_response(APIError(503, "the server is shutting down: it finishes the requests it has and "
+                                                "takes no new ones", type="service_unavailable", code="draining"))
         return error_response(APIError(503, engine.death_reason or "the engine loop is not running",
                                        type="service_unavailable", code="engine_dead"))
 
     @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health():
         return health_response()
+
+    @app.get("/health/live", response_class=Response, responses=HEALTH_RESPONSES)
+    async def health_live():
+        """Liveness: the engine is alive (200 while draining too)."""
+        return health_response(live=True)
 
     # ---- SageMaker's routes, as vLLM serves them -----------------------------------------------------------------
     @app.get("/ping", response_class=Response, responses=HEALTH_RESPONSES, operation_id="ping_get")

@@ -1,0 +1,52 @@
+"""/health means "can serve": 200 while the engine is alive and accepting, 503 (code draining) while a shutdown
+drains in-flight requests (and engine_dead once the engine is gone: tests/test_server_faults.py); /health/live
+stays 200 while draining. The real server, its real shutdown path (EngineServer: stop listening, drain, then close
+connections)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from kvflow.config import EngineConfig
+from kvflow.server.testing import ServerThread
+from tiny_models import make_tiny_hf_model
+
+
+def test_health_is_readiness_and_live_is_liveness(tmp_path):
+    path = make_tiny_hf_model(tmp_path, family="llama", seed=6, max_position_embeddings=4096)
+    cfg = EngineConfig(model=str(path), dtype="float32", max_model_len=4096, kv_cache_memory="16MiB", max_num_seqs=4)
+    server = ServerThread(cfg, shutdown_grace_period=20).start()
+    done = threading.Event()
+    got = {}
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:     # one keep-alive connection
+            assert http.get("/health").status_code == 200
+            assert http.get("/health/live").status_code == 200
+
+            def stream():
+                with httpx.Client(timeout=60) as other, other.stream(
+                        "POST", server.base_url + "/completions",
+                        json={"prompt": "drain me", "max_tokens": 600, "stream": True, "ignore_eos": True}) as r:
+                    got["lines"] = [line for line in r.iter_lines() if line]
+                done.set()
+
+            threading.Thread(target=stream, daemon=True).start()
+            deadline = time.monotonic() + 30
+            while not server.engine._streams and time.monotonic() < deadline:
+                time.sleep(0.01)
+            server.server.should_exit = True            # SIGTERM's path: drain, then close
+            seen = None
+            while not done.is_set() and time.monotonic() < deadline:
+                r = http.get("/health")
+                if r.status_code == 503:
+                    seen = r.json()["error"]["code"]
+                    assert http.get("/health/live").status_code == 200        # alive while draining
+                    break
+                time.sleep(0.01)
+            assert seen == "draining"
+        done.wait(60)
+        assert got["lines"][-1] == "data: [DONE]" and len(got["lines"]) > 100    # the stream finished whole
+    finally:
+        server.stop()
