@@ -124,3 +124,41 @@ def test_dashboard_in_chromium(server, tmp_path):
     while server.app.state.dashboard.clients and time.monotonic() < deadline:    # the closed page's stream ends
         time.sleep(0.05)
     assert server.app.state.dashboard.clients == 0
+
+
+def test_event_stream_numbers(server):
+    """The stream the page reads: finished requests with the response's token counts, the steps that ran them,
+    the KV block map with every block, the last minute's percentiles."""
+    import json
+    import openai
+
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+    usages = {}
+    for i in range(3):
+        r = client.completions.create(model="tiny", prompt=f"numbers {i} " + "alpha beta " * 20, max_tokens=5 + i, extra_body={"ignore_eos": True})
+        usages[r.id] = r.usage
+    server.wait_idle()
+    with httpx.Client(timeout=30) as http, http.stream("GET", server.url + "/dashboard/events") as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        line = next(x for x in resp.iter_lines() if x.startswith("data: "))
+    msg = json.loads(line[6:])
+    fields = msg["config"]["step_fields"]
+    assert all(len(s) == len(fields) for s in msg["steps"])
+    seqs = [s[0] for s in msg["steps"]]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    finished = {r["id"]: r for r in msg["finished"]}
+    for rid, u in usages.items():
+        r = finished[rid]
+        assert (r["prompt_tokens"], r["output_tokens"]) == (u.prompt_tokens, u.completion_tokens)
+        assert r["reason"] == "length" and 0 < r["ttft"] and r["arrival"] <= r["first_token"] <= r["end"]
+    generated = sum(s[fields.index("generated")] for s in msg["steps"])
+    assert generated >= sum(u.completion_tokens for u in usages.values())
+    assert msg["stats"]["ttft"]["p50"] is not None and msg["stats"]["finished_last_minute"] >= 3
+    metrics = httpx.get(server.url + "/metrics").text
+    blocks = int(metrics.split('num_gpu_blocks="')[1].split('"')[0])
+    assert len(msg["kv_map"]) == blocks and set(msg["kv_map"]) <= set("0123")
+    assert "1" in msg["kv_map"]        # the finished prompts' full blocks stay in the prefix cache
+    deadline = time.monotonic() + 10
+    while server.app.state.dashboard.clients and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.app.state.dashboard.clients == 0

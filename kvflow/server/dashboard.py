@@ -32,6 +32,7 @@ REQUEST_RING = 2048       # finished requests kept
 WINDOW_S = 60.0           # the percentiles' and throughput's window
 INTERVAL_S = 0.25         # one message per open page this often
 KV_MAP_INTERVAL_S = 1.0
+KV_MAP_BUDGET = 0.005     # the block map's call (its round trip, an upper bound of the engine's share) <= 0.5%
 MAX_ACTIVE = 256          # running requests shown per message (the oldest first)
 MAX_STEPS_PER_MESSAGE = 2048
 
@@ -65,6 +66,7 @@ class DashboardHub:
             getattr(config, "compile_batch_sizes", ()) or (0,))
         self._kv_map: str = ""
         self._kv_map_at = 0.0
+        self._kv_map_interval = KV_MAP_INTERVAL_S
         engine.observer = self
 
     # ---- the engine's side (event loop): always on, O(1) per step and per finished request -------------------
@@ -92,13 +94,14 @@ class DashboardHub:
     def message(self, step_cursor: int, request_cursor: int, first: bool) -> dict:
         now = time.time()
         since = now - WINDOW_S
-        steps = [s for s in self.steps if s[0] > step_cursor and (not first or s[1] >= since)]
-        steps = steps[-MAX_STEPS_PER_MESSAGE:]
-        finished = [r for r in self.finished if r["seq"] > request_cursor and (not first or r["end"] >= since - 30)]
+        # newest first, stopping at the window's start: the cost follows the last minute, not the rings' size
+        window_steps = list(_newest_while(self.steps, lambda s: s[1] >= since))
+        window_requests = list(_newest_while(self.finished, lambda r: r["end"] >= since - 30))
+        steps = [s for s in window_steps if s[0] > step_cursor][:MAX_STEPS_PER_MESSAGE][::-1]
+        finished = [r for r in window_requests if r["seq"] > request_cursor][::-1]
+        window_requests = [r for r in window_requests if r["end"] >= since]
         active = [request_entry(s, finished=False) for s in list(self.engine._streams.values())[:MAX_ACTIVE]]
-        window_steps = [s for s in self.steps if s[1] >= since]
-        window_requests = [r for r in self.finished if r["end"] >= since]
-        span = min(WINDOW_S, now - window_steps[0][1] + window_steps[0][2]) if window_steps else WINDOW_S
+        span = min(WINDOW_S, now - window_steps[-1][1] + window_steps[-1][2]) if window_steps else WINDOW_S
         last = self.engine.last_stats
         stats = {
             "running": last.num_running, "waiting": last.num_waiting, "kv_usage": last.kv_cache_usage,
@@ -117,14 +120,17 @@ class DashboardHub:
         return msg
 
     async def kv_map(self) -> str:
-        """The KV block map of every engine ('0' free, '1' prefix-cached, '2' used, '3' shared), at most once a
-        second (all pages share it)."""
+        """The KV block map of every engine ('0' free, '1' prefix-cached, '2' used, '3' shared), shared by all
+        pages, refreshed at most once a second and never more often than keeps its cost in the engine under
+        KV_MAP_BUDGET of its time (a large cache is refreshed less often)."""
         now = time.monotonic()
-        if now - self._kv_map_at >= KV_MAP_INTERVAL_S and self.engine.is_alive:
+        if now - self._kv_map_at >= self._kv_map_interval and self.engine.is_alive:
             self._kv_map_at = now
             try:
+                t0 = time.perf_counter()
                 maps = await asyncio.to_thread(lambda: [self.engine.call_core("kv_block_map", rank=r)
                                                         for r in range(len(self.engine.processes))])
+                self._kv_map_interval = max(KV_MAP_INTERVAL_S, (time.perf_counter() - t0) / KV_MAP_BUDGET)
                 self._kv_map = "".join(m.translate(KV_CHARS).decode("ascii") for m in maps)
             except Exception as e:  # noqa: BLE001 - the engine went away: keep the last map
                 logger.debug("kv block map: %s", e)
@@ -155,6 +161,14 @@ class DashboardHub:
 
 
 KV_CHARS = bytes.maketrans(bytes(range(4)), b"0123")
+
+
+def _newest_while(ring: deque, keep):
+    """The ring's entries from the newest back, while `keep` holds."""
+    for item in reversed(ring):
+        if not keep(item):
+            return
+        yield item
 
 
 def request_entry(stream, finished: bool) -> dict:
