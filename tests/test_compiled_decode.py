@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from kvflow.layers import native_kernels
 from tiny_models import make_tiny_hf_model
 
 BUCKETS = (1, 4)          # two small graphs keep the test short
@@ -183,3 +184,21 @@ def test_the_graph_cache_keeps_the_most_recently_used_and_this_engines_own(tmp_p
     prune_saved_graphs(tmp_path, keep={files[0]}, most=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0.bin", "7.bin", "8.bin", "9.bin", "compile_worker.log"]
     prune_saved_graphs(tmp_path / "missing", keep=set())         # no folder yet: nothing to do
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kvflow-kernel", "sdpa"])
+def test_compiled_decode_keeps_gemma3s_sliding_window(tmp_path, native, monkeypatch):
+    """A random Gemma 3 (window 16, 5 local : 1 global): decode steps past the window, compiled, give the eager
+    tokens, with kvflow's attention kernel (its window argument) and with the SDPA path (its sliding mask input)."""
+    if not native:
+        monkeypatch.setenv("KVFLOW_NATIVE_KERNELS", "0")
+    path = make_tiny_hf_model(tmp_path / "gemma3", family="gemma3", seed=5)
+    prompts = [PROMPTS[2][:20]]          # 20 tokens: every decode step attends past the window
+    expected = tokens(make_llm(path, "float32", eager=True), prompts, 12)
+    llm = LLM(str(path), dtype="float32", max_model_len=256, kv_cache_memory="16MiB", enforce_eager=False,
+              compile_batch_sizes=(1,))
+    assert llm.engine.runner.native_attention == (native and native_kernels.usable())
+    compiled = llm.engine.runner.compiled_decode
+    assert compiled.wait(timeout=600) and not compiled.failed
+    assert tokens(llm, prompts, 12) == expected and compiled.steps == 11
+    llm.shutdown()

@@ -44,11 +44,11 @@ def test_gemma3_270m_float32_matches_transformers_past_the_window_chunked_and_ca
 
     llm = LLM(str(gemma3_path), dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=128,
               kv_cache_memory="512MiB")
-    assert llm.engine.model_config.sliding_window == 512 and llm.engine.scheduler.config.enable_prefix_caching
+    assert llm.engine.model_config.sliding_window == 512 and llm.engine.config.enable_prefix_caching
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     assert sum(len(i) > 700 for i in ids) >= 3
     ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": i} for i in ids], GREEDY)]
-    assert llm.engine.kv_cache_manager.prefix_cache_hits >= 900     # STORY's blocks, for its longer twin
+    assert llm.engine.kv_cache_manager.prefix_cache_hits > 512      # STORY's blocks for its twin, past the window
     llm.engine.kv_cache_manager.check()
     del llm
     hf = AutoModelForCausalLM.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name,
