@@ -5,6 +5,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from kvflow.speculative_config import SpeculativeConfig
+
 SCHEDULING_POLICIES = ("continuous", "fcfs", "priority", "static")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
@@ -79,6 +81,11 @@ class EngineConfig:
     node_rank: int = _option(0, "this machine's index; node 0 runs the scheduler and serves HTTP, the others only run "
                                 "their ranks")
     seed: int = _option(0, "seed of the engine's default random generator (requests without a seed)")
+    speculative_config: SpeculativeConfig | None = _option(
+        None, 'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "suffix", ...}; '
+              '"disable_by_batch_size": N stops it above N running requests (kvflow/speculative_config.py)',
+        type=str, metavar="JSON")
     pooling: str = _option("last", "how /v1/embeddings and LLM.embed pool a prompt's final hidden states (after the "
                                    "model's last norm): last (the last token's, vLLM's default for decoder models) "
                                    "or mean (over every prompt token)", choices=POOLING_TYPES)
@@ -95,6 +102,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "compile_batch_sizes", tuple(sorted({int(b) for b in self.compile_batch_sizes})))
         self.validate()
 

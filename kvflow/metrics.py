@@ -48,7 +48,7 @@ BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "complete
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # the StepStats counters the periodic log line sums up, for its rates
 _TOTALS = ("num_prompt_tokens_computed", "num_generated_tokens", "prefix_cache_queries", "prefix_cache_hits",
-           "num_preemptions")
+           "num_preemptions", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 
 def _token_buckets(max_len: int) -> list[int]:
@@ -150,6 +150,8 @@ class EngineMetrics:
         # as vLLM's: a gauge set to 1 whose labels are the cache config; created once the engine reports its
         # block count (`record_cache_config`)
         self.cache_config_info: Gauge | None = None
+        self.spec_decode: dict[str, Counter] | None = None    # with --speculative-config (record_cache_config)
+        self.spec_decode_per_pos: list = []
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.compiled_decode_buckets_ready = gauge(
             "kvflow:compiled_decode_buckets_ready", "Batch-size buckets whose compiled decode step is loaded.")
@@ -267,6 +269,27 @@ class EngineMetrics:
                                            [*labels, "engine"], registry=self.registry)
         for engine in range(num_engines):
             self.cache_config_info.labels(**labels, engine=str(engine)).set(1)
+        spec = getattr(config, "speculative_config", None)
+        if spec is not None and self.spec_decode is None:
+            self._spec_decode_metrics(spec.num_speculative_tokens)
+
+    def _spec_decode_metrics(self, k: int) -> None:
+        """vLLM's speculative decoding counters (only when it is on, as vLLM): drafts (requests that speculated in a
+        step), draft tokens proposed, accepted tokens, and accepted tokens per draft position."""
+        def counter(name, doc, *labels):
+            return Counter(name, doc, ["model_name", *labels], registry=self.registry)
+
+        per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                          "position")
+        self.spec_decode = {
+            "spec_num_drafts": counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.").labels(
+                self.model_name),
+            "spec_num_draft_tokens": counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.").labels(
+                self.model_name),
+            "spec_num_accepted_tokens": counter("vllm:spec_decode_num_accepted_tokens",
+                                                "Number of accepted tokens.").labels(self.model_name),
+        }
+        self.spec_decode_per_pos = [per_pos.labels(self.model_name, str(j)) for j in range(k)]
 
     # ---- engine thread: after every step ----------------------------------------------------------------------
     def record_step(self, stats: StepStats) -> None:
@@ -284,6 +307,12 @@ class EngineMetrics:
                            (stats.num_prompt_tokens_computed, self.prompt_tokens_computed)):
             if delta > 0:
                 ctr.inc(delta)
+        if self.spec_decode is not None and stats.spec_num_drafts:
+            for key, ctr in self.spec_decode.items():
+                ctr.inc(getattr(stats, key))
+            for ctr, n in zip(self.spec_decode_per_pos, stats.spec_accepted_per_pos):
+                if n:
+                    ctr.inc(n)
         if stats.iteration_tokens is not None:
             self.iteration_tokens.observe(stats.iteration_tokens)
         if stats.batch_size > 0:
@@ -313,6 +342,13 @@ class EngineMetrics:
             (t["num_prompt_tokens_computed"] - last["num_prompt_tokens_computed"]) / max(dt, 1e-9),
             (t["num_generated_tokens"] - last["num_generated_tokens"]) / max(dt, 1e-9),
             s.num_running, s.num_waiting, 100.0 * s.kv_cache_usage, hit_rate, t["num_preemptions"])
+        drafts = t["spec_num_draft_tokens"] - last["spec_num_draft_tokens"]
+        if drafts:      # as vLLM's SpecDecodingLogging
+            accepted = t["spec_num_accepted_tokens"] - last["spec_num_accepted_tokens"]
+            num_drafts = t["spec_num_drafts"] - last["spec_num_drafts"]
+            logger.info("SpecDecoding metrics: draft acceptance rate %.1f%%, mean acceptance length %.2f, accepted "
+                        "%d of %d draft tokens in %d drafts", 100.0 * accepted / drafts,
+                        1.0 + accepted / max(num_drafts, 1), accepted, drafts, num_drafts)
         self._log_last_time = now
         self._totals_at_log = dict(t)
         self._busy_since_log = False

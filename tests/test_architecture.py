@@ -10,8 +10,9 @@ ROOT = Path(__file__).resolve().parent.parent / "kvflow"
 # bottom to top; a unit may import its own layer and those below it
 LAYERS = [
     # __init__: lazy re-exports
-    {"__init__", "errors", "config", "platform", "sampling_params", "pooling_params", "structured_output"},
-    {"distributed", "request"},
+    {"__init__", "errors", "config", "platform", "sampling_params", "pooling_params", "structured_output",
+     "speculative_config"},
+    {"distributed", "request", "spec_decode"},
     {"layers", "models"},
     {"runner"},
     {"executor"},

@@ -47,7 +47,9 @@ class EngineCore:
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
         self._aborted_outputs: list[EngineOutput] = []
-        self._counters = (0, 0, 0)       # preemptions, prefix-cache queries, hits as of the last stats
+        # as of the last stats: preemptions, prefix-cache queries, hits, then speculative decoding's drafts, draft
+        # tokens, accepted tokens and accepted per position
+        self._counters = (0,) * (6 + self.scheduler.spec_k)
         self.num_prompt_tokens_computed = 0    # since start: prompt tokens not served by the prefix cache
         self.last_stats = StepStats()
         self._log_boot()
@@ -154,7 +156,7 @@ class EngineCore:
                                for o in step_outputs) if step_outputs else None
         self.last_stats = self._stats(batch_size=len(sched.scheduled), num_batched_tokens=sched.num_batched_tokens,
                                       iteration_tokens=iteration_tokens, num_prompt_tokens_computed=num_prompt,
-                                      num_generated_tokens=len(sampled.token_ids),
+                                      num_generated_tokens=sum(len(o.new_token_ids) for o in step_outputs),
                                       duration_s=time.perf_counter() - t0)
         return outputs
 
@@ -173,12 +175,14 @@ class EngineCore:
 
     def _stats(self, **step) -> StepStats:
         kv, sched = self.kv_cache_manager, self.scheduler
-        counters = (sched.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits)
+        counters = (sched.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits, sched.spec_num_drafts,
+                    sched.spec_num_draft_tokens, sched.spec_num_accepted_tokens, *sched.spec_accepted_per_pos)
         deltas = [now - before for now, before in zip(counters, self._counters)]
         self._counters = counters
         compiled = self.runner.compiled_decode
         return StepStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
                          kv_cache_usage=kv.usage, num_preemptions=deltas[0], prefix_cache_queries=deltas[1],
-                         prefix_cache_hits=deltas[2],
+                         prefix_cache_hits=deltas[2], spec_num_drafts=deltas[3], spec_num_draft_tokens=deltas[4],
+                         spec_num_accepted_tokens=deltas[5], spec_accepted_per_pos=tuple(deltas[6:]),
                          compiled_decode_buckets_ready=len(compiled.ready) if compiled and not compiled.failed else 0,
                          compiled_decode_buckets_total=len(compiled.buckets) if compiled else 0, **step)

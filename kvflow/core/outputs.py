@@ -14,6 +14,10 @@ class ScheduledRequest:
     num_computed_tokens: int
     num_new_tokens: int
     samples: bool          # True when this chunk reaches the end of the known tokens: sample one token
+    # speculative decoding: the draft tokens after the last known one. Such a request is `1 + len(drafts)` decode
+    # rows in the step (its last token and each draft, at consecutive positions, each sampling a target token);
+    # num_new_tokens counts them all
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -76,3 +80,9 @@ class StepStats:
     duration_s: float = 0.0
     compiled_decode_buckets_ready: int = 0  # compiled decode graphs loaded (runner/compiled_decode.py)
     compiled_decode_buckets_total: int = 0  # buckets asked for (0: compiled decode off)
+    # speculative decoding, this step's deltas (vLLM's SpecDecodingStats): requests that speculated, draft tokens
+    # proposed, of those accepted, and accepted per draft position (1st, 2nd, ...)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

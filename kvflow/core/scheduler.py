@@ -38,6 +38,7 @@ from kvflow.core.outputs import EngineOutput, ScheduledRequest, SchedulerOutput
 from kvflow.core.waiting_queue import WaitingQueue
 from kvflow.request import Request, RequestStatus
 from kvflow.runner.step import ModelStep, PromptLogprobsRow, SampledTokens, SamplingRow, StepBatch
+from kvflow.spec_decode import make_proposer
 
 
 def _priority(req: Request) -> int:
@@ -57,6 +58,13 @@ class Scheduler:
         self.waiting = WaitingQueue()          # lowest priority value first, then arrival order
         self.running: list[Request] = []      # (priority, admission) order: the last is preempted first
         self.num_preemptions = 0
+        spec = config.speculative_config
+        self.proposer = make_proposer(spec) if spec is not None else None
+        self.spec_k = spec.num_speculative_tokens if spec is not None else 0
+        self.spec_max_running = (spec.disable_by_batch_size if spec is not None else None) or config.max_num_seqs
+        # speculative decoding's counters (vLLM's spec_decode metrics), cumulative
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * self.spec_k
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -80,6 +88,7 @@ class Scheduler:
             yield_above = self.waiting.peek().priority
             self._preempt_for(self.waiting.peek(), out)
         out_of_blocks = False
+        speculate = self.proposer is not None and len(self.running) <= self.spec_max_running
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -93,6 +102,13 @@ class Scheduler:
                     i += 1
                     continue
                 prefill_budget -= num_new
+            elif speculate and budget > 1:
+                drafts = self._drafts(req, budget - 1)
+                if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
+                    out.scheduled.append(self._scheduled(req, 1 + len(drafts), drafts))
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -140,9 +156,20 @@ class Scheduler:
                 budget -= num_new
                 prefill_budget -= num_new
         if out.scheduled:
-            out.rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1)   # decodes first (stable)
+            # decodes first (stable), speculating requests among them: their rows are decode rows
+            out.rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1 and not s.draft_token_ids)
             out.step = self._model_step(out.rows)
         return out
+
+    def _drafts(self, req: Request, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding request, or () where it may not speculate: a grammar (drafts would need
+        the matcher's state after each), or no room (every draft may become an output token: max_tokens and the
+        context bound how many)."""
+        if req.matcher is not None or req.pooling is not None:
+            return ()
+        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        k = min(self.spec_k, room, budget)
+        return tuple(self.proposer.propose(req.request_id, req.token_ids, k)[:k]) if k > 0 else ()
 
     def _preempt_for(self, head: Request, out: SchedulerOutput) -> None:
         """Preempt running requests of a higher priority value than the waiting `head` (the newest of the highest
@@ -165,8 +192,26 @@ class Scheduler:
         sampling = []
         spans, prompt_rows = [], []
         pooling_spans, pools = [], False
+        num_computed, num_new, tables, samples = [], [], [], []
         for s in scheduled:
             req = self.requests[s.request_id]
+            table = self.kv.block_tables[s.request_id]
+            if s.draft_token_ids:     # its last token and each draft: decode rows at consecutive positions
+                rows = (req.token_ids[-1],) + s.draft_token_ids
+                for j, token in enumerate(rows):
+                    token_ids.append(token)
+                    num_computed.append(s.num_computed_tokens + j)
+                    num_new.append(1)
+                    tables.append(table)
+                    samples.append(True)
+                    sampling.append(self._sampling_row(req, s.draft_token_ids[:j]))
+                spans += [(0, 0)] * len(rows)
+                pooling_spans += [(0, 0)] * len(rows)
+                continue
+            num_computed.append(s.num_computed_tokens)
+            num_new.append(s.num_new_tokens)
+            tables.append(table)
+            samples.append(s.samples)
             token_ids += req.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
             if s.samples:
                 sampling.append(self._sampling_row(req))
@@ -179,11 +224,9 @@ class Scheduler:
             pooling_span = self._pooling_span(req, s) if req.pooling is not None else (0, 0)
             pooling_spans.append(pooling_span)
             pools = pools or pooling_span[1] > 0
-        batch = StepBatch(num_decodes=sum(s.num_new_tokens == 1 for s in scheduled), token_ids=token_ids,
-                          num_computed_tokens=[s.num_computed_tokens for s in scheduled],
-                          num_new_tokens=[s.num_new_tokens for s in scheduled],
-                          block_tables=[self.kv.block_tables[s.request_id] for s in scheduled],
-                          samples=[s.samples for s in scheduled],
+        batch = StepBatch(num_decodes=sum(n == 1 for n in num_new), token_ids=token_ids,
+                          num_computed_tokens=num_computed, num_new_tokens=num_new, block_tables=tables,
+                          samples=samples,
                           prompt_logprob_spans=tuple(spans) if prompt_rows else (),
                           pooling_spans=tuple(pooling_spans) if pools else ())
         return ModelStep(batch, sampling, prompt_rows)
@@ -210,20 +253,25 @@ class Scheduler:
         return (first - s.num_computed_tokens, end - first) if end > first else (0, 0)
 
     @staticmethod
-    def _sampling_row(req: Request) -> SamplingRow:
+    def _sampling_row(req: Request, drafts: tuple[int, ...] = ()) -> SamplingRow:
+        """The row sampling the request's next token; with `drafts`, the one after them (speculative decoding's
+        target at that position: penalties, min_tokens and the seed as if they had been sampled)."""
         p = req.params
+        num_output = req.num_output_tokens + len(drafts)
         blocked: tuple[int, ...] = ()
-        if req.num_output_tokens < p.min_tokens:          # EOS and stop ids may not end it yet
+        if num_output < p.min_tokens:          # EOS and stop ids may not end it yet
             blocked = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(req.eos_token_ids))
         seed = None
         if p.seed is not None:     # a fresh, reproducible seed per position (see Sampler)
-            seed = (p.seed * 6364136223846793005 + req.num_output_tokens * 1442695040888963407) % 2**64
-        return SamplingRow(p, req.token_ids, req.num_prompt_tokens, blocked, seed, req.matcher)
+            seed = (p.seed * 6364136223846793005 + num_output * 1442695040888963407) % 2**64
+        token_ids = req.token_ids + list(drafts) if drafts else req.token_ids
+        return SamplingRow(p, token_ids, req.num_prompt_tokens, blocked, seed, req.matcher)
 
     @staticmethod
-    def _scheduled(req: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(req: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
         return ScheduledRequest(req.request_id, req.num_computed_tokens, num_new,
-                                samples=req.num_computed_tokens + num_new == req.num_tokens and req.pooling is None)
+                                samples=req.num_computed_tokens + num_new == req.num_tokens + len(drafts)
+                                and req.pooling is None, draft_token_ids=drafts)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -239,13 +287,22 @@ class Scheduler:
         Returns one output per request that sampled."""
         outputs = []
         finished = []
-        k = 0
+        k = 0          # the next sampling row
+        b = 0          # the next batch row (a speculating request has several)
         spans = out.step.batch.prompt_logprob_spans if out.step is not None else ()
         pooling_spans = out.step.batch.pooling_spans if out.step is not None else ()
         prompt_logprobs = iter(sampled.prompt_logprobs)
         pooled = iter(sampled.pooled)
-        for i, s in enumerate(out.rows):
+        for s in out.rows:
             req = self.requests[s.request_id]
+            i, b = b, b + 1 + len(s.draft_token_ids)
+            if s.draft_token_ids:
+                n = 1 + len(s.draft_token_ids)
+                tokens, logprobs = sampled.token_ids[k:k + n], sampled.logprobs[k:k + n]
+                error = next((sampled.errors[j] for j in range(k, k + n) if j in sampled.errors), None)
+                k += n
+                outputs.append(self._accept(req, s, tokens, logprobs, error, finished))
+                continue
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(req)
             new_prompt_logprobs = None
@@ -274,27 +331,67 @@ class Scheduler:
                 continue
             token, logprobs, error = sampled.token_ids[k], sampled.logprobs[k], sampled.errors.get(k)
             k += 1
-            if error is not None:
-                req.status, req.stop_reason = RequestStatus.FINISHED_ERROR, error
-                new_tokens = []
-            else:
-                req.token_ids.append(token)
-                req.status = self._check_grammar(req, token) or self._check_stop(req, token) or req.status
-                new_tokens = [token]
+            new_tokens = self._append(req, [token], error)
             if req.status.finished:
                 finished.append(req)
-            outputs.append(EngineOutput(
-                req.request_id, new_tokens, new_logprobs=[logprobs] if logprobs is not None else None,
-                prompt_logprobs=new_prompt_logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-                first_scheduled_time=req.first_scheduled_time, queued_time=req.queued_time,
-                num_preemptions=req.num_preemptions))
+            outputs.append(self._output(req, new_tokens, [logprobs] if logprobs is not None else None,
+                                        new_prompt_logprobs))
         if finished:
             self.running = [r for r in self.running if not r.status.finished]
             for req in finished:
                 self.kv.free(req)
                 del self.requests[req.request_id]
+                if self.proposer is not None and req.status != RequestStatus.FINISHED_ERROR:
+                    self.proposer.finished(req.request_id, req.token_ids, req.num_prompt_tokens)
         return outputs
+
+    def _accept(self, req: Request, s: ScheduledRequest, targets: list[int], logprobs: list, error: str | None,
+                finished: list[Request]) -> EngineOutput:
+        """Speculative decoding's verification. Row j sampled the target token after the last token and drafts
+        1..j, exactly as a decode step would have (same logits, penalties, seed for that position): the drafts
+        are accepted while they equal the targets, and the targets up to the first mismatch (or one past the last
+        draft) are the new tokens. Every new token is thus what decoding one token at a time samples, so greedy
+        output is unchanged, and so is the distribution when sampling: the proposers' drafts are deterministic
+        (a one-hot draft distribution), for which this is the speculative-sampling rule — accept draft x with
+        probability p(x), else sample from p without x. The KV of rejected drafts stays in slots past
+        num_computed_tokens, overwritten by the next step (its blocks are reused, not freed)."""
+        drafts = s.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and targets[accepted] == drafts[accepted]:
+            accepted += 1
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted_tokens += accepted
+        for j in range(accepted):
+            self.spec_accepted_per_pos[j] += 1
+        new_tokens = self._append(req, targets[:accepted + 1], error)
+        # the KV is right for the last token and the accepted drafts; the new tokens up to the last are known
+        req.num_computed_tokens = min(s.num_computed_tokens + 1 + accepted, req.num_tokens - 1)
+        self.kv.cache_full_blocks(req)
+        if req.status.finished:
+            finished.append(req)
+        lps = logprobs[:len(new_tokens)]
+        return self._output(req, new_tokens, lps if new_tokens and lps[0] is not None else None, None)
+
+    def _append(self, req: Request, tokens: list[int], error: str | None) -> list[int]:
+        """Append sampled tokens one by one, stopping at the first that finishes the request; the ones appended."""
+        if error is not None:
+            req.status, req.stop_reason = RequestStatus.FINISHED_ERROR, error
+            return []
+        for n, token in enumerate(tokens, 1):
+            req.token_ids.append(token)
+            req.status = self._check_grammar(req, token) or self._check_stop(req, token) or req.status
+            if req.status.finished:
+                return tokens[:n]
+        return tokens
+
+    @staticmethod
+    def _output(req: Request, new_tokens: list[int], new_logprobs, prompt_logprobs) -> EngineOutput:
+        return EngineOutput(
+            req.request_id, new_tokens, new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens, first_scheduled_time=req.first_scheduled_time,
+            queued_time=req.queued_time, num_preemptions=req.num_preemptions)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
