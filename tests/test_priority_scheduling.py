@@ -39,3 +39,53 @@ def test_only_batch_requests_are_preempted_when_the_kv_cache_is_short(tmp_path):
     assert len(preempted) == 12
     assert sum(v for k, v in preempted.items() if "batch" in k) > 0, preempted   # the cache was short
     assert all(v == 0 for k, v in preempted.items() if "chat" in k), preempted
+
+
+def test_interactive_streams_run_beside_a_batch_and_only_batch_lines_are_preempted(tmp_path):
+    """The Batch API's lines run at --batch-priority 10 behind interactive requests: with a KV cache too small for
+    everyone, the interactive streams are never preempted (batch lines are), they finish while the batch is still
+    running (they did not queue behind it), and the batch still completes every line."""
+    import time
+
+    from tiny_models import make_tiny_hf_model
+
+    model = make_tiny_hf_model(tmp_path / "tiny", family="llama", seed=3)
+    log = tmp_path / "requests.jsonl"
+    # 2 layers x 2 KV heads x 16 dims x fp32 x K,V = 512 B per token: 24 blocks of 16 tokens; 8 batch lines of
+    # ~70 tokens want 40 of them
+    config = EngineConfig(model=str(model), dtype="float32", max_model_len=128, kv_cache_memory=24 * 16 * 512,
+                          block_size=16, enforce_eager=True, served_model_name="tiny")
+    lines = [json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "tiny", "prompt": f"batch line {i}", "max_tokens": 64, "ignore_eos": True,
+                                  "temperature": 0}}) for i in range(32)]
+    with ServerThread(config, request_log=str(log), batch_dir=str(tmp_path / "batches"),
+                      batch_max_concurrency=8) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=300)
+        f = client.files.create(file=("b.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 120
+        while client.batches.retrieve(batch.id).request_counts.completed < 2:     # the batch runs at full width
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+        def stream(i: int) -> int:
+            chunks = client.completions.create(model="tiny", prompt=f"interactive {i}", max_tokens=40, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            return sum(1 for c in chunks if c.choices and c.choices[0].text is not None)
+
+        with ThreadPoolExecutor(4) as pool:
+            assert all(n > 0 for n in pool.map(stream, range(4)))
+        assert client.batches.retrieve(batch.id).status == "in_progress"        # the streams did not wait for it
+        deadline = time.monotonic() + 300
+        while (b := client.batches.retrieve(batch.id)).status != "completed":
+            assert time.monotonic() < deadline and b.status == "in_progress", b
+            time.sleep(0.1)
+        assert b.request_counts.completed == 32 and b.request_counts.failed == 0
+        server.wait_idle()
+        server.core("check")
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    interactive = [r for r in records if r.get("priority") == 0]
+    batch_lines = [r for r in records if r.get("priority") == 10]
+    assert len(interactive) == 4 and len(batch_lines) == 32
+    assert all(r["num_preemptions"] == 0 for r in interactive), interactive
+    assert sum(r["num_preemptions"] for r in batch_lines) > 0           # the cache was short
