@@ -72,12 +72,25 @@ def test_gemma3_270m_default_config_is_batch_invariant(default_llm):
     if not native_kernels.usable():
         pytest.skip("kvflow's kernels do not run here (no AVX2 + FMA or no C compiler): no invariance promised")
     assert runner.native_attention
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = PROMPTS[:4] + [NUMBERS[:2600], STORY[:2500]] + PROMPTS[6:]     # two past the window
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = PROMPTS[:4] + [NUMBERS[:640], STORY[:2500]] + PROMPTS[6:]     # two past the window (~620 tokens)
     together = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params)]
     alone = [default_llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
     default_llm.engine.kv_cache_manager.check()
+
+
+def test_gemma3_270m_k_quants_are_served_from_the_files_codes(default_llm):
+    """Layer 0 of the Q4_K_M file: attn_output Q4_K (4-bit codes, the file's own), attn_q / attn_k Q5_0 with attn_v
+    Q8_0 (one fused 8-bit matrix), ffn_gate / ffn_up Q5_0, ffn_down Q6_K (re-rounded to 8-bit codes)."""
+    from kvflow.layers.int4 import Int4Linear
+
+    layer = default_llm.engine.runner.model.layers[0]
+    assert isinstance(layer.self_attn.o_proj, Int4Linear)
+    for matrix in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert not isinstance(matrix, torch.nn.Linear) and not isinstance(matrix, Int4Linear)   # 8-bit codes
+    out = default_llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=6))
+    assert "capital" in out[0].outputs[0].text or "Paris" in out[0].outputs[0].text
 
 
 def test_gemma3_chat_template_and_end_of_turn(default_llm):

@@ -142,3 +142,47 @@ def test_architecture_table_and_its_errors():
         ModelConfig.from_hf_dict({**base, "model_type": "gpt2"})
     for arch in ARCHITECTURES:      # every row's model class imports
         assert arch.load_class().__name__.endswith("ForCausalLM")
+
+
+# ---- the same models as GGUF files (llama.cpp's names and conventions) --------------------------------------------
+
+@pytest.mark.parametrize("family,overrides", [
+    ("gemma3", {}),                                                        # norms stored as 1 + w, renamed norms
+    ("phi3", {"sliding_window": 16, "partial_rotary_factor": 0.75}),       # attn_qkv, fused ffn_up, rotary count
+])
+def test_gguf_twin_gives_the_safetensors_tokens(tmp_path, family, overrides):
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import write_gguf_from_hf
+
+    path = make_tiny_hf_model(tmp_path / "hf", family=family, seed=3, **overrides)
+    gguf_path = write_gguf_from_hf(path, tmp_path / f"{family}.gguf")
+    a, b = resolve_model_files(path).config, resolve_model_files(gguf_path).config
+    fields = ("family", "sliding_window", "layer_types", "rotary_dim", "rope_theta", "rope_local_theta", "head_dim",
+              "tie_word_embeddings", "query_pre_attn_scalar", "hidden_act", "qk_norm")
+    assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = prompts_for(16)[1:4]
+    llm = LLM(str(gguf_path), dtype="float32", max_model_len=256, kv_cache_memory="32MiB")
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    assert got == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+
+
+def test_gemma3_k_quant_gguf_default_config_is_batch_invariant(tmp_path):
+    """A random Gemma 3 whose matrices are 256 wide, as llama-quantize's Q4_K_M writes it (Q4_K, Q6_K for the
+    embedding and some attn_v / ffn_down): served from the file's codes by default, each prompt alone as in a batch."""
+    from kvflow.layers.int4 import Int4Linear
+    from tiny_models import write_gguf_from_hf
+
+    path = make_tiny_hf_model(tmp_path / "hf", family="gemma3", seed=4, hidden_size=256, intermediate_size=512)
+    gguf_path = write_gguf_from_hf(path, tmp_path / "g-q4_k_m.gguf", ftype="q4_k_m")
+    llm = LLM(str(gguf_path), max_model_len=256, kv_cache_memory="32MiB")
+    assert llm.engine.runner.quantization == "gguf"
+    assert any(isinstance(m, Int4Linear) for m in llm.engine.runner.model.modules())
+    prompts = prompts_for(16)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    if native_kernels.usable():
+        assert together == [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    llm.engine.kv_cache_manager.check()

@@ -83,14 +83,24 @@ _HF_TO_GGUF_BLOCK = {
 }
 
 
-def hf_name_to_gguf(name: str) -> str:
+# llama.cpp's names where an architecture's differ from the llama table
+_ARCH_GGUF_BLOCK = {
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+    "gemma3": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+}
+
+
+def hf_name_to_gguf(name: str, arch: str = "llama") -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     if name in top:
         return top[name]
     parts = name.split(".")  # model.layers.N.<module...>.<weight|bias>
     assert parts[:2] == ["model", "layers"], name
-    return f"blk.{parts[2]}.{_HF_TO_GGUF_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}"
+    module = ".".join(parts[3:-1])
+    piece = _ARCH_GGUF_BLOCK.get(arch, {}).get(module) or _HF_TO_GGUF_BLOCK[module]
+    return f"blk.{parts[2]}.{piece}.{parts[-1]}"
 
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -235,12 +245,15 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
     qtype = qtypes[ftype]
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
-        cfg["architectures"][0]]
+    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+            "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3"}[cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
+    if "full_attention" in rope:        # Gemma 3: per layer type; the file holds the global base (local: 10k)
+        rope = rope["full_attention"]
     rope_theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    rotary_dim = int(head_dim * (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0))
 
     w = gguf.GGUFWriter(str(out_path), arch)
     w.add_name(hf_dir.name)
@@ -252,7 +265,9 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(float(rope_theta))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(rotary_dim)
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
     if head_dim != cfg["hidden_size"] // heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -284,7 +299,9 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
             data = llama_permute(data, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = llama_permute(data, kv_heads)
-        gname = hf_name_to_gguf(name)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1.0       # llama.cpp's Gemma converter stores the norms as 1 + w
+        gname = hf_name_to_gguf(name, arch)
         if data.ndim < 2 or qtype == T.F32:  # norms and biases stay F32, as llama.cpp keeps them
             w.add_tensor(gname, np.ascontiguousarray(data))
         elif qtype == T.F16:

@@ -143,6 +143,11 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         if rotary != head_dim:        # partial rotary (Phi-4-mini rotates 3/4 of each head)
             cfg["partial_rotary_factor"] = rotary / head_dim
+    pattern = md.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, (list, tuple)):      # per layer, true: sliding window
+        cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern:
+        cfg["sliding_window_pattern"] = int(pattern)
     if any(n.startswith("rope_factors_") for n in g.tensors):
         raise ValueError(f"{g.path}: LongRoPE factors (rope_factors_long/short) are not supported in GGUF files")
     cfg.update(architectures=[row.name], tie_word_embeddings="output.weight" not in g.tensors,
