@@ -63,8 +63,10 @@ class RequestLog:
             self._handler: logging.Handler = logging.StreamHandler(sys.stdout)
         else:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
+            # delay: the file is opened by the writer thread at its first line, so even an open that blocks (a
+            # FIFO nobody reads, a hung network mount) never holds the event loop
             self._handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backup_count,
-                                                                 encoding="utf-8")
+                                                                 encoding="utf-8", delay=True)
         self._handler.setFormatter(logging.Formatter("%(message)s"))
         self._version = model_version
         self._model_path = model_path
@@ -94,13 +96,17 @@ class RequestLog:
         while self._queue.unfinished_tasks and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.005)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued (within `timeout`: a writer stuck on its file is left behind, a daemon thread)."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
-        self._thread.join(30)
-        if self.path != "-":
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        if self.path != "-" and not self._thread.is_alive():
             self._handler.close()
 
     # ---- the writer thread ---------------------------------------------------------------------------------

@@ -174,3 +174,33 @@ def test_rotation_by_size(tmp_path):
     assert all(p.stat().st_size <= 2000 for p in files)
     kept = [x["id"] for p in reversed(files) for x in read_lines(p)]
     assert kept == [f"req-{i}" for i in range(100 - len(kept), 100)]     # the newest lines, in order
+
+
+def test_a_stuck_log_never_blocks_serving(tmp_path):
+    """The log is a FIFO nobody reads: the writer thread blocks on it, the server does not (requests, /health);
+    once a reader comes, the lines arrive."""
+    import os
+    import threading
+
+    fifo = tmp_path / "stuck.jsonl"
+    os.mkfifo(fifo)
+    path = make_tiny_hf_model(tmp_path / "m", family="llama", seed=7)
+    cfg = EngineConfig(model=str(path), dtype="float32", max_model_len=256, kv_cache_memory="16MiB", max_num_seqs=4,
+                       served_model_name="tiny")
+    got = []
+    with ServerThread(cfg, request_log=str(fifo), model_version="v") as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=20)
+        t0 = time.monotonic()
+        ids = [client.completions.create(model="tiny", prompt=f"p{i}", max_tokens=3).id for i in range(5)]
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert time.monotonic() - t0 < 15            # nothing waited on the log
+        assert server.engine.request_log._thread.is_alive()
+
+        def read():
+            with open(fifo) as f:
+                got.extend(f.readline() for _ in range(5))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(20)
+    assert [json.loads(x)["id"] for x in got] == ids
