@@ -204,3 +204,28 @@ def test_a_stuck_log_never_blocks_serving(tmp_path):
         reader.start()
         reader.join(20)
     assert [json.loads(x)["id"] for x in got] == ids
+
+
+def test_adapter_routes_and_embeddings(server):
+    """The Responses and Messages APIs (adapters over the chat route) and embeddings: a line each, under the id
+    the client sees, with the counts their usage reports."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+    r = client.responses.create(model="tiny", input="hello there", max_output_tokens=5,
+                                extra_headers={"X-Request-Id": "a-resp"})
+    with httpx.Client(base_url=server.url, timeout=30, headers={"X-Request-Id": "a-msg"}) as http:
+        m = http.post("/v1/messages", json={"model": "tiny", "max_tokens": 5,
+                                            "messages": [{"role": "user", "content": "hi " * 20}]}).json()
+    e = client.embeddings.create(model="tiny", input=["a cat", "a dog"], extra_headers={"X-Request-Id": "a-emb"})
+    server.wait_idle()
+    lines = {x["client_request_id"]: x for x in read_lines(server.request_log_path)
+             if x["client_request_id"] in ("a-resp", "a-msg", "a-emb")}
+    assert lines["a-resp"]["id"] == r.id and lines["a-resp"]["route"] == "/v1/responses"
+    assert (lines["a-resp"]["prompt_tokens"], lines["a-resp"]["completion_tokens"]) == \
+        (r.usage.input_tokens, r.usage.output_tokens)
+    u = m["usage"]
+    assert lines["a-msg"]["id"] == m["id"] and lines["a-msg"]["route"] == "/v1/messages"
+    assert lines["a-msg"]["prompt_tokens"] == u["input_tokens"] + u["cache_read_input_tokens"]
+    assert (lines["a-msg"]["completion_tokens"], lines["a-msg"]["cached_tokens"]) == \
+        (u["output_tokens"], u["cache_read_input_tokens"])
+    assert lines["a-emb"]["route"] == "/v1/embeddings" and lines["a-emb"]["prompt_tokens"] == e.usage.prompt_tokens
+    assert lines["a-emb"]["completion_tokens"] == 0 and lines["a-emb"]["status"] == 200

@@ -67,7 +67,12 @@ class RequestRecord:
     def note_request(self, req, request_id: str, prompt) -> None:
         """A generate request as the route read it: its id, the client's `user`, stream, and (only with
         --request-log-prompts) its prompt as sent."""
-        self.request_id = request_id
+        # the id the client sees: the adapters over the chat route answer with their own (the Responses API's
+        # resp_..., the chat request's request_id; the Messages API's msg_ + it)
+        chat_id = getattr(req, "request_id", None)
+        self.request_id = {"/v1/responses": chat_id, "/v1/messages": f"msg_{chat_id}"}.get(self.route) \
+            if chat_id else request_id
+        self.request_id = self.request_id or request_id
         self.user = getattr(req, "user", None)
         self.stream = bool(getattr(req, "stream", False))
         if self.log_prompts:
