@@ -21,7 +21,7 @@ class AuthAndArrival:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            scope.setdefault("state", {})["arrival_time"] = time.time()
+            scope.setdefault("state", {}).setdefault("arrival_time", time.time())   # RequestObserver's, if first
             if self.api_key is not None and scope["path"].startswith(PROTECTED_PREFIXES) \
                     and scope.get("method") != "OPTIONS":
                 headers = dict(scope.get("headers") or [])

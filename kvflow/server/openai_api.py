@@ -250,10 +250,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.openapi = lambda: openapi_document(app, config.max_n)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_size,
                        uploads={"/v1/files": (config.max_batch_file_size + MULTIPART_SLACK, "--max-batch-file-size")})
-    if sinks:       # outside the size limit (a 413 gets its line), inside the API key check
+    app.add_middleware(AuthAndArrival, api_key=config.api_key)
+    if sinks:       # added last: runs first, so a 401 or a 413 gets its line too
         app.add_middleware(RequestObserver, sinks=sinks, log_prompts=config.request_log_prompts,
                            open_records=app.state.open_records)
-    app.add_middleware(AuthAndArrival, api_key=config.api_key)   # added last: runs first
     return app
 
 

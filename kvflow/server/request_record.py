@@ -165,7 +165,10 @@ class RequestObserver:
         if scope["type"] != "http" or scope.get("method") != "POST" or scope["path"] not in GENERATE_PATHS:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
-        record = RequestRecord(route=scope["path"], arrival=scope.get("state", {}).get("arrival_time", time.time()),
+        # the arrival AuthAndArrival stamps (it runs inside this middleware): the same clock, the same moment
+        arrival = time.time()
+        scope.setdefault("state", {})["arrival_time"] = arrival
+        record = RequestRecord(route=scope["path"], arrival=arrival,
                                client_request_id=headers.get("x-request-id"),
                                trace_headers={k: headers[k] for k in ("traceparent", "tracestate") if k in headers},
                                log_prompts=self.log_prompts)
