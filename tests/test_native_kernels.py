@@ -141,13 +141,17 @@ def paged(seed: int, heads=9, kv_heads=3, head_dim=64, block_size=16, blocks=64)
     return q, k_cache, v_cache, tables, positions
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
-def test_paged_attention_matches_float64(heads, kv_heads, head_dim):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(9, 3, 64, 0), (4, 4, 32, 0), (8, 1, 128, 0),
+                                                             (4, 1, 256, 0), (4, 1, 256, 50), (9, 3, 64, 1)])
+def test_paged_attention_matches_float64(heads, kv_heads, head_dim, window):
+    """`window` > 0 (a sliding-window layer): the row attends to its last `window` keys only."""
     q, kc, vc, tables, pos = paged(heads, heads, kv_heads, head_dim)
-    out = native_kernels.paged_attention(q, kc, vc, tables, torch.arange(4), pos, head_dim ** -0.5)
+    out = native_kernels.paged_attention(q, kc, vc, tables, torch.arange(4), pos, head_dim ** -0.5, window)
     bs, group = kc.shape[1], heads // kv_heads
     for i in range(4):
         slots = (tables[i].repeat_interleave(bs) * bs + torch.arange(tables.shape[1] * bs) % bs)[:pos[i] + 1]
+        if window:
+            slots = slots[-window:]
         keys = kc.view(-1, kv_heads, head_dim)[slots].double().transpose(0, 1)       # [Hkv, L, D]
         values = vc.view(-1, kv_heads, head_dim)[slots].double().transpose(0, 1)
         scores = torch.softmax(q[i].double().view(kv_heads, group, head_dim) @ keys.transpose(1, 2) * head_dim ** -0.5, -1)
