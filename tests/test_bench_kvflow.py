@@ -87,3 +87,39 @@ def test_optimization_experiment_static_vs_continuous(tiny_model, tmp_path):
     assert "Cost at $1/hour" in md
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") >= 3
+
+
+def test_bench_reports_speculative_decoding_from_the_servers_counters(tiny_model, tmp_path):
+    """The quote workload against the real server with n-gram speculation: the report's acceptance rate and mean
+    accepted length are the server's own spec_decode counters (a fresh server, no warmup: the run's deltas are
+    the totals /metrics shows afterwards)."""
+    from kvflow.config import EngineConfig
+    from kvflow.server.testing import ServerThread
+
+    config = EngineConfig(model=str(tiny_model), dtype="float32", max_model_len=512, kv_cache_memory="64MiB",
+                          enforce_eager=True, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    out = tmp_path / "spec"
+    with ServerThread(config) as server:
+        rc = bench("--base-url", server.base_url, "--workload", "quote", "--num-requests", "4", "--concurrency", "2",
+                   "--output-len", "24", "--ignore-eos", "--warmup", "0", "--metrics-interval", "0.1",
+                   "--output-dir", str(out))
+        text = httpx.get(server.url + "/metrics", trust_env=False).text
+    assert rc == 0
+    totals = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:spec_decode") and "per_pos" not in line}
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    assert run["summary"]["completed"] == 4 and run["summary"]["total_output_tokens"] == 4 * 24
+    assert run["summary"]["mean_input_tokens"] > 300                   # ~300-token passages + instruction
+    srv = run["server"]
+    drafts, tokens = totals["vllm:spec_decode_num_drafts_total"], totals["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = totals["vllm:spec_decode_num_accepted_tokens_total"]
+    assert drafts > 0, totals
+    assert (srv["spec_decode_num_drafts"], srv["spec_decode_num_draft_tokens"],
+            srv["spec_decode_num_accepted_tokens"]) == (drafts, tokens, accepted)
+    assert srv["spec_decode_acceptance_rate"] == pytest.approx(accepted / tokens)
+    assert srv["spec_decode_mean_accepted_length"] == pytest.approx(1 + accepted / drafts)
+    per_pos = srv["spec_decode_acceptance_per_position"]
+    assert len(per_pos) == 3 and sum(per_pos) * drafts == pytest.approx(accepted)
+    md = (out / "report.md").read_text()
+    assert "| Spec decode acceptance rate (%) |" in md and "| Spec decode mean accepted length |" in md
+    assert "Speculative decoding in `" in md

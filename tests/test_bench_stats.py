@@ -12,7 +12,9 @@ from kvflow.bench.cli import parse_sweep
 from kvflow.bench.launcher import build_argv, parse_vary, variants
 from kvflow.bench.metrics_sampler import parse_metrics, summarize_series
 from kvflow.bench.stats import distribution, meets_slo, parse_slo, percentile, summarize
-from kvflow.bench.workloads import haiku_workload, jsonl_workload, random_workload, shared_prefix_workload
+from kvflow.bench.report import findings, table_rows
+from kvflow.bench.workloads import (haiku_workload, jsonl_workload, quote_workload, random_workload,
+                                     shared_prefix_workload, write_jsonl)
 
 
 def test_percentile_interpolates_like_numpy():
@@ -150,6 +152,84 @@ def test_workloads_are_seeded_and_sized(tmp_path):
     f.write_text('{"max_tokens": 3}\n')
     with pytest.raises(ValueError, match="w.jsonl:1"):
         jsonl_workload(f)
+
+
+SPEC_METRICS = """# TYPE vllm:spec_decode_num_drafts counter
+vllm:spec_decode_num_drafts_total{model_name="a"} %d
+# TYPE vllm:spec_decode_num_draft_tokens counter
+vllm:spec_decode_num_draft_tokens_total{model_name="a"} %d
+# TYPE vllm:spec_decode_num_accepted_tokens counter
+vllm:spec_decode_num_accepted_tokens_total{model_name="a"} %d
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="a",position="0"} %d
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="a",position="1"} %d
+"""
+
+
+def test_spec_decode_counters_become_acceptance_rate_and_mean_accepted_length():
+    before = parse_metrics(SPEC_METRICS % (10, 20, 12, 8, 4))
+    assert before == {"spec_drafts": 10.0, "spec_draft_tokens": 20.0, "spec_accepted_tokens": 12.0,
+                      "spec_accepted_pos_0": 8.0, "spec_accepted_pos_1": 4.0}
+    after = parse_metrics(SPEC_METRICS % (50, 100, 72, 38, 34))
+    s = summarize_series([{"t": 0.0, **before}, {"t": 1.0, **after}])
+    # 40 drafts of 80 tokens, 60 accepted: 75 %, 1 + 60 / 40 = 2.5 tokens per verifying step
+    assert s["spec_decode_num_drafts"] == 40 and s["spec_decode_num_draft_tokens"] == 80
+    assert s["spec_decode_acceptance_rate"] == pytest.approx(0.75)
+    assert s["spec_decode_mean_accepted_length"] == pytest.approx(2.5)
+    assert s["spec_decode_acceptance_per_position"] == pytest.approx([0.75, 0.75])
+    run = {"label": "c=1", "summary": {"completed": 1, "failed": 0, "output_throughput": 10.0,
+                                       "request_throughput": 1.0, "ttft_ms": {"p95": 5.0}, "e2e_ms": {"p95": 9.0},
+                                       "errors_by_kind": {}},
+           "server": s}
+    rows = {r[0]: r[1] for r in table_rows([("c=1", run)])}
+    assert rows["Spec decode acceptance rate (%)"] == "75.0" and rows["Spec decode mean accepted length"] == "2.50"
+    text = " ".join(findings({"kind": "bench", "runs": [run]}))
+    assert "acceptance rate 75.0%, mean accepted length 2.50" in text and "draft position 1: 75.0%, 2: 75.0%" in text
+    # the counters unchanged over a run (speculation disabled by batch size): no rate, a finding that says so
+    idle = summarize_series([{"t": 0.0, **after}, {"t": 1.0, **after}])
+    assert idle["spec_decode_num_drafts"] == 0 and idle["spec_decode_acceptance_rate"] is None
+    assert "no drafts" in " ".join(findings({"kind": "bench", "runs": [{**run, "server": idle}]}))
+    # a server without speculation: no rows
+    assert not any(r[0].startswith("Spec decode") for r in table_rows([("c=1", {**run, "server": {}})]))
+
+
+def test_quote_workload_is_seeded_distinct_passages_to_copy(tmp_path):
+    a, b = quote_workload(24, 128, seed=5), quote_workload(24, 128, seed=5)
+    assert [s.messages for s in a.specs] == [s.messages for s in b.specs]
+    assert [s.messages for s in quote_workload(24, seed=6).specs] != [s.messages for s in a.specs]
+    texts = [s.messages[0]["content"] for s in a.specs]
+    assert len(set(texts)) == 24 and all(s.max_tokens == 128 and s.messages[0]["role"] == "user" for s in a.specs)
+    kinds = {s.group for s in a.specs}
+    assert {"code-repeat", "text-repeat"} <= kinds and any(k.endswith("edit") for k in kinds) \
+        and any(k.endswith("extract") for k in kinds)
+    for s in a.specs:
+        body = s.messages[0]["content"].split("\n\n", 1)[1]       # the passage after the instruction
+        # ~300 tokens (1,078-1,371 characters over 200 passages measured with SmolLM2's tokenizer: 268-382 tokens)
+        assert 1000 <= len(body) <= 1500, (s.group, len(body))
+        assert 300 <= s.prompt_tokens_est <= 450
+        if s.group.startswith("code"):
+            assert body.startswith("```python\ndef ") and body.endswith("```")
+    # a request's passage depends on (seed, index) only, so a longer run starts with the same requests
+    assert [s.messages for s in quote_workload(30, seed=5).specs[:24]] == [s.messages for s in a.specs]
+    # as a jsonl dataset, read back the same
+    n = write_jsonl(a, tmp_path / "q.jsonl", 30)
+    j = jsonl_workload(tmp_path / "q.jsonl")
+    assert n == 30 and [s.messages for s in j.specs] == [s.messages for s in a.take(30)]
+    assert all(s.max_tokens == 128 for s in j.specs)
+
+
+def test_write_dataset_writes_the_jsonl_and_sends_nothing(tmp_path, capsys):
+    from kvflow.cli import main
+    out = tmp_path / "sub" / "quote.jsonl"
+    assert main(["bench", "--workload", "quote", "--num-requests", "5", "--output-len", "64", "--seed", "2",
+                 "--write-dataset", str(out), "--base-url", "http://127.0.0.1:9/v1"]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == 5 and all(x["max_tokens"] == 64 and x["messages"][0]["role"] == "user" for x in lines)
+    assert lines[0]["messages"] == quote_workload(5, seed=2).specs[0].messages
+    assert "wrote 5 requests" in capsys.readouterr().out
+    h = tmp_path / "haiku.jsonl"
+    assert main(["bench", "--workload", "haiku", "--num-requests", "3", "--write-dataset", str(h)]) == 0
+    assert [json.loads(x) for x in h.read_text().splitlines()][2] == {"prompt": "Q2: write a haiku", "max_tokens": 64}
 
 
 def test_launch_argv_and_variants():

@@ -19,6 +19,8 @@ examples:
   kvflow bench --workload haiku --sweep concurrency=1,4,16,32 --slo ttft=500ms,tpot=50ms --cost-per-hour 1.2
   kvflow bench --launch "kvflow serve --dtype float32" --vary scheduling-policy=static,continuous \\
       --workload haiku --num-requests 64 --concurrency 32
+  kvflow bench --workload quote --concurrency 1 --num-requests 8     # answers that copy from the prompt
+  kvflow bench --workload quote --num-requests 32 --write-dataset quote.jsonl
   kvflow bench compare results/a/results.json results/b/results.json
 """
 
@@ -62,12 +64,16 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                    help="/v1/chat/completions or /v1/completions (default chat)")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["random", "shared-prefix", "haiku", "jsonl"], default="random")
+    g.add_argument("--workload", choices=["random", "shared-prefix", "haiku", "quote", "jsonl"], default="random",
+                   help="quote: a ~300-token passage of code or prose per request (seeded) with an instruction to "
+                        "repeat, edit or extract from it, the answer copying from the prompt (speculative "
+                        "decoding's case)")
     g.add_argument("--dataset", default=None, metavar="FILE",
                    help="jsonl workload: one {\"prompt\"|\"messages\", optional \"max_tokens\"} per line")
     g.add_argument("--input-len", type=int, default=128, help="random: prompt tokens (≈ words)")
     g.add_argument("--output-len", type=int, default=None,
-                   help="max_tokens per request (default: random 128, shared-prefix 64, haiku 64, jsonl: the file's)")
+                   help="max_tokens per request (default: random 128, shared-prefix 64, haiku 64, quote 128, "
+                        "jsonl: the file's)")
     g.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in len×(1±ratio)")
     g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: system prompts (K)")
     g.add_argument("--questions-per-prefix", type=int, default=8, help="shared-prefix: questions each (M)")
@@ -77,6 +83,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--extra-body", default=None, metavar="JSON", help="extra fields for every request body")
     g.add_argument("--seed", type=int, default=0, help="seeds the workload and the Poisson arrivals")
+    g.add_argument("--write-dataset", default=None, metavar="FILE",
+                   help="write the workload's --num-requests requests to FILE as a jsonl dataset (the format of "
+                        "--workload jsonl) and exit without sending anything")
     g = p.add_argument_group("load")
     g.add_argument("--num-requests", type=int, default=None,
                    help="requests per run (default: the workload's size; random 100)")
@@ -145,6 +154,8 @@ def build_workload(args):
                                         args.question_len, out_len or 64, args.seed)
     if args.workload == "haiku":
         return W.haiku_workload(args.num_requests or 32, out_len or 64)
+    if args.workload == "quote":
+        return W.quote_workload(args.num_requests or 32, out_len or 128, args.seed)
     if not args.dataset:
         raise ValueError("--workload jsonl needs --dataset FILE")
     return W.jsonl_workload(args.dataset, out_len)
@@ -157,6 +168,11 @@ def run_bench(args) -> int:
     from kvflow.bench.runner import BenchConfig, run_benchmark
     from kvflow.bench.stats import parse_slo
 
+    if args.write_dataset:
+        from kvflow.bench.workloads import write_jsonl
+        n = write_jsonl(build_workload(args), args.write_dataset, args.num_requests)
+        print(f"wrote {n} requests to {args.write_dataset} (run them with --workload jsonl --dataset FILE)")
+        return 0
     if args.vary and not args.launch:
         raise ValueError("--vary needs --launch")
     extra = None

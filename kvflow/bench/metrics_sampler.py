@@ -4,6 +4,10 @@
 Gauges are read as they are (summed over label sets); counters as their increase over the run.
 Engine busy fraction: the increase of kvflow:step_duration_seconds_sum over the wall time when the server has
 it, else the fraction of samples with at least one running request.
+Speculative decoding (vLLM's spec_decode counters, present only when it is on): the acceptance rate is accepted
+draft tokens / draft tokens, the mean accepted length 1 + accepted tokens / drafts (as vLLM's log line: tokens a
+request gains per verifying step, the target's own token included), and per draft position the share of drafts
+whose token there was accepted.
 """
 from __future__ import annotations
 
@@ -26,7 +30,12 @@ COUNTERS = {
     "preemptions": ("vllm:num_preemptions",),
     "step_seconds": ("kvflow:step_duration_seconds",),     # a histogram: its _sum
     "generation_tokens": ("vllm:generation_tokens", "llamacpp:tokens_predicted_total"),
+    "spec_drafts": ("vllm:spec_decode_num_drafts",),
+    "spec_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "spec_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
 }
+# labelled by "position": kept per position, as spec_accepted_pos_<j>
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -41,6 +50,8 @@ def parse_metrics(text: str) -> dict[str, float]:
                 if not name.endswith("_sum"):
                     continue
                 name = name[: -len("_sum")]
+            if name == SPEC_PER_POS and "position" in s.labels:
+                name = f"spec_accepted_pos_{s.labels['position']}"
             values[name] = values.get(name, 0.0) + float(s.value)
     out: dict[str, float] = {}
     for field, names in {**GAUGES, **COUNTERS}.items():
@@ -48,6 +59,7 @@ def parse_metrics(text: str) -> dict[str, float]:
             if n in values:
                 out[field] = values[n]
                 break
+    out.update((k, v) for k, v in values.items() if k.startswith("spec_accepted_pos_"))
     return out
 
 
@@ -131,6 +143,7 @@ def summarize_series(series: list[dict], available: bool | None = True, error: s
     p = _delta(series, "preemptions")
     if p is not None:
         out["preemptions"] = p
+    out.update(_spec_decode(series))
     wall = series[-1]["t"] - series[0]["t"]
     busy = _delta(series, "step_seconds")
     if busy is not None and wall > 0:
@@ -141,4 +154,22 @@ def summarize_series(series: list[dict], available: bool | None = True, error: s
         if running:
             out["engine_busy_fraction"] = sum(1 for r in running if r > 0) / len(running)
             out["engine_busy_source"] = "samples with running > 0"
+    return out
+
+
+def _spec_decode(series: list[dict]) -> dict:
+    """The run's speculative decoding figures from vLLM's spec_decode counters; {} when the server has none."""
+    drafts, tokens = _delta(series, "spec_drafts"), _delta(series, "spec_draft_tokens")
+    accepted = _delta(series, "spec_accepted_tokens")
+    if drafts is None or tokens is None or accepted is None:
+        return {}
+    out = {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": tokens,
+           "spec_decode_num_accepted_tokens": accepted,
+           "spec_decode_acceptance_rate": accepted / tokens if tokens > 0 else None,
+           "spec_decode_mean_accepted_length": 1.0 + accepted / drafts if drafts > 0 else None}
+    positions = sorted({int(k.rsplit("_", 1)[1]) for p in series for k in p
+                        if k.startswith("spec_accepted_pos_") and k.rsplit("_", 1)[1].isdigit()})
+    if positions and drafts > 0:
+        per_pos = [_delta(series, f"spec_accepted_pos_{j}") for j in positions]
+        out["spec_decode_acceptance_per_position"] = [None if a is None else a / drafts for a in per_pos]
     return out

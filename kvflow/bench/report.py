@@ -34,6 +34,11 @@ METRIC_ROWS = [
     ("KV-cache usage, max (%)", ("server", "kv_cache_usage_max"), "pct", None),
     ("Prefix-cache hit rate (%)", ("server", "prefix_cache_hit_rate"), "pct", "higher"),
     ("Preemptions", ("server", "preemptions"), "{:.0f}", "lower"),
+    ("Spec decode acceptance rate (%)", ("server", "spec_decode_acceptance_rate"), "pct", "higher"),
+    ("Spec decode mean accepted length", ("server", "spec_decode_mean_accepted_length"), "{:.2f}", "higher"),
+    ("Spec decode drafts", ("server", "spec_decode_num_drafts"), "{:.0f}", None),
+    ("Spec decode draft tokens", ("server", "spec_decode_num_draft_tokens"), "{:.0f}", None),
+    ("Spec decode accepted tokens", ("server", "spec_decode_num_accepted_tokens"), "{:.0f}", "higher"),
     ("Server resident memory, max (MiB)", ("server", "resident_memory_bytes_max"), "mib", "lower"),
     ("Engine busy (%)", ("server", "engine_busy_fraction"), "pct", None),
     ("Client CPU (% of one core)", ("client", "cpu_fraction"), "pct", None),
@@ -156,7 +161,7 @@ def findings(result: dict) -> list[str]:
         out.append(f"`{label}`: {s['output_throughput']:.1f} output tokens/s, {s['request_throughput']:.2f} "
                    f"requests/s, p95 TTFT {fmt(s['ttft_ms']['p95'], '{:.0f}')} ms, p95 E2E "
                    f"{fmt(s['e2e_ms']['p95'], '{:.0f}')} ms.")
-        return out
+        return out + _spec_findings(cols)
 
     by_tput = sorted(ok, key=lambda c: -_g(c[1], "summary", "output_throughput"))
     (bl, br), (wl, wr) = by_tput[0], by_tput[-1]
@@ -194,12 +199,35 @@ def findings(result: dict) -> list[str]:
                           for lab, r in sorted(costed, key=lambda c: _g(c[1], "summary", "cost",
                                                                         "per_million_output_tokens")))
         out.append(f"Cost at ${price:g}/hour, per million output tokens: {parts}.")
+    out += _spec_findings(cols)
     pre = [(lab, _g(r, "server", "preemptions")) for lab, r in cols if _g(r, "server", "preemptions")]
     if pre:
         out.append("Preemptions (KV cache full, requests recomputed): "
                    + ", ".join(f"`{lab}` {n:.0f}" for lab, n in pre) + ".")
     if not failed:
         out.append("No request failed in any run.")
+    return out
+
+
+def _spec_findings(cols) -> list[str]:
+    """One line per run whose server reports speculative decoding (vLLM's spec_decode counters)."""
+    out = []
+    for label, run in cols:
+        srv = run.get("server") or {}
+        if "spec_decode_num_drafts" not in srv:
+            continue
+        if not srv["spec_decode_num_drafts"]:
+            out.append(f"Speculative decoding in `{label}`: no drafts (nothing to propose, or every step above "
+                       "disable_by_batch_size).")
+            continue
+        per_pos = srv.get("spec_decode_acceptance_per_position") or []
+        pos = (" (accepted at draft position " + ", ".join(f"{j + 1}: {fmt(a, 'pct')}%" for j, a in enumerate(per_pos))
+               + ")") if per_pos else ""
+        out.append(f"Speculative decoding in `{label}`: acceptance rate "
+                   f"{fmt(srv['spec_decode_acceptance_rate'], 'pct')}%, mean accepted length "
+                   f"{fmt(srv['spec_decode_mean_accepted_length'], '{:.2f}')} tokens per verifying step, "
+                   f"{srv['spec_decode_num_drafts']:.0f} drafts of {srv['spec_decode_num_draft_tokens']:.0f} tokens"
+                   f"{pos}.")
     return out
 
 

@@ -169,3 +169,199 @@ def jsonl_workload(path: str | Path, default_max_tokens: int | None = None) -> W
         spec.prompt_tokens_est = len(spec.as_prompt().split())
         specs.append(spec)
     return Workload("jsonl", specs, dict(path=str(path), default_max_tokens=default_max_tokens))
+
+
+# ---- quote: answers that copy from the prompt --------------------------------------------------------------------
+# Passages are built here from templates and word lists (no files, no downloads), each from its own seeded
+# generator, so a request's passage depends only on (seed, index). ~300 tokens each: passages grow until
+# characters / 3.6 (code) or / 4.2 (prose) reach it, ratios measured with SmolLM2's tokenizer (the embedded
+# model), where 200 passages of each kind came to 268-382 tokens (code, mean 318) and 284-329 (prose, mean 308),
+# and 64 whole chat prompts to 329-440 (tests/test_bench_stats.py checks the character bounds).
+QUOTE_PASSAGE_TOKENS = 300
+_CODE_CHARS_PER_TOKEN = 3.6
+_TEXT_CHARS_PER_TOKEN = 4.2
+
+_NOUNS = ("order", "invoice", "sensor", "player", "ticket", "shipment", "account", "recipe", "booking", "package",
+          "device", "student", "vehicle", "report", "message", "session", "record", "job", "task", "user")
+_FIELDS = ("price", "weight", "count", "score", "level", "size", "age", "total", "rate", "amount", "width", "height",
+           "speed", "limit", "value", "duration", "distance", "quantity")
+_LABELS = ("name", "city", "status", "owner", "color", "region", "category", "title", "code", "group")
+_NAMES = ("Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jonas", "Keiko", "Lena",
+          "Marco", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sami", "Tara")
+_PLACES = ("the north warehouse", "the harbour office", "the main library", "the old station", "the river depot",
+           "the hill clinic", "the market hall", "the east workshop", "the city archive", "the school garden")
+_THINGS = ("boxes of tiles", "spare wheels", "printed maps", "glass jars", "paper forms", "copper wires",
+           "wooden chairs", "seed packets", "blue lamps", "water filters", "winter coats", "old radios")
+_DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
+
+def _code_functions(rng: random.Random) -> list[tuple[str, str]]:
+    """(name, source) of small Python functions over one record type, names drawn from the word lists."""
+    noun = rng.choice(_NOUNS)
+    f1, f2 = rng.sample(_FIELDS, 2)
+    label = rng.choice(_LABELS)
+    n1, n2 = rng.randint(2, 99), rng.randint(2, 9)
+    items = f"{noun}s"
+    funcs = [
+        (f"total_{f1}", f"def total_{f1}({items}):\n"
+                        f"    total = 0\n"
+                        f"    for {noun} in {items}:\n"
+                        f"        total += {noun}[\"{f1}\"]\n"
+                        f"    return total\n"),
+        (f"find_{noun}", f"def find_{noun}({items}, {label}):\n"
+                         f"    for {noun} in {items}:\n"
+                         f"        if {noun}[\"{label}\"] == {label}:\n"
+                         f"            return {noun}\n"
+                         f"    return None\n"),
+        (f"filter_by_{f2}", f"def filter_by_{f2}({items}, min_{f2}={n1}):\n"
+                            f"    result = []\n"
+                            f"    for {noun} in {items}:\n"
+                            f"        if {noun}[\"{f2}\"] >= min_{f2}:\n"
+                            f"            result.append({noun})\n"
+                            f"    return result\n"),
+        (f"group_by_{label}", f"def group_by_{label}({items}):\n"
+                              f"    groups = {{}}\n"
+                              f"    for {noun} in {items}:\n"
+                              f"        key = {noun}[\"{label}\"]\n"
+                              f"        groups.setdefault(key, []).append({noun})\n"
+                              f"    return groups\n"),
+        (f"average_{f1}", f"def average_{f1}({items}):\n"
+                          f"    if not {items}:\n"
+                          f"        return 0.0\n"
+                          f"    return sum({noun}[\"{f1}\"] for {noun} in {items}) / len({items})\n"),
+        (f"top_{items}", f"def top_{items}({items}, n={n2}):\n"
+                         f"    ranked = sorted({items}, key=lambda {noun}: {noun}[\"{f2}\"], reverse=True)\n"
+                         f"    return ranked[:n]\n"),
+        (f"validate_{noun}", f"def validate_{noun}({noun}):\n"
+                             f"    errors = []\n"
+                             f"    if not {noun}.get(\"{label}\"):\n"
+                             f"        errors.append(\"missing {label}\")\n"
+                             f"    if {noun}.get(\"{f1}\", 0) < 0:\n"
+                             f"        errors.append(\"negative {f1}\")\n"
+                             f"    if {noun}.get(\"{f2}\", 0) > {n1 * 10}:\n"
+                             f"        errors.append(\"{f2} too large\")\n"
+                             f"    return errors\n"),
+        (f"format_{noun}", f"def format_{noun}({noun}):\n"
+                           f"    return f\"{{{noun}['{label}']}}: {f1}={{{noun}['{f1}']}}, "
+                           f"{f2}={{{noun}['{f2}']}}\"\n"),
+        (f"scale_{f1}", f"def scale_{f1}({items}, factor):\n"
+                        f"    for {noun} in {items}:\n"
+                        f"        {noun}[\"{f1}\"] = round({noun}[\"{f1}\"] * factor, {n2 % 4})\n"
+                        f"    return {items}\n"),
+    ]
+    rng.shuffle(funcs)
+    return funcs
+
+
+def _code_passage(rng: random.Random, target_tokens: int) -> tuple[str, list[str]]:
+    """Python source of ~target_tokens tokens, and the names of its functions (in order)."""
+    funcs = _code_functions(rng)
+    chosen, chars = [], 0
+    for name, src in funcs:
+        if chars / _CODE_CHARS_PER_TOKEN >= target_tokens:
+            break
+        chosen.append((name, src))
+        chars += len(src) + 1
+    return "\n".join(src for _, src in chosen).rstrip("\n"), [n for n, _ in chosen]
+
+
+def _text_sentences(rng: random.Random) -> list[str]:
+    name = rng.choice(_NAMES)
+    others = rng.sample([n for n in _NAMES if n != name], 3)
+    place, place2 = rng.sample(_PLACES, 2)
+    templates = [
+        "On {day} {who} moved {n} {thing} from {place} to {place2}.",
+        "{who} counted the {thing} at {place} and found {n} of them.",
+        "The {thing} that {who} ordered on {day} arrived at {place} in {m} crates.",
+        "{who} asked {who2} to check the {thing} before {day}.",
+        "By {day} there were {n} {thing} left at {place2}, and {who} wrote that down.",
+        "{who} and {who2} spent {m} hours sorting the {thing} at {place}.",
+        "A note from {who} says the {thing} at {place2} must be moved by {day}.",
+        "{who2} repaired {m} of the {thing} and sent them back to {place}.",
+    ]
+    out = []
+    for _ in range(40):
+        t = rng.choice(templates)
+        out.append(t.format(day=rng.choice(_DAYS), who=rng.choice([name, *others]), who2=rng.choice(others),
+                            n=rng.randint(3, 400), m=rng.randint(2, 12), thing=rng.choice(_THINGS),
+                            place=place, place2=place2))
+    return out
+
+
+def _text_passage(rng: random.Random, target_tokens: int) -> str:
+    sentences, chosen, chars = _text_sentences(rng), [], 0
+    for s in sentences:
+        if chars / _TEXT_CHARS_PER_TOKEN >= target_tokens:
+            break
+        chosen.append(s)
+        chars += len(s) + 1
+    # paragraphs of 4 sentences
+    return "\n\n".join(" ".join(chosen[i:i + 4]) for i in range(0, len(chosen), 4))
+
+
+def quote_request(seed: int, index: int, target_tokens: int = QUOTE_PASSAGE_TOKENS) -> tuple[list[dict], str, int]:
+    """(messages, kind, estimated prompt tokens) of one quote request: a passage (code or text) and an instruction
+    to repeat it, edit it (rename / replace a word, everything else unchanged) or extract from it."""
+    rng = random.Random(seed * 1_000_003 + index)
+    code = rng.random() < 0.5
+    task = rng.choice(("repeat", "repeat", "edit", "extract"))
+    if code:
+        passage, names = _code_passage(rng, target_tokens)
+        block = f"```python\n{passage}\n```"
+        if task == "repeat":
+            text = f"Repeat the following code exactly as it is, with no changes and no comments.\n\n{block}"
+        elif task == "edit":
+            old = names[0]
+            new = old + "_v2"
+            text = (f"In the following code, rename the function `{old}` to `{new}`. Reply with the complete code, "
+                    f"everything else unchanged.\n\n{block}")
+        else:
+            text = (f"Copy the functions `{names[1]}` and `{names[-1]}` from the following code, unchanged.\n\n"
+                    f"{block}")
+        est = len(passage) / _CODE_CHARS_PER_TOKEN
+    else:
+        passage = _text_passage(rng, target_tokens)
+        if task == "repeat":
+            text = f"Repeat the following text exactly, word for word.\n\n{passage}"
+        elif task == "edit":
+            thing = next(t for t in _THINGS if t in passage)
+            text = (f"Rewrite the following text with every \"{thing}\" replaced by \"{thing.split()[-1]}\". Output "
+                    f"the whole text and nothing else.\n\n{passage}")
+        else:
+            who = next(n for n in _NAMES if n in passage)
+            text = (f"Copy, word for word and one per line, every sentence of the following text that mentions "
+                    f"{who}.\n\n{passage}")
+        est = len(passage) / _TEXT_CHARS_PER_TOKEN
+    est += len(text.split(passage)[0].split()) * 1.3 + 30      # the instruction and the chat template
+    return [{"role": "user", "content": text}], f"{'code' if code else 'text'}-{task}", round(est)
+
+
+def quote_workload(num_requests: int = 32, output_len: int = 128, seed: int = 0) -> Workload:
+    """Requests whose answer copies from the prompt (speculative decoding's case): a ~300-token passage of Python
+    code or prose, each request its own (seeded by seed and its index), with an instruction to repeat it, edit
+    it or extract from it; sent as a chat, max_tokens output_len."""
+    if num_requests < 1 or output_len < 1:
+        raise ValueError("--num-requests and --output-len must be >= 1")
+    specs = []
+    for i in range(num_requests):
+        messages, kind, est = quote_request(seed, i)
+        specs.append(RequestSpec(i, messages=messages, max_tokens=output_len, prompt_tokens_est=est, group=kind))
+    return Workload("quote", specs, dict(num_requests=num_requests, output_len=output_len, seed=seed,
+                                         passage_tokens=QUOTE_PASSAGE_TOKENS))
+
+
+def write_jsonl(workload: Workload, path: str | Path, num_requests: int | None = None) -> int:
+    """The workload's requests as a `--workload jsonl --dataset` file: one {"messages"|"prompt", "max_tokens"} per
+    line. Returns the number of lines written."""
+    path = Path(path)
+    if path.parent != Path(""):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with path.open("w") as f:
+        for spec in workload.take(num_requests or workload.default_num_requests()):
+            line: dict = {"messages": spec.messages} if spec.messages is not None else {"prompt": spec.prompt}
+            if spec.max_tokens is not None:
+                line["max_tokens"] = spec.max_tokens
+            f.write(json.dumps(line) + "\n")
+            n += 1
+    return n
