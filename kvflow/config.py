@@ -59,6 +59,10 @@ class EngineConfig:
     max_prefill_tokens_while_decoding: int = _option(0, "while requests are generating, prefill at most this many "
                                                         "prompt tokens per step, so their streams do not stall behind "
                                                         "a long prompt (0: no cap; see docs/performance.md)")
+    max_background_seqs: int = _option(4, "while requests of the lowest priority value run (or ran within the last "
+                                          "second), requests of higher values (the Batch API's lines) take at most "
+                                          "this many rows of a step: a step stays as short as the interactive "
+                                          "requests' own, so their latency holds (see docs/performance.md)")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of a shared prompt prefix")
     scheduling_policy: str = _option("continuous", "continuous (= vLLM's fcfs; the Batch API's lines still run after "
                                                    "interactive requests), priority (as continuous, and requests may "
@@ -115,6 +119,7 @@ class EngineConfig:
                                  f"got {getattr(self, name)!r}")
         for name, least in (("max_model_len", 1), ("kv_cache_memory", 1), ("max_num_seqs", 1),
                             ("max_num_batched_tokens", 1), ("max_prefill_tokens_while_decoding", 0),
+                            ("max_background_seqs", 0),
                             ("tensor_parallel_size", 1), ("data_parallel_size", 1), ("nnodes", 1),
                             ("small_step_threads", 1)):
             if getattr(self, name) is not None and getattr(self, name) < least:

@@ -245,3 +245,25 @@ def test_equal_priorities_are_first_come_first_served_and_abort_finds_waiting_re
     sched.abort(["a"])
     assert [r.request_id for r in sched.waiting] == ["c", "b"] and len(sched.waiting) == 2
     kv.check()
+
+
+def test_batch_rows_are_capped_while_interactive_requests_run_and_full_width_after(monkeypatch):
+    import kvflow.core.scheduler as scheduler_module
+
+    sched, kv = make(max_background_seqs=2)
+    reqs = {f"batch{i}": add_p(sched, f"batch{i}", 3, priority=10, max_tokens=40) for i in range(6)}
+    out = run_step(sched, reqs)
+    assert len(out.scheduled) == 6                       # no interactive traffic: full width
+    reqs["chat"] = add_p(sched, "chat", 3, priority=0, max_tokens=3)
+    run_step(sched, reqs)                                # chat admitted (batch sits out)
+    out = run_step(sched, reqs)
+    assert [s.request_id for s in out.scheduled] == ["chat", "batch0", "batch1"]   # 2 background rows
+    run_step(sched, reqs)                                # chat's last token
+    assert "chat" not in sched.requests
+    out = run_step(sched, reqs)
+    assert len(out.scheduled) == 2                       # within the grace period after it: still capped
+    monkeypatch.setattr(scheduler_module, "FOREGROUND_GRACE_S", 0.0)
+    import time
+    time.sleep(0.01)
+    out = run_step(sched, reqs)
+    assert len(out.scheduled) == 6                       # full width again

@@ -30,7 +30,8 @@ def test_ngram_lookup_proposes_what_followed_the_latest_earlier_occurrence():
     assert ngram_lookup(seq, 3, 1, 4) == [7, 1, 2]            # the latest earlier "1 2 3" was followed by 7
     assert ngram_lookup(seq, 2, 4, 4) == []                   # "3 1 2 3" never came before
     assert ngram_lookup(np.array([5, 6, 7]), 3, 1, 3) == []   # nothing recurs
-    assert ngram_lookup(np.array([8, 8]), 4, 1, 2) == [8]     # the continuation ends at the sequence's end
+    assert ngram_lookup(np.array([8, 8]), 4, 1, 2) == [8, 8, 8, 8]          # a loop of period 1 goes on
+    assert ngram_lookup(np.array([5, 1, 2, 1, 2]), 5, 2, 2) == [1, 2, 1, 2, 1]   # period 2
 
 
 def test_suffix_proposer_follows_the_most_frequent_continuation_of_recent_outputs():
@@ -89,8 +90,8 @@ def test_a_stop_among_the_accepted_tokens_ends_the_request_there():
     sched.add_request(req)
     sched.update(sched.schedule(), SampledTokens([3], [None]))
     out = sched.schedule()
-    assert out.scheduled[0].draft_token_ids == (1, 2, 3)
-    (o,) = sched.update(out, SampledTokens([1, 2, 3, 4], [None] * 4))
+    assert out.scheduled[0].draft_token_ids == (1, 2, 3, 1)      # "1 2 3" repeats: so does the proposal
+    (o,) = sched.update(out, SampledTokens([1, 2, 3, 4, 5], [None] * 5))
     assert o.new_token_ids == [1] and o.finish_reason == "stop" and o.stop_reason == 1
     assert req.status == RequestStatus.FINISHED_STOPPED
     kv.check()
@@ -207,3 +208,15 @@ def test_the_server_speculates_and_reports_vllm_spec_decode_metrics():
     assert values["vllm:spec_decode_num_drafts_total"] > 0
     assert 0 < values["vllm:spec_decode_num_accepted_tokens_total"] <= values["vllm:spec_decode_num_draft_tokens_total"]
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="smol",position="2"}' in text
+
+
+def test_draft_rows_keep_a_step_within_the_largest_compiled_bucket():
+    kv = KVCacheManager(128, 4, enable_prefix_caching=False)
+    sched = Scheduler(EngineConfig(speculative_config=NGRAM, compile_batch_sizes=(1, 2, 4, 8)), kv, max_model_len=256)
+    for i in range(3):
+        sched.add_request(Request(str(i), [1, 2, 3, 1, 2], SamplingParams(max_tokens=20, ignore_eos=True), 20))
+    out = sched.schedule()
+    sched.update(out, SampledTokens([3] * 3, [None] * 3))
+    out = sched.schedule()
+    assert [len(s.draft_token_ids) for s in out.scheduled] == [4, 1, 0]   # 3 rows + 5 drafts = 8
+    assert len(out.step.batch.token_ids) == 8

@@ -11,7 +11,10 @@ admission) order so a step's budget goes to lower values first and the preemptio
 running request — is the newest of the highest value; and a waiting request of a lower value than some running
 request preempts those running requests when `max_num_seqs` or the free blocks would keep it waiting, and they
 sit out the step it is admitted in (decodes too): its time to first token is then what it would be without them,
-but for the step already under way when it arrived. Batch work fills what interactive traffic leaves idle. With every
+but for the step already under way when it arrived. That step is kept short: while requests of the lowest value
+run (or ran within the last FOREGROUND_GRACE_S), requests of higher values take at most `max_background_seqs` rows
+of a step (on a CPU a decode step's time grows with its rows: a few more cost little, 64 more double it). Batch
+work fills what interactive traffic leaves idle, and runs at full width when there is none. With every
 request at 0 this is plain first-come, first-served.
 
 `max_prefill_tokens_while_decoding` (0: off) caps the prompt tokens of a step while any running request is
@@ -41,6 +44,12 @@ from kvflow.runner.step import ModelStep, PromptLogprobsRow, SampledTokens, Samp
 from kvflow.spec_decode import make_proposer
 
 
+# how long the lowest priority value seen keeps the higher ones capped after its last request (a client's next
+# turn usually comes within it; a full-width batch step is then not under way when it arrives)
+FOREGROUND_GRACE_S = 1.0
+NO_PRIORITY = float("inf")
+
+
 def _priority(req: Request) -> int:
     return req.priority
 
@@ -58,10 +67,15 @@ class Scheduler:
         self.waiting = WaitingQueue()          # lowest priority value first, then arrival order
         self.running: list[Request] = []      # (priority, admission) order: the last is preempted first
         self.num_preemptions = 0
+        self.max_background_seqs = config.max_background_seqs
+        self._foreground: tuple[float, float] | None = None     # (the lowest value seen, when last seen)
         spec = config.speculative_config
         self.proposer = make_proposer(spec) if spec is not None else None
         self.spec_k = spec.num_speculative_tokens if spec is not None else 0
         self.spec_max_running = (spec.disable_by_batch_size if spec is not None else None) or config.max_num_seqs
+        # a step's rows stay within the largest compiled decode bucket (a speculating request is 1 + k decode
+        # rows): drafts beyond it would make the step run eagerly
+        self.spec_max_rows = max(config.compile_batch_sizes, default=32)
         # speculative decoding's counters (vLLM's spec_decode metrics), cumulative
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * self.spec_k
@@ -89,11 +103,18 @@ class Scheduler:
             self._preempt_for(self.waiting.peek(), out)
         out_of_blocks = False
         speculate = self.proposer is not None and len(self.running) <= self.spec_max_running
+        spare_rows = self.spec_max_rows - len(self.running) if speculate else 0     # for draft rows this step
+        background_above = self._background_above()
+        background_left = self.max_background_seqs
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if yield_above is not None and req.priority > yield_above:
                 break                                          # the rest are of higher values too (sorted)
+            if req.priority > background_above:
+                if background_left <= 0:
+                    break                                      # the rest are background too (sorted)
+                background_left -= 1
             remaining = req.num_tokens - req.num_computed_tokens
             num_new = min(remaining, budget)
             if remaining > 1:                                  # a prompt (or recompute) chunk, not a decode
@@ -102,11 +123,12 @@ class Scheduler:
                     i += 1
                     continue
                 prefill_budget -= num_new
-            elif speculate and budget > 1:
-                drafts = self._drafts(req, budget - 1)
+            elif spare_rows > 0 and budget > 1:
+                drafts = self._drafts(req, min(budget - 1, spare_rows))
                 if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
                     out.scheduled.append(self._scheduled(req, 1 + len(drafts), drafts))
                     budget -= 1 + len(drafts)
+                    spare_rows -= len(drafts)
                     i += 1
                     continue
             while not self.kv.allocate_slots(req, num_new):
@@ -129,6 +151,10 @@ class Scheduler:
             req = self.waiting.peek()
             if not self.static and min(budget, prefill_budget) <= 0:
                 break
+            if req.priority > background_above:
+                if background_left <= 0:
+                    break
+                background_left -= 1
             queried = self.kv.enable_prefix_caching and self._takes_prefix_hits(req)
             computed_blocks, num_cached = self.kv.get_computed_blocks(req) if queried else ([], 0)
             remaining = req.num_tokens - num_cached
@@ -160,6 +186,17 @@ class Scheduler:
             out.rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1 and not s.draft_token_ids)
             out.step = self._model_step(out.rows)
         return out
+
+    def _background_above(self) -> float:
+        """Requests of a value above this are background this step (capped at max_background_seqs rows): the
+        lowest value running or waiting now, or seen within FOREGROUND_GRACE_S; infinity when nothing is."""
+        lowest = min(self.running[0].priority if self.running else NO_PRIORITY,
+                     self.waiting.peek().priority if self.waiting else NO_PRIORITY)
+        now = time.monotonic()
+        fg = self._foreground
+        if lowest != NO_PRIORITY and (fg is None or lowest <= fg[0] or now - fg[1] > FOREGROUND_GRACE_S):
+            self._foreground = fg = (lowest, now)
+        return fg[0] if fg is not None and now - fg[1] <= FOREGROUND_GRACE_S else NO_PRIORITY
 
     def _drafts(self, req: Request, budget: int) -> tuple[int, ...]:
         """Draft tokens for a decoding request, or () where it may not speculate: a grammar (drafts would need
