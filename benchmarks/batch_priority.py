@@ -106,7 +106,11 @@ def with_batch(server: LaunchedServer, model: str, prompts: list[str], args) -> 
     elapsed = time.perf_counter() - t0
     b = client.batches.retrieve(batch.id)
     r["batch_lines_per_s"] = (b.request_counts.completed + b.request_counts.failed - done0) / elapsed
-    client.batches.cancel(batch.id)
+    if b.status != "in_progress":
+        print(f"warning: the batch ended ({b.status}) before the interactive load did: raise --batch-lines",
+              flush=True)
+    else:
+        client.batches.cancel(batch.id)
     while client.batches.retrieve(batch.id).status not in ("cancelled", "completed", "failed"):
         time.sleep(0.2)
     client.files.delete(f.id)
