@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from kvflow.server.batch_store import StoreHandle, new_batch_id
 from kvflow.server.batch_worker import BatchWorker
 from kvflow.server.config import ServerConfig
-from kvflow.server.files_api import check_free_space, no_such_file
+from kvflow.server.files_api import check_free_space, list_page, no_such_file
 from kvflow.server.protocol import APIError
 from kvflow.server.run_batch import URLS
 
@@ -120,9 +120,7 @@ def batches_router(handle: StoreHandle, worker: BatchWorker, config: ServerConfi
             rows, more = await asyncio.to_thread(handle.get().list_batches, after=after, limit=limit)
         except ValueError:
             raise no_such_batch(after, "after") from None
-        data = [batch_object(b) for b in rows]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": more}
+        return list_page([batch_object(b) for b in rows], more)
 
     @router.get("/v1/batches/{batch_id}", response_model=None)
     async def retrieve_batch(batch_id: str):

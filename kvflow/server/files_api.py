@@ -27,6 +27,12 @@ PURPOSES = ("batch",)
 CHUNK = 1 << 20
 
 
+def list_page(data: list[dict], has_more: bool) -> dict:
+    """OpenAI's cursor page (files.list, batches.list): the objects, the first and last ids, whether more follow."""
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
 def file_object(row: dict) -> dict:
     return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": int(row["created_at"]),
             "filename": row["filename"], "purpose": row["purpose"], "status": "processed", "expires_at": None,
@@ -119,9 +125,7 @@ def files_router(handle: StoreHandle, config: ServerConfig) -> APIRouter:
                                                  purpose=purpose)
         except ValueError:
             raise no_such_file(after, "after") from None
-        data = [file_object(r) for r in rows]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": more}
+        return list_page([file_object(r) for r in rows], more)
 
     @router.get("/v1/files/{file_id}", response_model=None)
     async def retrieve_file(file_id: str):
