@@ -149,6 +149,11 @@ def test_architecture_table_and_its_errors():
 @pytest.mark.parametrize("family,overrides", [
     ("gemma3", {}),                                                        # norms stored as 1 + w, renamed norms
     ("phi3", {"sliding_window": 16, "partial_rotary_factor": 0.75}),       # attn_qkv, fused ffn_up, rotary count
+    ("phi3", {"partial_rotary_factor": 0.75, "max_position_embeddings": 131072,      # LongRoPE: rope_factors_*
+              "original_max_position_embeddings": 4096,
+              "rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 4096,
+                               "short_factor": [1.0 + 0.3 * i for i in range(6)],
+                               "long_factor": [4.0 + i for i in range(6)]}}),
 ])
 def test_gguf_twin_gives_the_safetensors_tokens(tmp_path, family, overrides):
     from transformers import AutoModelForCausalLM

@@ -7,6 +7,7 @@ architecture and tokenizer metadata), optionally quantized with gguf.quants.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -272,6 +273,12 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
+    longrope = rope if rope.get("rope_type") == "longrope" else None
+    if longrope:        # as llama.cpp's Phi-3 converter: the original context, the attention factor, two tensors
+        original = longrope["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
     w.add_file_type(_FTYPES[ftype])
 
     tok = _hf_tokenizer_metadata(hf_dir)
@@ -315,6 +322,9 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
                 w.add_tensor(gname, gguf.quants.quantize(data, fallback), raw_dtype=fallback)
         else:
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    if longrope:
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight", np.asarray(longrope[f"{kind}_factor"], dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

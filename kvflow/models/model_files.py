@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvflow.models.gguf_reader import GGUFFile, read_gguf
+from kvflow.models.gguf_reader import GGUFFile, dequantize, read_gguf
 from kvflow.models.model_config import GGUF_CONFIG_KEYS, ModelConfig, gguf_architecture
 
 logger = logging.getLogger(__name__)
@@ -148,8 +148,18 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
         cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
     elif pattern:
         cfg["sliding_window_pattern"] = int(pattern)
-    if any(n.startswith("rope_factors_") for n in g.tensors):
-        raise ValueError(f"{g.path}: LongRoPE factors (rope_factors_long/short) are not supported in GGUF files")
+    if "rope_factors_short.weight" in g.tensors:       # LongRoPE (Phi-3 128k, Phi-4-mini), as llama.cpp writes it
+        original = md.get(f"{arch}.rope.scaling.original_context_length")
+        if not original or "rope_factors_long.weight" not in g.tensors:
+            raise ValueError(f"{g.path}: LongRoPE factors without rope.scaling.original_context_length")
+        factors = {}
+        for kind in ("short", "long"):
+            info = g.tensors[f"rope_factors_{kind}.weight"]
+            factors[kind] = dequantize(g.raw(info), info.qtype, info.shape).reshape(-1).tolist()
+        cfg["rope_scaling"] = {"rope_type": "longrope", "short_factor": factors["short"],
+                               "long_factor": factors["long"], "original_max_position_embeddings": int(original)}
+        if f"{arch}.rope.scaling.attn_factor" in md:
+            cfg["rope_scaling"]["attention_factor"] = float(md[f"{arch}.rope.scaling.attn_factor"])
     cfg.update(architectures=[row.name], tie_word_embeddings="output.weight" not in g.tensors,
                attention_bias=row.attention_bias or "blk.0.attn_q.bias" in g.tensors,
                bos_token_id=md.get("tokenizer.ggml.bos_token_id"), eos_token_id=list(dict.fromkeys(eos)))
