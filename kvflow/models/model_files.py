@@ -143,6 +143,10 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         if rotary != head_dim:        # partial rotary (Phi-4-mini rotates 3/4 of each head)
             cfg["partial_rotary_factor"] = rotary / head_dim
+    if arch == "gemma3" and cfg.get("num_hidden_layers") == 62 and cfg.get("num_attention_heads"):
+        # Gemma 3 27B scales queries by (hidden / heads) ** -0.5 (its config.json: query_pre_attn_scalar 168), the
+        # others by head_dim ** -0.5; the GGUF does not say, so this is llama.cpp's rule (its 27B: 62 layers)
+        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     pattern = md.get(f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, (list, tuple)):      # per layer, true: sliding window
         cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
