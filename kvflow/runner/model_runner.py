@@ -82,6 +82,11 @@ class ModelRunner:
         for norm in self.model.modules():
             if isinstance(norm, RMSNorm):
                 norm.native = self.native_attention
+        if self.sliding_window:
+            log.info("sliding-window attention: %d tokens on %d of %d layers (%s); the KV cache keeps every block",
+                     self.sliding_window, model_config.layer_types.count("sliding_attention"),
+                     model_config.num_hidden_layers,
+                     "kvflow's kernel, its window argument" if self.native_attention else "sliding masks")
         self.sampler = Sampler(self.device, config.seed) if tp.is_first else None
         self.compiled_decode = self._start_compiled_decode(files)
 
