@@ -59,7 +59,7 @@ class EngineConfig:
     max_prefill_tokens_while_decoding: int = _option(0, "while requests are generating, prefill at most this many "
                                                         "prompt tokens per step, so their streams do not stall behind "
                                                         "a long prompt (0: no cap; see docs/performance.md)")
-    max_background_seqs: int = _option(4, "while requests of the lowest priority value run (or ran within the last "
+    max_background_seqs: int = _option(2, "while requests of the lowest priority value run (or ran within the last "
                                           "second), requests of higher values (the Batch API's lines) take at most "
                                           "this many rows of a step: a step stays as short as the interactive "
                                           "requests' own, so their latency holds (see docs/performance.md)")
