@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ from kvflow.core.request_validator import RequestValidator
 from kvflow.engine_process import EngineProcess
 from kvflow.engine_router import EngineRouter
 from kvflow.errors import InvalidRequestError
+from kvflow.lora_request import LoRARequest
 from kvflow.metrics import EngineMetrics, FinishedRequest
 from kvflow.output_processor import CompletionDelta, OutputProcessor, RequestState
 from kvflow.pooling_params import PoolingParams
@@ -148,6 +150,10 @@ class AsyncEngine:
         self.on_death = None
         # the dashboard's hub (server/dashboard.py), or None: told of every step's stats and every finished request
         self.observer = None
+        # LoRA adapters served (enable_lora): name -> LoRARequest; every load gets a fresh id (slots, prefix cache)
+        self.loras: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)
+        self.model_config = None      # the base model's ModelConfig (from_config sets it): adapters are checked on it
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     @classmethod
@@ -177,6 +183,7 @@ class AsyncEngine:
         engine = cls(processes, readies[0], tokenizer, config, files.path, max_queue_len=max_queue_len,
                      request_log=request_log, log_stats_interval=log_stats_interval,
                      request_log_options=request_log_options)
+        engine.model_config = files.config
         logger.info("engine ready in %.2fs (engine process pid %s): serving %s, max_model_len %d",
                     time.perf_counter() - t0, " ".join(str(r.pid) for r in readies), engine.served_model_name,
                     engine.max_model_len)
@@ -233,10 +240,37 @@ class AsyncEngine:
         so not from the event loop."""
         return self.processes[rank].call(method, *args)
 
+    # ---- LoRA adapters -----------------------------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Check a PEFT adapter folder against the base model (its config and tensor shapes; no tensor read) and
+        serve it as model `name`. Raises LoRAAdapterError (a ValueError naming the problem): LoRA off, the name in
+        use, a bad path, a rank above --max-lora-rank, an unsupported config or shapes. The engine reads the weights
+        when a request first needs them."""
+        from kvflow.models.lora_adapter import LoRAAdapterError, inspect_adapter
+
+        if not getattr(self.config, "enable_lora", False):
+            raise LoRAAdapterError("LoRA adapters need the server started with --enable-lora")
+        if not name:
+            raise LoRAAdapterError("lora_name must not be empty")
+        if name in self.loras or name == self.served_model_name:
+            raise LoRAAdapterError(f"The lora adapter '{name}' has already been loaded (the name is in use)")
+        if self.model_config is None:
+            raise LoRAAdapterError("the base model's config is unknown: cannot check the adapter")
+        inspect_adapter(path, self.model_config, self.config.max_lora_rank, name)
+        lora = LoRARequest(name, next(self._lora_ids), str(path), self.served_model_name)
+        self.loras[name] = lora
+        logger.info("LoRA adapter %r (id %d) from %s", name, lora.lora_int_id, path)
+        return lora
+
+    def remove_lora(self, name: str) -> LoRARequest:
+        """Stop serving adapter `name` (KeyError when unknown): new requests for it are refused; requests already
+        submitted run to their end (they carry the adapter; the engine drops its weights by LRU)."""
+        return self.loras.pop(name)
+
     # ---- event loop side ---------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                arrival_time: float | None = None, pooling: PoolingParams | None = None,
-               priority: int = 0) -> RequestStream:
+               priority: int = 0, lora: LoRARequest | None = None) -> RequestStream:
         """Hand a request to the engine; call from the event loop. Raises InvalidRequestError (bad request),
         EngineOverloadedError (queue full), EngineShutdownError, EngineDeadError before anything runs. `pooling`:
         an embedding request, whose stream ends with one delta carrying the vector. `priority`: the scheduler's, a lower
@@ -261,7 +295,7 @@ class AsyncEngine:
                                             f"(--max-queue-len {limit}); retry later")
         arrival = time.time() if arrival_time is None else arrival_time
         adds = self.processor.add_request(request_id, prompt_token_ids, params, arrival, max_tokens, pooling,
-                                          priority)
+                                          priority, lora)
         stream = RequestStream(self, self.processor.requests[request_id])
         stream.priority = priority
         self._streams[request_id] = stream

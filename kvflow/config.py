@@ -100,6 +100,15 @@ class EngineConfig:
     small_step_threads: int | None = _option(
         None, "CPU threads for steps of <= 8 rows (unset: every thread, except in a server, which leaves one core "
               "to its HTTP frontend: a small step's many short parallel regions otherwise wait on it)")
+    enable_lora: bool = _option(False, "serve LoRA adapters (PEFT format) beside the base model: --lora-modules at "
+                                       "start, /v1/load_lora_adapter at run time (with "
+                                       "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); a request picks one by its model name")
+    max_loras: int = _option(1, "adapters resident at once (slots in the model): one step mixes requests of up to "
+                                "this many adapters and the base; more wait their turn (LRU swap at a step boundary)")
+    max_lora_rank: int = _option(16, "largest adapter rank accepted; every slot is this wide (smaller ranks are "
+                                     "zero-padded)")
+    max_cpu_loras: int | None = _option(None, "adapters kept read in memory (LRU; an evicted one is read again "
+                                              "from its path when needed; default: max_loras)")
     compile_batch_sizes: tuple[int, ...] = _option((1, 2, 4, 8, 16, 32), "batch-size buckets of the compiled decode "
                                                    "step, compiled smallest first; a decode step is padded to the next "
                                                    "bucket, larger steps run eagerly", type=int, nargs="+")
@@ -121,7 +130,8 @@ class EngineConfig:
                             ("max_num_batched_tokens", 1), ("max_prefill_tokens_while_decoding", 0),
                             ("max_background_seqs", 0),
                             ("tensor_parallel_size", 1), ("data_parallel_size", 1), ("nnodes", 1),
-                            ("small_step_threads", 1)):
+                            ("small_step_threads", 1), ("max_loras", 1), ("max_lora_rank", 1),
+                            ("max_cpu_loras", 1)):
             if getattr(self, name) is not None and getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
@@ -145,3 +155,13 @@ class EngineConfig:
                              "that every node can reach")
         if self.distributed_init_method is not None:
             parse_init_method(self.distributed_init_method)
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora does not combine with tensor_parallel_size > 1 yet: each rank would need its "
+                             "slice of every adapter (serve adapters with tensor_parallel_size=1)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def lora_cpu_capacity(self) -> int:
+        """Adapters the engine keeps read in memory (max_cpu_loras, default max_loras)."""
+        return self.max_cpu_loras or self.max_loras

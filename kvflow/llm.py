@@ -11,6 +11,7 @@ from typing import Sequence
 
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
+from kvflow.lora_request import LoRARequest
 from kvflow.models.model_files import resolve_model_files
 from kvflow.output_processor import OutputProcessor, RequestState
 from kvflow.outputs import CompletionOutput, RequestOutput
@@ -35,6 +36,7 @@ class LLM:
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self._ids = itertools.count()
         self._grammar_compiler: GrammarCompiler | None = None
+        self._checked_loras: dict[int, LoRARequest] = {}    # adapters checked against the base model
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -52,10 +54,13 @@ class LLM:
         self.shutdown()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Complete each prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs in input order."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Complete each prompt (text, token ids, or {"prompt_token_ids": [...]}); outputs in input order.
+        `lora_request`: the LoRA adapter every prompt runs under, or one (or None: the base model) per prompt
+        (needs `LLM(enable_lora=True)`)."""
         encoded = [self._encode(p) for p in self._prompt_list(prompts)]
-        return self._run(encoded, sampling_params)
+        return self._run(encoded, sampling_params, lora_request)
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
               truncate_prompt_tokens: int | None = None) -> list[list[float]]:
@@ -109,18 +114,38 @@ class LLM:
             return dataclasses.replace(params, structured_outputs=None)
         return dataclasses.replace(params, structured=self.grammar_compiler.compile(spec))
 
-    def _run(self, encoded: list[tuple[str | None, list[int]]], sampling_params) -> list[RequestOutput]:
+    def _loras(self, lora_request, n: int) -> list[LoRARequest | None]:
+        """One LoRARequest (or None) per prompt, each checked against the base model once (a bad adapter raises
+        LoRAAdapterError, a ValueError naming the problem, before anything runs)."""
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} LoRA requests for {n} prompts")
+        if any(lora is not None for lora in loras):
+            from kvflow.models.lora_adapter import inspect_adapter
+
+            if not self.config.enable_lora:
+                raise ValueError("lora_request needs LLM(enable_lora=True)")
+            for lora in {lora.lora_int_id: lora for lora in loras if lora is not None}.values():
+                if self._checked_loras.get(lora.lora_int_id) != lora:
+                    inspect_adapter(lora.lora_path, self.engine.model_config, self.config.max_lora_rank,
+                                    lora.lora_name)
+                    self._checked_loras[lora.lora_int_id] = lora
+        return loras
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], sampling_params,
+             lora_request=None) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(encoded)
         if len(sampling_params) != len(encoded):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(encoded)} prompts")
+        loras = self._loras(lora_request, len(encoded))
         compiled = {id(p): self._compile(p) for p in sampling_params}     # once per distinct params object
         sampling_params = [compiled[id(p)] for p in sampling_params]
         # reject a bad prompt before running any; the core trusts what the validator admitted
         admitted = [self.engine.validator.admit(ids, params) for (_, ids), params in zip(encoded, sampling_params)]
         states = self._drive(OutputProcessor(self.tokenizer, keep_logprobs=True),
                              [(ids, params, max_tokens, None) for (ids, max_tokens), params
-                              in zip(admitted, sampling_params)])
+                              in zip(admitted, sampling_params)], loras)
         return [RequestOutput(state.request_id, text, state.prompt_token_ids,
                               [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
                                                 c.logprobs) for c in state.choices],
@@ -131,18 +156,20 @@ class LLM:
                 for (text, _), state in zip(encoded, states)]
 
     def _drive(self, processor: OutputProcessor,
-               requests: list[tuple[list[int], SamplingParams, int, PoolingParams | None]]) -> list[RequestState]:
-        """Add the admitted requests (prompt ids, params, resolved max_tokens, pooling) and step the engine until
-        every one is done; their states, in order."""
+               requests: list[tuple[list[int], SamplingParams, int, PoolingParams | None]],
+               loras: list[LoRARequest | None] | None = None) -> list[RequestState]:
+        """Add the admitted requests (prompt ids, params, resolved max_tokens, pooling; `loras`: each one's adapter)
+        and step the engine until every one is done; their states, in order."""
         states: list[RequestState] = []
         added = []
+        loras = loras or [None] * len(requests)
         try:
-            for ids, params, max_tokens, pooling in requests:
+            for (ids, params, max_tokens, pooling), lora in zip(requests, loras):
                 rid = str(next(self._ids))
-                for core in processor.add_request(rid, ids, params, time.time(), max_tokens, pooling):
+                for core in processor.add_request(rid, ids, params, time.time(), max_tokens, pooling, lora=lora):
                     self.engine.add_request(core.request_id, core.prompt_token_ids, core.params,
                                             arrival_time=core.arrival_time, max_tokens=core.max_tokens,
-                                            pooling=core.pooling)
+                                            pooling=core.pooling, lora=core.lora)
                     added.append(core.request_id)
                 states.append(processor.requests[rid])
             while self.engine.has_unfinished_requests():

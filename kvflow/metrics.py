@@ -273,6 +273,17 @@ class EngineMetrics:
         if spec is not None and self.spec_decode is None:
             self._spec_decode_metrics(spec.num_speculative_tokens)
 
+    def _record_lora(self, stats: StepStats) -> None:
+        """vLLM's vllm:lora_requests_info (only with LoRA on, as vLLM): labels max_lora and the comma-separated
+        adapters of waiting and of running requests, value the time of the update (set every step, as vLLM)."""
+        if getattr(self, "lora_requests_info", None) is None:
+            self.lora_requests_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                            registry=self.registry)
+        self.lora_requests_info.labels(max_lora=str(stats.max_lora),
+                                       waiting_lora_adapters=",".join(stats.lora_waiting),
+                                       running_lora_adapters=",".join(stats.lora_running)).set_to_current_time()
+
     def _spec_decode_metrics(self, k: int) -> None:
         """vLLM's speculative decoding counters (only when it is on, as vLLM): drafts (requests that speculated in a
         step), draft tokens proposed, accepted tokens, and accepted tokens per draft position."""
@@ -294,6 +305,8 @@ class EngineMetrics:
     # ---- engine thread: after every step ----------------------------------------------------------------------
     def record_step(self, stats: StepStats) -> None:
         """After every engine step (or idle look): gauges, counters' deltas, step histograms."""
+        if stats.max_lora:
+            self._record_lora(stats)
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.num_requests_waiting_by_reason["capacity"].set(stats.num_waiting)    # nothing is deferred in kvflow

@@ -20,6 +20,7 @@ import numpy as np
 from kvflow.core.messages import AddRequest
 from kvflow.core.outputs import EngineOutput
 from kvflow.detokenizer import IncrementalDetokenizer
+from kvflow.lora_request import LoRARequest
 from kvflow.metrics import RequestTimings
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
@@ -99,7 +100,8 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float, max_tokens: int | None = None,
-                    pooling: PoolingParams | None = None, priority: int = 0) -> list[AddRequest]:
+                    pooling: PoolingParams | None = None, priority: int = 0,
+                    lora: LoRARequest | None = None) -> list[AddRequest]:
         """Register a request; returns the core requests to add, one per choice (an embedding request: one)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -119,7 +121,7 @@ class OutputProcessor:
             state.choices.append(choice)
             self._choice_of[core_id] = (state, choice)
             core.append(AddRequest(core_id, state.prompt_token_ids, child, arrival_time, max_tokens, pooling,
-                                   priority))
+                                   priority, lora))
         self.requests[request_id] = state
         return core
 

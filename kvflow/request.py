@@ -5,6 +5,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from kvflow.lora_request import LoRARequest
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
@@ -38,13 +39,14 @@ FINISH_REASONS = {
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, arrival_time: float | None = None, pooling: PoolingParams | None = None,
-                 priority: int = 0):
+                 priority: int = 0, lora: LoRARequest | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)   # prompt + generated
         self.params = params
         self.max_tokens = max_tokens              # resolved: never None here
         self.priority = priority                  # vLLM's: a lower value is scheduled first (batch work: 10)
+        self.lora = lora                          # the LoRA adapter it runs under (None: the base model)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0              # tokens whose KV is in the cache
         self.num_cached_tokens = 0                # prompt tokens that came from the prefix cache

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kvflow"
 LAYERS = [
     # __init__: lazy re-exports
     {"__init__", "errors", "config", "platform", "sampling_params", "pooling_params", "structured_output",
-     "speculative_config"},
+     "speculative_config", "lora_request"},
     {"distributed", "request", "spec_decode"},
     {"layers", "models"},
     {"runner"},

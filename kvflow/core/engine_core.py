@@ -10,11 +10,13 @@ from typing import Iterable
 
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.lora_slots import LoRASlots
 from kvflow.core.outputs import EngineOutput, ScheduledRequest, StepStats
 from kvflow.core.request_validator import RequestValidator
 from kvflow.core.scheduler import Scheduler
 from kvflow.executor import create_executor
 from kvflow.models.model_files import ModelFiles, resolve_model_files
+from kvflow.lora_request import LoRARequest
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
@@ -24,7 +26,8 @@ log = logging.getLogger("kvflow")
 
 class EngineCore:
     # what the frontend may call in the engine process between steps (`EngineProcess.call`): checks and numbers
-    UTILITY_METHODS = frozenset({"check", "has_unfinished_requests", "worker_pids", "counters", "kv_block_map"})
+    UTILITY_METHODS = frozenset({"check", "has_unfinished_requests", "worker_pids", "counters", "kv_block_map",
+                                 "lora_state"})
 
     def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] | None = None,
                  files: ModelFiles | None = None):
@@ -45,7 +48,9 @@ class EngineCore:
         self.runner = self.executor.runner            # rank 0's: weights, KV cache sizes, dtype
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
                                                config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
+        self.lora_slots = LoRASlots(config.max_loras, config.lora_cpu_capacity, self._read_adapter) \
+            if config.enable_lora else None
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, self.lora_slots)
         self._aborted_outputs: list[EngineOutput] = []
         # as of the last stats: preemptions, prefix-cache queries, hits, then speculative decoding's drafts, draft
         # tokens, accepted tokens and accepted per position
@@ -69,6 +74,10 @@ class EngineCore:
                  r.kv_cache_bytes / 2**30, str(r.kv_dtype).removeprefix("torch."), r.num_blocks, tokens,
                  self.max_model_len, tokens / self.max_model_len)
 
+    def _read_adapter(self, lora: LoRARequest):
+        from kvflow.models.lora_adapter import load_adapter
+        return load_adapter(lora.lora_path, self.model_config, self.config.max_lora_rank, lora.lora_name)
+
     @property
     def requests(self) -> dict[str, Request]:
         return self.scheduler.requests
@@ -76,18 +85,23 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, max_tokens: int | None = None,
-                    pooling: PoolingParams | None = None, priority: int = 0) -> None:
+                    pooling: PoolingParams | None = None, priority: int = 0,
+                    lora: LoRARequest | None = None) -> None:
         """`max_tokens`: resolved by the frontend's `RequestValidator.admit`, which checked the request (the
         frontends do: it is not checked twice). Without it the core checks the request itself and raises
         InvalidRequestError before anything is queued. `pooling`: an embedding request (prefill only). `priority`:
-        the scheduler's, a lower value first (core/scheduler.py)."""
+        the scheduler's, a lower value first (core/scheduler.py). `lora`: the adapter it runs under (enable_lora;
+        read from its path when it first needs a slot)."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n != 1:
             raise ValueError("the engine core takes n=1 requests; fan out n>1 before add_request")
+        if lora is not None and self.lora_slots is None:
+            raise ValueError(f"request {request_id!r} names LoRA adapter {lora.lora_name!r}, but LoRA is off "
+                             "(enable_lora)")
         if max_tokens is None:
             max_tokens = self.validator.validate(prompt_token_ids, params, pooling)
-        req = Request(request_id, prompt_token_ids, params, max_tokens, arrival_time, pooling, priority)
+        req = Request(request_id, prompt_token_ids, params, max_tokens, arrival_time, pooling, priority, lora)
         req.eos_token_ids = self.eos_token_ids
         self.scheduler.add_request(req)
 
@@ -105,6 +119,15 @@ class EngineCore:
     def check(self) -> None:
         """Raise AssertionError if the KV cache manager's books do not balance (for tests, between steps)."""
         self.kv_cache_manager.check()
+        if self.lora_slots is not None:
+            self.lora_slots.check()
+
+    def lora_state(self) -> dict:
+        """The LoRA slots (adapter names per slot), the adapters read in memory, loads and swaps so far."""
+        ls = self.lora_slots
+        if ls is None:
+            return {}
+        return {"slots": list(ls.slots), "cpu": list(ls.cpu), "num_loads": ls.num_loads, "num_swaps": ls.num_swaps}
 
     def worker_pids(self) -> list[int]:
         """The tensor-parallel worker processes' pids (none with one rank)."""
@@ -138,6 +161,9 @@ class EngineCore:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        if self.scheduler.failed:
+            outputs += self.scheduler.failed
+            self.scheduler.failed = []
         if not sched.scheduled:
             self.last_stats = self._stats()
             return outputs
@@ -149,6 +175,9 @@ class EngineCore:
         # whole prompt (cached tokens too) of each request in the step of its first output, and every token
         # sampled: not the chunk tokens the model computed. These requests have their first output now:
         first_output = {s.request_id for s in sched.scheduled if self._first_output(requests[s.request_id], s)}
+        if self.lora_slots is not None:     # adapters that took a slot this step: in place before the forward
+            for slot, weights in self.lora_slots.take_swaps():
+                self.executor.set_lora_slot(slot, weights)
         sampled = self.executor.execute(sched.step)
         step_outputs = self.scheduler.update(sched, sampled)
         outputs += step_outputs
@@ -180,7 +209,11 @@ class EngineCore:
         deltas = [now - before for now, before in zip(counters, self._counters)]
         self._counters = counters
         compiled = self.runner.compiled_decode
-        return StepStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
+        lora = {}
+        if self.lora_slots is not None:
+            running, waiting = sched.lora_adapters()
+            lora = {"max_lora": self.config.max_loras, "lora_running": tuple(running), "lora_waiting": tuple(waiting)}
+        return StepStats(**lora, num_running=len(sched.running), num_waiting=len(sched.waiting),
                          kv_cache_usage=kv.usage, num_preemptions=deltas[0], prefix_cache_queries=deltas[1],
                          prefix_cache_hits=deltas[2], spec_num_drafts=deltas[3], spec_num_draft_tokens=deltas[4],
                          spec_num_accepted_tokens=deltas[5], spec_accepted_per_pos=tuple(deltas[6:]),

@@ -51,6 +51,13 @@ class KVCacheManager:
             yield key
             parent = hash(key)
 
+    @staticmethod
+    def _root(request: Request) -> int:
+        """The first block's parent key: the adapter's id under LoRA (its KV differs from the base model's and every
+        other adapter's for the same tokens), else NO_PARENT."""
+        lora = request.lora
+        return NO_PARENT if lora is None else hash(("lora", lora.lora_int_id))
+
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest run of cached blocks at the start of the request's tokens, and how many tokens
         they hold. At least one token is always left to compute, so the step has logits to sample."""
@@ -58,7 +65,7 @@ class KVCacheManager:
             return [], 0
         num_full = (request.num_tokens - 1) // self.block_size
         hits = []
-        for key in self._keys(request.token_ids, num_full):
+        for key in self._keys(request.token_ids, num_full, self._root(request)):
             block = self.cached.get(key)   # dict equality compares the token ids: no false hits
             if block is None:
                 break
@@ -76,7 +83,7 @@ class KVCacheManager:
         num_full = request.num_computed_tokens // self.block_size
         if num_full <= done:
             return
-        parent = hash(self.block_key[table[done - 1]]) if done else NO_PARENT
+        parent = hash(self.block_key[table[done - 1]]) if done else self._root(request)
         for i, key in enumerate(self._keys(request.token_ids, num_full, parent, done), start=done):
             block = table[i]
             if key not in self.cached:   # an identical block may already be cached: keep the first

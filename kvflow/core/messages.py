@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.core.outputs import EngineOutput, StepStats
+from kvflow.lora_request import LoRARequest
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
@@ -25,6 +26,7 @@ class AddRequest:
     max_tokens: int | None = None     # resolved by the frontend's validator, which admitted it: not checked again
     pooling: PoolingParams | None = None   # an embedding request: pooled hidden states, no sampling
     priority: int = 0                 # the scheduler's: a lower value first (interactive 0, batch work higher)
+    lora: LoRARequest | None = None   # the LoRA adapter it runs under (the engine reads it from its path when needed)
 
 
 @dataclass(frozen=True)

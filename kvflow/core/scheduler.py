@@ -29,6 +29,12 @@ everyone's, each chunk's pooled positions (`--pooling`: the last prompt position
 `EngineOutput.pooled_sum`, and it finishes after its last chunk, its blocks freed. With mean pooling it takes no
 prefix-cache hits (a hit skips positions whose hidden states it needs); with last pooling it does (the last
 position is always computed, on top of the same cached KV a recompute would write).
+
+LoRA (`Request.lora`, `enable_lora`): a request is admitted only if its adapter is in one of the model's
+`max_loras` slots or can be put in one this step (a free slot, or the least recently used one whose adapter no
+running request uses: `LoRASlots`); otherwise it waits and the requests behind it (the base model's, resident
+adapters') may go first. The slot swaps are applied by the engine core before the step's forward; every row
+carries its slot (`StepBatch.lora_slots`).
 """
 from __future__ import annotations
 
@@ -37,12 +43,17 @@ import time
 
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.lora_slots import LoRASlots
 from kvflow.core.outputs import EngineOutput, ScheduledRequest, SchedulerOutput
 from kvflow.core.waiting_queue import WaitingQueue
 from kvflow.request import Request, RequestStatus
 from kvflow.runner.step import ModelStep, PromptLogprobsRow, SampledTokens, SamplingRow, StepBatch
 from kvflow.spec_decode import make_proposer
 
+
+# how deep into the waiting queue the scheduler looks for a request it can admit when the head's LoRA adapter cannot
+# get a slot this step (bounds the scan; the rest wait for the next step)
+LORA_LOOKAHEAD = 256
 
 # how long the lowest priority value seen keeps the higher ones capped after its last request (a client's next
 # turn usually comes within it; a full-width batch step is then not under way when it arrives)
@@ -55,7 +66,8 @@ def _priority(req: Request) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 lora_slots: LoRASlots | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
@@ -79,6 +91,8 @@ class Scheduler:
         # speculative decoding's counters (vLLM's spec_decode metrics), cumulative
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * self.spec_k
+        self.lora = lora_slots         # None: LoRA off
+        self.failed: list[EngineOutput] = []      # requests failed while waiting (an adapter unreadable): for the core
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -147,8 +161,11 @@ class Scheduler:
         # steps), then runs to completion before the next batch is admitted
         batch_closed = self.static and any(r.num_output_tokens > 0 for r in self.running)
         may_admit = not out_of_blocks and not batch_closed
+        busy = self._busy_adapters() if self.lora is not None else None
         while may_admit and self.waiting and len(self.running) < self.max_num_seqs:
-            req = self.waiting.peek()
+            req = self.waiting.peek() if busy is None else self._next_admissible(busy)
+            if req is None:
+                break
             if not self.static and min(budget, prefill_budget) <= 0:
                 break
             if req.priority > background_above:
@@ -168,7 +185,13 @@ class Scheduler:
                     self.kv.prefix_cache_queries -= req.num_tokens
                     self.kv.prefix_cache_hits -= num_cached
                 break
-            self.waiting.popleft()
+            if busy is None:
+                self.waiting.popleft()
+            else:
+                self._take_waiting(req)
+                if req.lora is not None:
+                    self.lora.place(req.lora, busy)       # can_place said yes this step
+                    busy.add(req.lora.lora_int_id)
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_cached
                 req.first_scheduled_time = time.time()
@@ -186,6 +209,47 @@ class Scheduler:
             out.rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1 and not s.draft_token_ids)
             out.step = self._model_step(out.rows)
         return out
+
+    # ---- LoRA ----------------------------------------------------------------------------------
+    def _busy_adapters(self) -> set[int]:
+        """The adapters running requests use: their slots may not change this step."""
+        return {r.lora.lora_int_id for r in self.running if r.lora is not None}
+
+    def _next_admissible(self, busy: set[int]) -> Request | None:
+        """The first waiting request (in admission order, up to LORA_LOOKAHEAD deep) whose adapter is resident or can
+        take a slot this step; None when none can. A request whose adapter cannot be read fails here, alone."""
+        for depth, req in enumerate(self.waiting):
+            if depth >= LORA_LOOKAHEAD:
+                return None
+            if req.lora is None or req.lora.lora_int_id in busy:
+                return req
+            if self.lora.can_place(req.lora, busy):
+                try:
+                    self.lora.weights(req.lora)        # read now (cached): a missing adapter fails this request
+                except Exception as e:  # noqa: BLE001 - the adapter's files went away: this request fails alone
+                    self._fail_waiting(req, f"LoRA adapter {req.lora.lora_name!r} could not be read: {e}")
+                    return self._next_admissible(busy)
+                return req
+        return None
+
+    def _take_waiting(self, req: Request) -> None:
+        if self.waiting.peek() is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+
+    def _fail_waiting(self, req: Request, message: str) -> None:
+        self.waiting.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.kv.free(req)
+        req.status, req.stop_reason = RequestStatus.FINISHED_ERROR, message
+        self.failed.append(self._output(req, [], None, None))
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """The names of the adapters of running and of waiting requests (vLLM's lora_requests_info labels)."""
+        running = sorted({r.lora.lora_name for r in self.running if r.lora is not None})
+        waiting = sorted({r.lora.lora_name for r in self.waiting if r.lora is not None})
+        return running, waiting
 
     def _background_above(self) -> float:
         """Requests of a value above this are background this step (capped at max_background_seqs rows): the
@@ -230,9 +294,14 @@ class Scheduler:
         spans, prompt_rows = [], []
         pooling_spans, pools = [], False
         num_computed, num_new, tables, samples = [], [], [], []
+        lora_slots, any_lora = [], False
         for s in scheduled:
             req = self.requests[s.request_id]
             table = self.kv.block_tables[s.request_id]
+            if self.lora is not None:
+                slot = self.lora.slot(req.lora)
+                any_lora = any_lora or req.lora is not None
+                lora_slots += [slot] * (1 + len(s.draft_token_ids))
             if s.draft_token_ids:     # its last token and each draft: decode rows at consecutive positions
                 rows = (req.token_ids[-1],) + s.draft_token_ids
                 for j, token in enumerate(rows):
@@ -265,7 +334,8 @@ class Scheduler:
                           num_computed_tokens=num_computed, num_new_tokens=num_new, block_tables=tables,
                           samples=samples,
                           prompt_logprob_spans=tuple(spans) if prompt_rows else (),
-                          pooling_spans=tuple(pooling_spans) if pools else ())
+                          pooling_spans=tuple(pooling_spans) if pools else (),
+                          lora_slots=tuple(lora_slots) if any_lora else ())
         return ModelStep(batch, sampling, prompt_rows)
 
     def _pooling_span(self, req: Request, s: ScheduledRequest) -> tuple[int, int]:

@@ -23,6 +23,10 @@ class LocalExecutor:
     def execute(self, step: ModelStep) -> SampledTokens:
         return self.runner.execute(step)
 
+    def set_lora_slot(self, slot: int, weights) -> None:
+        """Between steps: an adapter's weights into a LoRA slot (None clears it)."""
+        self.runner.set_lora_slot(slot, weights)
+
     def check_health(self) -> None:
         """Nothing can die apart from this process."""
 

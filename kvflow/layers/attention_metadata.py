@@ -44,3 +44,6 @@ class AttentionMetadata:
     seq_tables: torch.Tensor | None = None            # [sequences, max_blocks] block tables (pads: the scratch block)
     row_seq: torch.Tensor | None = None               # [num_tokens] each row's sequence (a row of seq_tables)
     positions: torch.Tensor | None = None             # [num_tokens] each row's position: it sees keys 0..position
+    # LoRA (enable_lora only): [num_tokens, max_loras * max_lora_rank], 1.0 in the columns of each token's adapter
+    # slot, zeros for base rows and padding (layers/lora.py)
+    lora_mask: torch.Tensor | None = None

@@ -42,7 +42,7 @@ class Gemma3DecoderLayer(nn.Module):
                 rope_local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         attn = self.self_attn(rope_local if self.sliding else rope, self.input_layernorm(h), meta)
         h = h + self.post_attention_layernorm(attn)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), meta))
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

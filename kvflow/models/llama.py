@@ -26,6 +26,7 @@ from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.attention import PagedAttention
 from kvflow.layers.attention_metadata import AttentionMetadata
 from kvflow.layers.group_quant import GroupQuantized
+from kvflow.layers.lora import LoRAStack
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.model_config import ModelConfig
@@ -87,17 +88,26 @@ class Attention(nn.Module):
         scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale,
                                    cfg.sliding_window if cfg.is_sliding(layer) else None)
+        # LoRA terms added to the projections' outputs (enable_lora: LlamaForCausalLM.enable_lora)
+        self.qkv_lora: LoRAStack | None = None
+        self.o_lora: LoRAStack | None = None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.qkv_lora is not None:
+            qkv = qkv + self.qkv_lora(x, meta.lora_mask)
         # q and k heads sit side by side in qkv's rows: rotate them as one [T, Hq + Hkv, D] tensor
         qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:      # Qwen3, Gemma 3: per-head norms, with their own weights for q and k
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         q, k = self.rotary.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
-        return self.tp.all_reduce(self.o_proj(self.attn(q, k, v, meta)))
+        attn = self.attn(q, k, v, meta)
+        out = self.o_proj(attn)
+        if self.o_lora is not None:
+            out = out + self.o_lora(attn, meta.lora_mask)
+        return self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
@@ -110,10 +120,19 @@ class MLP(nn.Module):
         if cfg.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"hidden activation {cfg.hidden_act!r} is not supported ({', '.join(_ACTIVATIONS)})")
         self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.gate_up_lora: LoRAStack | None = None
+        self.down_lora: LoRAStack | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.gate_up_lora is not None:
+            gate_up = gate_up + self.gate_up_lora(x, meta.lora_mask)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        h = self.act(gate) * up
+        out = self.down_proj(h)
+        if self.down_lora is not None:
+            out = out + self.down_lora(h, meta.lora_mask)
+        return self.tp.all_reduce(out)
 
 
 # the MLP's gate activation by config name (GeGLU's tanh GELU: Gemma)
@@ -131,7 +150,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = h + self.self_attn(rope, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h), meta)
 
 
 # checkpoint name piece -> (our fused parameter, shard index)
@@ -177,6 +196,42 @@ class LlamaForCausalLM(nn.Module):
         outside = (local < 0) | (local >= end - start)
         rows = self.embed_tokens(local.masked_fill(outside, 0))
         return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0))
+
+    # ---- LoRA ----------------------------------------------------------------------------------------------
+    # (the attribute holding the LoRA term, the checkpoint projections it adapts in piece order) per block
+    LORA_TARGETS = {"self_attn": (("qkv_lora", ("q_proj", "k_proj", "v_proj")), ("o_lora", ("o_proj",))),
+                    "mlp": (("gate_up_lora", ("gate_proj", "up_proj")), ("down_lora", ("down_proj",)))}
+
+    def enable_lora(self, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32) -> None:
+        """Give every layer's projections a LoRA term of `max_loras` slots of rank `max_rank` (all zero: no
+        adapter until `set_lora_slot`). One rank only (config.validate refuses tensor parallelism with LoRA)."""
+        cfg, sizes = self.config, self.sizes
+        q, kv = sizes.num_heads * cfg.head_dim, sizes.num_kv_heads * cfg.head_dim
+        device = self.embed_tokens.weight.device
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            with torch.device(device):
+                attn.qkv_lora = LoRAStack(cfg.hidden_size, [q, kv, kv], max_loras, max_rank)
+                attn.o_lora = LoRAStack(q, [cfg.hidden_size], max_loras, max_rank)
+                mlp.gate_up_lora = LoRAStack(cfg.hidden_size, [sizes.intermediate_size] * 2, max_loras, max_rank)
+                mlp.down_lora = LoRAStack(sizes.intermediate_size, [cfg.hidden_size], max_loras, max_rank)
+            for stack in (attn.qkv_lora, attn.o_lora, mlp.gate_up_lora, mlp.down_lora):
+                stack.to(dtype)
+
+    @torch.no_grad()
+    def set_lora_slot(self, slot: int, tensors: dict | None, scale: float = 1.0) -> None:
+        """Write one adapter into `slot` of every LoRA term (`tensors`: "layers.{i}.{block}.{proj}" -> (A [r, in],
+        B [out, r]), models/lora_adapter.py); None clears the slot."""
+        tensors = tensors or {}
+        for i, layer in enumerate(self.layers):
+            for block, terms in self.LORA_TARGETS.items():
+                module = getattr(layer, block)
+                for attr, projections in terms:
+                    stack = getattr(module, attr)
+                    pieces = [tensors.get(f"layers.{i}.{block}.{proj}") for proj in projections]
+                    stack.set_slot(slot, [None if ab is None else (ab[0].to(stack.lora_a.dtype),
+                                                                   ab[1].to(stack.lora_b.dtype)) for ab in pieces],
+                                   scale)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits over the whole vocabulary; under tensor parallelism every rank computes its vocabulary

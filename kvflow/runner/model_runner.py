@@ -18,6 +18,7 @@ from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers import native_kernels
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
+from kvflow.layers.lora import lora_mask
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.layers.quantization import quantize_model
@@ -67,6 +68,12 @@ class ModelRunner:
             enable_small_batch_bf16(model)
             log.info("float32 compute; steps of <= %d rows read bfloat16 copies of the weights (dtype=auto on a "
                      "CPU without native bf16 matmul; dtype=float32 turns this off)", SMALL_BATCH_ROWS)
+        # LoRA: a term beside each projection, its slots all zero until set_lora_slot (layers/lora.py)
+        self.lora = (config.max_loras, config.max_lora_rank) if config.enable_lora else None
+        if self.lora:
+            model.enable_lora(*self.lora, self.dtype)
+            log.info("LoRA: %d slot(s) of rank %d on every q/k/v/o/gate/up/down projection (%s)", *self.lora,
+                     str(self.dtype).removeprefix("torch."))
         self.model.eval()
         self.weights_bytes = sum(t.numel() * t.element_size() for name, t in
                                  [*model.named_parameters(), *model.named_buffers()] if not name.startswith("rotary"))
@@ -109,6 +116,8 @@ class ModelRunner:
                "native_attention": self.native_attention, "native_kernels": native_kernels.library() is not None,
                "block_size": self.block_size, "max_model_len": self.max_model_len,
                "cpu_flags": sorted(platform.cpu_flags()), "module_state": repr(module_state)}
+        if self.lora:       # the LoRA terms are part of the graph (their slots are read live: buffers)
+            key["lora"] = self.lora
         per_block = self.kv_cache_bytes // self.num_blocks
         job = {"config": self.config, "model_config": self.model_config, "model_path": model_path,
                "max_model_len": self.max_model_len, "module_state": module_state,
@@ -146,6 +155,17 @@ class ModelRunner:
     def shutdown(self) -> None:
         if self.compiled_decode is not None:
             self.compiled_decode.stop()
+
+    # ---- LoRA ----------------------------------------------------------------------------------
+    def set_lora_slot(self, slot: int, weights) -> None:
+        """Between steps: put an adapter's weights (models/lora_adapter.LoRAWeights) into `slot`, or clear it
+        (None). Compiled decode graphs read the slots live."""
+        if not self.lora:
+            raise RuntimeError("set_lora_slot needs enable_lora")
+        if weights is None:
+            self.model.set_lora_slot(slot, None)
+        else:
+            self.model.set_lora_slot(slot, weights.tensors, weights.scale)
 
     # ---- KV cache ------------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
@@ -200,6 +220,10 @@ class ModelRunner:
         pos = torch.tensor(starts)[row_seq] + torch.arange(len(row_seq)) - first_row[row_seq]
         slots = table[row_seq, pos // bs] * bs + pos % bs
         meta = AttentionMetadata(slot_mapping=slots.to(self.device), num_decode_tokens=rows)
+        if self.lora:       # every row's adapter slot (padding and base rows: -1, an all-zero mask row)
+            seq_slots = list(batch.lora_slots) or [-1] * len(batch.num_new_tokens)
+            seq_slots = torch.tensor(seq_slots[:nd] + [-1] * (rows - nd) + seq_slots[nd:], dtype=torch.long)
+            meta.lora_mask = lora_mask(seq_slots[row_seq], *self.lora, self.dtype).to(self.device)
         if self.native_attention:
             # every row, decode or prefill, attends alone over its own keys (kvflow's kernel)
             meta.seq_tables, meta.row_seq, meta.positions = table, row_seq, pos

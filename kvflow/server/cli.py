@@ -95,7 +95,11 @@ def run_serve(args) -> int:
     logger.info("server: %s", ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(
         dataclasses.replace(server_config, api_key="set" if server_config.api_key else None)).items()))
     engine = build_engine(config, server_config)
-    app = build_app(engine, server_config)
+    try:
+        app = build_app(engine, server_config)
+    except BaseException:         # e.g. a --lora-modules adapter refused: stop the engine, then say why
+        engine.stop()
+        raise
     server = EngineServer(app, server_config)
     # uvicorn re-raises the signal that stopped it once it is done: a no-op SIGTERM handler makes that harmless,
     # so a graceful SIGTERM exits 0.

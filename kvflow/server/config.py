@@ -1,6 +1,7 @@
 """ServerConfig: the HTTP server's own settings (the engine's are EngineConfig), built once, validated, frozen."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from kvflow.config import parse_bytes
@@ -63,6 +64,10 @@ class ServerConfig:
                                                       "otherwise (its return_tokens_as_token_ids)")
     enable_tokenizer_info_endpoint: bool = _option(False, "serve GET /tokenizer_info: the tokenizer's configuration "
                                                           "(its tokenizer_config.json and chat template)")
+    lora_modules: tuple[str, ...] | None = _option(None, "LoRA adapters to serve from the start (needs --enable-lora): "
+                                                         "name=PATH (a PEFT adapter folder), or vLLM's JSON "
+                                                         '{"name": ..., "path": ..., "base_model_name": ...}; a request '
+                                                         "selects one by its model name", metavar="NAME=PATH")
     # the online Batch API (server/batches_api.py, server/files_api.py)
     batch_dir: str = _option(DEFAULT_BATCH_DIR, "where the Batch API keeps its SQLite store and files (created on "
                                                 "first use; batches found there at start resume)", metavar="DIR")
@@ -77,6 +82,25 @@ class ServerConfig:
     batch_priority: int = _option(10, "scheduler priority of batch lines (lower runs first; interactive "
                                       "requests: 0)")
 
+    def lora_module_paths(self) -> list[tuple[str, str]]:
+        """--lora-modules as (name, path) pairs (ValueError naming the entry it cannot read)."""
+        pairs = []
+        for entry in self.lora_modules or ():
+            entry = entry.strip()
+            if entry.startswith("{"):
+                try:
+                    spec = json.loads(entry)
+                    pairs.append((str(spec["name"]), str(spec["path"])))
+                except (ValueError, KeyError, TypeError):
+                    raise ValueError(f"--lora-modules: cannot read {entry!r}: the JSON form needs \"name\" and "
+                                     "\"path\"") from None
+                continue
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: {entry!r} is not name=PATH")
+            pairs.append((name, path))
+        return pairs
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_request_body_size", parse_bytes(self.max_request_body_size))
         object.__setattr__(self, "request_log_max_bytes", parse_bytes(self.request_log_max_bytes))
@@ -84,6 +108,9 @@ class ServerConfig:
         object.__setattr__(self, "batch_min_free_space", parse_bytes(self.batch_min_free_space))
         if self.served_model_name is not None:
             object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+        if self.lora_modules is not None:
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+            self.lora_module_paths()
         for name, lo in (("port", 0), ("max_queue_len", 1), ("max_n", 1), ("max_request_body_size", 1),
                          ("shutdown_grace_period", 0), ("max_batch_file_size", 1), ("batch_min_free_space", 0),
                          ("batch_max_concurrency", 1), ("request_log_max_bytes", 0),

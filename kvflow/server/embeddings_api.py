@@ -119,7 +119,7 @@ class EmbeddingsServing:
         prompt_ids = await asyncio.to_thread(serving.completion_prompt_ids, inputs, req.add_special_tokens)
         request_id = f"embd-{req.request_id}" if req.request_id else random_id("embd")
         streams = serving.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES, pooling=pooling,
-                                 priority=serving.priority(req, priority))
+                                 priority=serving.priority(req, priority), model=model)
         vectors: list[list[float] | None] = [None] * len(streams)
 
         async def gather():

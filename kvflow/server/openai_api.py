@@ -10,12 +10,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow import __version__
@@ -80,6 +81,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                             trust_request_chat_template=config.trust_request_chat_template,
                             return_tokens_as_token_ids=config.return_tokens_as_token_ids)
 
+    for name, path in config.lora_module_paths():     # --lora-modules: a bad adapter stops the start, naming it
+        engine.add_lora(name, path)
     embeddings = EmbeddingsServing(serving)     # pooled hidden states: prefill-only requests in the same batch
     # the Batch API: its store opens on first use; its worker resumes what a store found at start holds
     batch_store = StoreHandle(config.batch_dir)
@@ -241,6 +244,27 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     async def detokenize(req: DetokenizeRequest):
         return await serving.detokenize(req)
 
+    # LoRA adapters at run time (vLLM's routes): only with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING (or
+    # KVFLOW_ALLOW_RUNTIME_LORA_UPDATING) true; otherwise 404, as vLLM answers
+    if getattr(engine.config, "enable_lora", False) and runtime_lora_updating_allowed():
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_errors(400, 401))
+        async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+            try:
+                await asyncio.to_thread(_check_lora_path, req.lora_path)
+                engine.add_lora(req.lora_name, req.lora_path)
+            except ValueError as e:
+                raise APIError(400, str(e), param="lora_path" if "path" in str(e) else "lora_name") from None
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_errors(400, 401))
+        async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+            try:
+                engine.remove_lora(req.lora_name)
+            except KeyError:
+                raise APIError(400, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name",
+                               code="model_not_found") from None
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
     if config.enable_tokenizer_info_endpoint:    # off: 404, as vLLM answers
         @app.get("/tokenizer_info", response_model=None, responses={200: {"model": TokenizerInfoResponse},
                                                                     **_errors(401)})
@@ -255,6 +279,26 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         app.add_middleware(RequestObserver, sinks=sinks, log_prompts=config.request_log_prompts,
                            open_records=app.state.open_records)
     return app
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+def runtime_lora_updating_allowed() -> bool:
+    return any(os.environ.get(var, "").strip().lower() in ("1", "true", "yes")
+               for var in ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "KVFLOW_ALLOW_RUNTIME_LORA_UPDATING"))
+
+
+def _check_lora_path(path: str) -> None:
+    if not path or not os.path.isdir(os.path.expanduser(path)):
+        raise ValueError(f"lora_path {path!r} is not a folder on the server (a PEFT adapter folder)")
 
 
 class PrometheusText(PlainTextResponse):

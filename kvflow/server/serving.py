@@ -104,9 +104,21 @@ class OpenAIServing:
     # ---- routes ------------------------------------------------------------------------------------------------
     def models(self) -> ModelList:
         root = str(getattr(self.engine, "model_path", None) or self.names[0])
-        return ModelList(data=[ModelCard(id=name, root=root, parent=None, max_model_len=self.engine.max_model_len,
-                                         permission=[ModelPermission()])
-                               for name in self.names])
+        cards = [ModelCard(id=name, root=root, parent=None, max_model_len=self.engine.max_model_len,
+                           permission=[ModelPermission()]) for name in self.names]
+        # LoRA adapters as vLLM lists them: parent = the base model's name, root = the adapter's path
+        cards += [ModelCard(id=name, root=lora.lora_path, parent=self.names[0], max_model_len=self.engine.max_model_len,
+                            permission=[ModelPermission()]) for name, lora in self.loras.items()]
+        return ModelList(data=cards)
+
+    @property
+    def loras(self) -> dict:
+        """The LoRA adapters served now, name -> LoRARequest (AsyncEngine.loras; empty without --enable-lora)."""
+        return getattr(self.engine, "loras", None) or {}
+
+    def lora_for(self, model: str):
+        """The LoRARequest a request's (checked) model name selects; None: the base model."""
+        return self.loras.get(model)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request | None = None, *, priority: int = 0):
         return await self.respond(await self.start_chat(req, raw, priority=priority), bool(req.stream), raw)
@@ -131,7 +143,7 @@ class OpenAIServing:
         if (record := current_record()) is not None:      # the request log's and the trace's record
             record.note_request(req, request_id, lambda: [m.model_dump(exclude_none=True) for m in req.messages])
         streams = self.submit(request_id, [prompt_ids], params, arrival, req.PARAM_NAMES,
-                              priority=self.priority(req, priority))
+                              priority=self.priority(req, priority), model=model)
         # vLLM's echo: the reply starts with the last message when that is the assistant's (a prefill to continue)
         echo = [messages[-1]["content"]] if req.echo and req.messages[-1].role == "assistant" else None
         gen = Generation(request_id, model, True, streams, req.num_logprobs, req.include_usage, req.continuous_usage,
@@ -153,7 +165,7 @@ class OpenAIServing:
         if (record := current_record()) is not None:      # the request log's and the trace's record
             record.note_request(req, request_id, req.prompt)
         streams = self.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES,
-                              priority=self.priority(req, priority))
+                              priority=self.priority(req, priority), model=model)
         # echo: the prompt as given, or as the engine runs it when that is token ids or truncated
         echo = [p if isinstance(p, str) and len(s.prompt_token_ids) == len(ids)
                 else self.tokenizer.decode(s.prompt_token_ids, False)
@@ -204,8 +216,9 @@ class OpenAIServing:
             record.model = model or self.names[0]
         if not model:
             model = self.names[0]
-        elif model not in self.names:
-            raise APIError(404, f"The model `{model}` does not exist. Served models: {', '.join(self.names)}",
+        elif model not in self.names and model not in self.loras:
+            served = ", ".join([*self.names, *self.loras])
+            raise APIError(404, f"The model `{model}` does not exist. Served models: {served}",
                            param="model", code="model_not_found")
         return model
 
@@ -307,15 +320,17 @@ class OpenAIServing:
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, arrival: float,
                param_names: dict[str, str], pooling: PoolingParams | None = None,
-               priority: int = 0) -> list[RequestStream]:
+               priority: int = 0, model: str | None = None) -> list[RequestStream]:
         """One engine request per prompt; all or none (the ones already submitted are closed on failure).
         `pooling`: embedding requests (server/embeddings_api.py); `priority`: the scheduler's (lower first)."""
         streams: list[RequestStream] = []
+        lora = self.lora_for(model) if model is not None else None
+        extra = {"lora": lora} if lora is not None else {}      # `model`: a LoRA adapter's name selects it
         try:
             for k, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-p{k}"
                 streams.append(self.engine.submit(rid, ids, params, arrival_time=arrival, pooling=pooling,
-                                                  priority=priority))
+                                                  priority=priority, **extra))
         except BaseException as e:
             for s in streams:
                 s.close()

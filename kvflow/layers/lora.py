@@ -1,0 +1,65 @@
+"""LoRA on a (possibly fused) projection, for every row of a step at once: one batched path whatever mix of
+adapters and base rows the step holds, added on top of the base layer's output (float, int8, int4 or kvflow's
+native kernels alike: the base layer is not touched).
+
+A projection of P pieces (qkv_proj: q, k, v; gate_up_proj: gate, up; o_proj and down_proj: one) keeps every slot's
+adapter in two stacked matrices, S slots and rank R (`max_lora_rank`; smaller ranks are zero-padded):
+
+    lora_a [in, P*S*R]    column block (p, s) holds piece p's A^T of the adapter in slot s
+    lora_b [P*S*R, out]   row block (p, s) holds scale * B^T, written only into piece p's output columns
+
+and a step's per-token mask M [T, S*R] (1.0 in the R columns of the token's slot, zeros for a token of no
+adapter) gives the whole term as
+
+    delta = ((x @ lora_a).view(T, P, S*R) * M[:, None, :]).view(T, P*S*R) @ lora_b
+
+Static shapes and no per-row or per-adapter Python: the compiled decode graphs take it as it is, and a base row's
+delta is exactly zero. The stacked matrices are buffers written in place between steps (`set_slot`), so a
+compiled graph reads them live. The mask is built once per step by the runner (`AttentionMetadata.lora_mask`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class LoRAStack(nn.Module):
+    def __init__(self, in_features: int, piece_sizes: list[int], max_loras: int, max_rank: int):
+        super().__init__()
+        self.piece_sizes = list(piece_sizes)
+        self.num_pieces = len(piece_sizes)
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        cols = self.num_pieces * max_loras * max_rank
+        self.register_buffer("lora_a", torch.zeros(in_features, cols), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(cols, sum(piece_sizes)), persistent=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`mask`: [T, S*R] of the step (AttentionMetadata.lora_mask)."""
+        T = x.shape[0]
+        xa = (x @ self.lora_a).view(T, self.num_pieces, -1) * mask[:, None, :]
+        return xa.view(T, -1) @ self.lora_b
+
+    @torch.no_grad()
+    def set_slot(self, slot: int, pieces: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float) -> None:
+        """Put one adapter's (A [r, in], B [out_p, r]) per piece (None: the adapter leaves that piece alone) into
+        `slot`; every piece None clears the slot."""
+        S, R = self.max_loras, self.max_rank
+        offset = 0
+        for p, size in enumerate(self.piece_sizes):
+            start = (p * S + slot) * R
+            self.lora_a[:, start:start + R].zero_()
+            self.lora_b[start:start + R].zero_()
+            ab = pieces[p] if p < len(pieces) else None
+            if ab is not None:
+                a, b = ab
+                r = a.shape[0]
+                self.lora_a[:, start:start + r].copy_(a.t())
+                self.lora_b[start:start + r, offset:offset + size].copy_(b.t() * scale)
+            offset += size
+
+
+def lora_mask(token_slots: torch.Tensor, max_loras: int, max_rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, S*R]: 1.0 in the R columns of each token's slot, all zeros for a token of no adapter (slot -1)."""
+    col_slot = torch.arange(max_loras * max_rank) // max_rank
+    return (col_slot[None, :] == token_slots[:, None]).to(dtype)

@@ -1,0 +1,182 @@
+"""LoRA adapters in the PEFT format (`adapter_config.json` + `adapter_model.safetensors`): read, checked against
+the base model, and turned into per-projection (A, B) pairs with the scale folded in by the caller.
+
+Two readers over one set of checks:
+- `inspect_adapter` reads only the JSON config and the safetensors header (shapes, no tensor data, no torch):
+  the frontend calls it before it registers an adapter, so every refusal is a start-up error (`--lora-modules`)
+  or a 400 (`/v1/load_lora_adapter`) naming the problem.
+- `load_adapter` (the engine, when the adapter first needs its weights) runs the same checks and reads the tensors.
+
+Supported: targets among q/k/v/o_proj and gate/up/down_proj of the decoder layers (any subset, any layers),
+`r` up to `--max-lora-rank`, scale `lora_alpha / r` (rsLoRA: `lora_alpha / sqrt(r)`). Refused, each with its
+reason: DoRA, embedding / LM-head / other targets, `modules_to_save`, a bias other than "none", per-module
+`rank_pattern` / `alpha_pattern`, shapes that do not fit the base model, missing files.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvflow.models.model_config import ModelConfig
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight")
+
+
+class LoRAAdapterError(ValueError):
+    """An adapter kvflow cannot serve; the message names the adapter and the problem."""
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What the header says: rank, scale and which projections of which layers it adapts."""
+    path: str
+    rank: int
+    scale: float
+    targets: tuple[str, ...]                 # projection names present (q_proj, ...)
+    # "layers.{i}.{self_attn|mlp}.{proj}" -> (A shape [r, in], B shape [out, r])
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """An adapter's tensors: "layers.{i}.{self_attn|mlp}.{proj}" -> (A [r, in], B [out, r]) as float32 on the CPU;
+    `scale` multiplies B @ A."""
+    rank: int
+    scale: float
+    tensors: dict = field(default_factory=dict)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """projection -> (in features, out features) of the base model (unsplit)."""
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def _read_config(path: Path, name: str) -> dict:
+    config_file = path / CONFIG_FILE
+    if not path.exists():
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: path {str(path)!r} does not exist")
+    if not config_file.is_file():
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {str(path)!r} (a PEFT adapter folder "
+                               f"holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        return json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {config_file}: {e}") from None
+
+
+def _safetensors_header(file: Path, name: str) -> dict:
+    """The tensor table of a safetensors file: name -> {"dtype", "shape", "data_offsets"} (no tensor data read)."""
+    try:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100 * 2**20:
+                raise ValueError(f"header of {size} bytes")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error) as e:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: cannot read {file} as safetensors: {e}") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def inspect_adapter(path: str | Path, model_config: ModelConfig, max_rank: int, name: str | None = None) -> AdapterInfo:
+    """Check a PEFT adapter folder against the base model and the rank limit without reading its tensors."""
+    path = Path(path).expanduser()
+    name = name or path.name
+    cfg = _read_config(path, name)
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("use_dora"):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: DoRA (use_dora) is not supported")
+    if cfg.get("modules_to_save"):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: modules_to_save {cfg['modules_to_save']} is not supported "
+                               "(the adapter would replace whole modules of the base model)")
+    if cfg.get("bias", "none") not in (None, "none"):
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: bias {cfg['bias']!r} is not supported (only \"none\")")
+    for pattern in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(pattern):
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {pattern} (a rank or alpha per module) is not supported")
+    rank = cfg.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
+    alpha = cfg.get("lora_alpha", rank)
+    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    bad = [t for t in targets if t.split(".")[-1] not in TARGETS and not _is_regex(t)]
+    if bad:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: target modules {bad} are not supported (kvflow adapts "
+                               f"{', '.join(TARGETS)}; not embeddings or the LM head)")
+    weights_file = path / WEIGHTS_FILE
+    if not weights_file.is_file():
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {str(path)!r}")
+    header = _safetensors_header(weights_file, name)
+    return _check_tensors(name, str(path), {k: tuple(v["shape"]) for k, v in header.items()}, model_config,
+                          rank, scale)
+
+
+def _is_regex(target: str) -> bool:
+    return any(c in target for c in "*+?[]()|^$\\")
+
+
+def _check_tensors(name: str, path: str, shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, rank: int,
+                   scale: float) -> AdapterInfo:
+    want = expected_shapes(cfg)
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
+        m = _KEY.fullmatch(key)
+        if m is None:
+            what = "embeddings" if "embed" in key else "the LM head" if "lm_head" in key else "this module"
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} adapts {what}, which kvflow does not "
+                                   f"support (only {', '.join(TARGETS)} of the decoder layers)")
+        layer, block, proj, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if proj not in TARGETS or (block == "self_attn") != (proj in TARGETS[:4]):
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} adapts {block}.{proj}, which kvflow does "
+                                   f"not support (only {', '.join(TARGETS)})")
+        if layer >= cfg.num_hidden_layers:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}, the base model has "
+                                   f"{cfg.num_hidden_layers} layers")
+        pairs.setdefault(f"layers.{layer}.{block}.{proj}", {})[ab] = shape
+    if not pairs:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA tensors")
+    out: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for module, ab in pairs.items():
+        proj = module.rsplit(".", 1)[1]
+        if set(ab) != {"A", "B"}:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {module} has lora_{'A' if 'A' in ab else 'B'} but no "
+                                   f"lora_{'B' if 'A' in ab else 'A'}")
+        a, b = ab["A"], ab["B"]
+        n_in, n_out = want[proj]
+        if a != (rank, n_in) or b != (n_out, rank):
+            raise LoRAAdapterError(
+                f"LoRA adapter {name!r}: {module} has lora_A {list(a)} and lora_B {list(b)}; the base model's {proj} "
+                f"takes {n_in} inputs to {n_out} outputs, so rank {rank} needs [{rank}, {n_in}] and [{n_out}, {rank}] "
+                f"(an adapter for another base model?)")
+        out[module] = (a, b)
+    targets = tuple(t for t in TARGETS if any(m.endswith("." + t) for m in out))
+    return AdapterInfo(path, rank, scale, targets, out)
+
+
+def load_adapter(path: str | Path, model_config: ModelConfig, max_rank: int, name: str | None = None) -> LoRAWeights:
+    """The adapter's tensors as float32 (A [r, in], B [out, r]) per adapted projection, after every check."""
+    from safetensors.torch import load_file
+
+    info = inspect_adapter(path, model_config, max_rank, name)
+    tensors = load_file(str(Path(path).expanduser() / WEIGHTS_FILE))
+    by_module: dict[str, dict] = {}
+    for key, t in tensors.items():
+        m = _KEY.fullmatch(key)
+        by_module.setdefault(f"layers.{m.group(1)}.{m.group(2)}.{m.group(3)}", {})[m.group(4)] = t.float()
+    return LoRAWeights(info.rank, info.scale, {module: (ab["A"], ab["B"]) for module, ab in by_module.items()})
