@@ -63,6 +63,10 @@ class EngineConfig:
                                           "second), requests of higher values (the Batch API's lines) take at most "
                                           "this many rows of a step: a step stays as short as the interactive "
                                           "requests' own, so their latency holds (see docs/performance.md)")
+    max_background_tokens: int = _option(64, "tokens a step gives requests of a priority value above 0 (the Batch "
+                                            "API's lines) at all times: a step made of background work stays "
+                                            "short, so an interactive request that arrives during it waits "
+                                            "little (0: no cap; see docs/performance.md)")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of a shared prompt prefix")
     scheduling_policy: str = _option("continuous", "continuous (= vLLM's fcfs; the Batch API's lines still run after "
                                                    "interactive requests), priority (as continuous, and requests may "
@@ -129,6 +133,7 @@ class EngineConfig:
         for name, least in (("max_model_len", 1), ("kv_cache_memory", 1), ("max_num_seqs", 1),
                             ("max_num_batched_tokens", 1), ("max_prefill_tokens_while_decoding", 0),
                             ("max_background_seqs", 0),
+                            ("max_background_tokens", 0),
                             ("tensor_parallel_size", 1), ("data_parallel_size", 1), ("nnodes", 1),
                             ("small_step_threads", 1), ("max_loras", 1), ("max_lora_rank", 1),
                             ("max_cpu_loras", 1)):

@@ -267,3 +267,26 @@ def test_batch_rows_are_capped_while_interactive_requests_run_and_full_width_aft
     time.sleep(0.01)
     out = run_step(sched, reqs)
     assert len(out.scheduled) == 6                       # full width again
+
+
+def test_background_work_takes_at_most_max_background_tokens_of_a_step_at_all_times():
+    # no interactive request anywhere: batch lines still get only 16 tokens a step, so a step of them is short
+    sched, kv = make(max_background_tokens=16, max_num_batched_tokens=64)
+    reqs = {f"batch{i}": add_p(sched, f"batch{i}", 10, priority=10, max_tokens=8) for i in range(3)}
+    out = run_step(sched, reqs)
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("batch0", 10), ("batch1", 6)]
+    out = run_step(sched, reqs)                          # batch0 decodes (1), batch1 ends its prompt (4), batch2
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("batch0", 1), ("batch1", 4),
+                                                                         ("batch2", 10)]
+    reqs["chat"] = add_p(sched, "chat", 40, priority=0)  # priority 0 is not capped: its whole prompt at once
+    out = run_step(sched, reqs)
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("chat", 40)]
+    while sched.has_unfinished_requests():
+        out = run_step(sched, reqs)
+        assert sum(s.num_new_tokens for s in out.scheduled if s.request_id != "chat") <= 16
+    assert all(r.num_output_tokens == r.max_tokens for r in reqs.values())
+    kv.check()
+    # 0: no cap, the whole budget
+    sched, kv = make(max_background_tokens=0, max_num_batched_tokens=64)
+    reqs = {f"batch{i}": add_p(sched, f"batch{i}", 10, priority=10) for i in range(3)}
+    assert sum(s.num_new_tokens for s in run_step(sched, reqs).scheduled) == 30

@@ -14,8 +14,10 @@ sit out the step it is admitted in (decodes too): its time to first token is the
 but for the step already under way when it arrived. That step is kept short: while requests of the lowest value
 run (or ran within the last FOREGROUND_GRACE_S), requests of higher values take at most `max_background_seqs` rows
 of a step (on a CPU a decode step's time grows with its rows: a few more cost little, 64 more double it). Batch
-work fills what interactive traffic leaves idle, and runs at full width when there is none. With every
-request at 0 this is plain first-come, first-served.
+work fills what interactive traffic leaves idle. And at all times, interactive traffic or not, requests of values
+above 0 take at most `max_background_tokens` tokens of a step: a step of batch work alone is short, so the first
+interactive request to arrive, which cannot interrupt it, waits little. With every request at 0 this is plain
+first-come, first-served.
 
 `max_prefill_tokens_while_decoding` (0: off) caps the prompt tokens of a step while any running request is
 already generating: a step with a long prefill chunk is a long gap between the streaming requests' tokens,
@@ -80,6 +82,7 @@ class Scheduler:
         self.running: list[Request] = []      # (priority, admission) order: the last is preempted first
         self.num_preemptions = 0
         self.max_background_seqs = config.max_background_seqs
+        self.max_background_tokens = config.max_background_tokens
         self._foreground: tuple[float, float] | None = None     # (the lowest value seen, when last seen)
         spec = config.speculative_config
         self.proposer = make_proposer(spec) if spec is not None else None
@@ -120,6 +123,7 @@ class Scheduler:
         spare_rows = self.spec_max_rows - len(self.running) if speculate else 0     # for draft rows this step
         background_above = self._background_above()
         background_left = self.max_background_seqs
+        background_tokens = self.max_background_tokens or budget      # for values above 0, at all times
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -129,19 +133,24 @@ class Scheduler:
                 if background_left <= 0:
                     break                                      # the rest are background too (sorted)
                 background_left -= 1
+            room = budget if req.priority <= 0 else min(budget, background_tokens)
+            if room <= 0:
+                break                                          # the rest are above 0 too (sorted)
             remaining = req.num_tokens - req.num_computed_tokens
-            num_new = min(remaining, budget)
+            num_new = min(remaining, room)
             if remaining > 1:                                  # a prompt (or recompute) chunk, not a decode
                 num_new = min(num_new, prefill_budget)
                 if num_new <= 0:
                     i += 1
                     continue
                 prefill_budget -= num_new
-            elif spare_rows > 0 and budget > 1:
-                drafts = self._drafts(req, min(budget - 1, spare_rows))
+            elif spare_rows > 0 and room > 1:
+                drafts = self._drafts(req, min(room - 1, spare_rows))
                 if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
                     out.scheduled.append(self._scheduled(req, 1 + len(drafts), drafts))
                     budget -= 1 + len(drafts)
+                    if req.priority > 0:
+                        background_tokens -= 1 + len(drafts)
                     spare_rows -= len(drafts)
                     i += 1
                     continue
@@ -155,6 +164,8 @@ class Scheduler:
             else:
                 out.scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
+                if req.priority > 0:
+                    background_tokens -= num_new
                 i += 1
 
         # static batching: a batch forms while none of its requests has produced a token (its prefill
@@ -172,10 +183,13 @@ class Scheduler:
                 if background_left <= 0:
                     break
                 background_left -= 1
+            room = budget if req.priority <= 0 else min(budget, background_tokens)
+            if room <= 0:
+                break                                             # the rest wait in priority order: above 0 too
             queried = self.kv.enable_prefix_caching and self._takes_prefix_hits(req)
             computed_blocks, num_cached = self.kv.get_computed_blocks(req) if queried else ([], 0)
             remaining = req.num_tokens - num_cached
-            num_new = min(remaining, budget, prefill_budget)   # prefill_budget >= budget unless capped
+            num_new = min(remaining, room, prefill_budget)     # prefill_budget >= budget unless capped
             # static admits the whole batch now and prefills it over the next steps
             reserve = remaining if self.static else num_new
             req.num_computed_tokens = num_cached
@@ -204,6 +218,8 @@ class Scheduler:
                 out.scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
                 prefill_budget -= num_new
+                if req.priority > 0:
+                    background_tokens -= num_new
         if out.scheduled:
             # decodes first (stable), speculating requests among them: their rows are decode rows
             out.rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1 and not s.draft_token_ids)
