@@ -20,6 +20,7 @@ compiled graph reads them live. The mask is built once per step by the runner (`
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -30,6 +31,9 @@ class LoRAStack(nn.Module):
         self.num_pieces = len(piece_sizes)
         self.max_loras = max_loras
         self.max_rank = max_rank
+        # where the base model's kernels make a row's result independent of what shares its step (the runner sets it
+        # with kvflow's native kernels): the LoRA term is too (_invariant_mm)
+        self.batch_invariant = False
         cols = self.num_pieces * max_loras * max_rank
         self.register_buffer("lora_a", torch.zeros(in_features, cols), persistent=False)
         self.register_buffer("lora_b", torch.zeros(cols, sum(piece_sizes)), persistent=False)
@@ -37,8 +41,9 @@ class LoRAStack(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """`mask`: [T, S*R] of the step (AttentionMetadata.lora_mask)."""
         T = x.shape[0]
-        xa = (x @ self.lora_a).view(T, self.num_pieces, -1) * mask[:, None, :]
-        return xa.view(T, -1) @ self.lora_b
+        mm = _invariant_mm if self.batch_invariant else torch.mm
+        xa = mm(x, self.lora_a).view(T, self.num_pieces, -1) * mask[:, None, :]
+        return mm(xa.view(T, -1), self.lora_b)
 
     @torch.no_grad()
     def set_slot(self, slot: int, pieces: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float) -> None:
@@ -57,6 +62,28 @@ class LoRAStack(nn.Module):
                 self.lora_a[:, start:start + r].copy_(a.t())
                 self.lora_b[start:start + r, offset:offset + size].copy_(b.t() * scale)
             offset += size
+
+
+# _invariant_mm: rows in tiles of TILE, the reduction in chunks of at most CHUNK summed in order. Measured with MKL
+# (torch 2.13, 2-core Xeon with AVX-512): a plain [T, K] @ [K, N] gives a row different bits for different T
+# (another kernel for one row than for many; K split over threads for K = 1536), while a bmm of fixed [TILE, <=512]
+# tiles gives every row the bits it gets alone, on 1 or 2 threads, for every shape of the LoRA terms here.
+TILE = 8
+CHUNK = 512
+
+
+def _invariant_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w with each row's result independent of the other rows and of the thread count."""
+    T, K = x.shape
+    pad = (-T) % TILE
+    tiles = (T + pad) // TILE
+    out = None
+    for start in range(0, K, CHUNK):        # a fixed, static loop (K is a layer's width), not over rows
+        part_w = w[start:start + CHUNK]
+        part_x = F.pad(x[:, start:start + CHUNK], (0, 0, 0, pad)).view(tiles, TILE, -1)
+        part = torch.bmm(part_x, part_w.expand(tiles, *part_w.shape)).view(-1, w.shape[1])
+        out = part if out is None else out + part
+    return out[:T]
 
 
 def lora_mask(token_slots: torch.Tensor, max_loras: int, max_rank: int, dtype: torch.dtype) -> torch.Tensor:

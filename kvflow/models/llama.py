@@ -207,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         adapter until `set_lora_slot`). One rank only (config.validate refuses tensor parallelism with LoRA)."""
         cfg, sizes = self.config, self.sizes
         q, kv = sizes.num_heads * cfg.head_dim, sizes.num_kv_heads * cfg.head_dim
-        device = self.embed_tokens.weight.device
+        device = self.norm.weight.device      # (the embedding may have been swapped for a quantized table)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             with torch.device(device):

@@ -18,7 +18,7 @@ from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers import native_kernels
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
-from kvflow.layers.lora import lora_mask
+from kvflow.layers.lora import LoRAStack, lora_mask
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.layers.quantization import quantize_model
@@ -89,6 +89,8 @@ class ModelRunner:
         for norm in self.model.modules():
             if isinstance(norm, RMSNorm):
                 norm.native = self.native_attention
+            elif isinstance(norm, LoRAStack):     # batch invariant where the base model is (layers/lora.py)
+                norm.batch_invariant = self.native_attention
         if self.sliding_window:
             log.info("sliding-window attention: %d tokens on %d of %d layers (%s); the KV cache keeps every block",
                      self.sliding_window, model_config.layer_types.count("sliding_attention"),

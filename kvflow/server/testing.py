@@ -36,7 +36,11 @@ class ServerThread:
                                    shutdown_grace_period=shutdown_grace_period,
                                    log_stats_interval=log_stats_interval, log_level="warning", **server_config)
         self.engine = build_engine(config, self.config)
-        self.app = build_app(self.engine, self.config)
+        try:
+            self.app = build_app(self.engine, self.config)
+        except BaseException:      # e.g. a --lora-modules adapter refused: no engine process left behind
+            self.engine.stop()
+            raise
         self.server = EngineServer(self.app, self.config)
         self._thread: threading.Thread | None = None
 
