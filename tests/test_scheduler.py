@@ -290,3 +290,103 @@ def test_background_work_takes_at_most_max_background_tokens_of_a_step_at_all_ti
     sched, kv = make(max_background_tokens=0, max_num_batched_tokens=64)
     reqs = {f"batch{i}": add_p(sched, f"batch{i}", 10, priority=10) for i in range(3)}
     assert sum(s.num_new_tokens for s in run_step(sched, reqs).scheduled) == 30
+
+
+# ---- LoRA slots (core/lora_slots.py): residency decides admission, swaps at the step boundary ----------------------
+def make_lora(max_loras=2, max_cpu_loras=None, **cfg):
+    from kvflow.core.lora_slots import LoRASlots
+
+    loads = []
+
+    def loader(lora):
+        if lora.lora_path == "/gone":
+            raise ValueError("no such folder")
+        loads.append(lora.lora_name)
+        return f"weights of {lora.lora_name}"
+
+    slots = LoRASlots(max_loras, max_cpu_loras or max_loras, loader)
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True)
+    config = EngineConfig(enable_lora=True, max_loras=max_loras, **cfg)
+    return Scheduler(config, kv, max_model_len=256, lora_slots=slots), kv, slots, loads
+
+
+def add_l(sched, rid, n, lora, max_tokens=2, tokens=None):
+    r = Request(rid, tokens or list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                max_tokens, lora=lora)
+    sched.add_request(r)
+    return r
+
+
+def lora(name, i, path=None):
+    from kvflow.lora_request import LoRARequest
+    return LoRARequest(name, i, path or f"/adapters/{name}")
+
+
+def test_a_request_whose_adapter_has_no_slot_waits_and_later_ones_go_ahead():
+    sched, kv, slots, loads = make_lora(max_loras=2)
+    a, b, c = lora("a", 1), lora("b", 2), lora("c", 3)
+    add_l(sched, "ra", 3, a)
+    add_l(sched, "rb", 3, b)
+    add_l(sched, "rc", 3, c)           # no third slot while a and b run: waits
+    add_l(sched, "base", 3, None)      # the base model needs no slot: goes ahead of rc
+    add_l(sched, "ra2", 3, a)          # a is resident: goes ahead of rc
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["ra", "rb", "base", "ra2"]
+    assert out.step.batch.lora_slots == (0, 1, -1, 0)
+    assert sorted(slots.take_swaps()) == [(0, "weights of a"), (1, "weights of b")]
+    sched.update(out, sampled(out))
+    assert [r.request_id for r in sched.waiting] == ["rc"]
+    out = sched.schedule()             # everyone decodes; rc still waits (a and b run)
+    assert "rc" not in [s.request_id for s in out.scheduled] and slots.take_swaps() == []
+    sched.update(out, sampled(out))    # max_tokens=2: all done
+    out = sched.schedule()             # c takes the least recently used slot (b's: a was used later)
+    assert [s.request_id for s in out.scheduled] == ["rc"] and out.step.batch.lora_slots == (1,)
+    assert slots.take_swaps() == [(1, "weights of c")] and slots.slots == [1, 3]
+    sched.update(out, sampled(out))
+    sched.update(sched.schedule(), SampledTokens([7], [None]))
+    assert not sched.has_unfinished_requests()
+    kv.check()
+    slots.check()
+    assert loads == ["a", "b", "c"]
+
+
+def test_without_lora_rows_the_step_carries_no_slots_and_a_preempted_request_gets_its_slot_back():
+    sched, kv, slots, _ = make_lora(max_loras=1)
+    out = sched.schedule()
+    assert out.step is None
+    add_l(sched, "base", 3, None)
+    out = sched.schedule()
+    assert out.step.batch.lora_slots == ()
+    sched.update(out, sampled(out))
+    r = add_l(sched, "ra", 3, lora("a", 1), max_tokens=4)
+    out = sched.schedule()
+    sched.update(out, sampled(out))
+    sched._preempt(r)                   # as the scheduler does when blocks run out
+    sched.running.remove(r)
+    slots.take_swaps()
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["ra"]
+    assert slots.take_swaps() == []     # still resident: no swap
+    assert out.step.batch.lora_slots[-1] == 0
+
+
+def test_an_adapter_that_cannot_be_read_fails_its_request_alone():
+    sched, kv, slots, _ = make_lora(max_loras=1)
+    add_l(sched, "bad", 3, lora("x", 5, "/gone"))
+    add_l(sched, "good", 3, None)
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["good"]
+    [failed] = sched.failed
+    assert failed.request_id == "bad" and failed.finish_reason == "error" and "no such folder" in failed.stop_reason
+
+
+def test_prefix_cache_blocks_are_keyed_by_the_adapter():
+    sched, kv, slots, _ = make_lora(max_loras=2)
+    prompt = list(range(1, 10))        # two full blocks of 4
+    a, b = lora("a", 1), lora("b", 2)
+    for rid, adapter in (("r1", a), ("r2", b), ("r3", None), ("r4", a)):
+        r = add_l(sched, rid, 9, adapter, max_tokens=1, tokens=prompt)
+        out = sched.schedule()
+        sched.update(out, sampled(out))
+        assert r.num_cached_tokens == (8 if rid == "r4" else 0), rid
+    kv.check()
