@@ -105,7 +105,7 @@ def spread_token_times(chunk_times: list[float], counts: list[int]) -> list[floa
 
 def build_body(api: str, model: str, spec: RequestSpec, *, ignore_eos: bool, temperature: float | None,
                extra_body: dict | None) -> dict:
-    body: dict = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+    body: dict = {"model": spec.model or model, "stream": True, "stream_options": {"include_usage": True}}
     if api == "chat":
         body["messages"] = spec.as_messages()
     else:

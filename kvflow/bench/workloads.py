@@ -42,6 +42,7 @@ class RequestSpec:
     max_tokens: int | None = None
     prompt_tokens_est: int = 0          # word-count estimate, used when the server gives no usage
     group: str | None = None            # shared-prefix: which system prompt
+    model: str | None = None            # this request's model (e.g. a LoRA adapter's name); None: the run's --model
 
     def as_messages(self) -> list[dict]:
         if self.messages is not None:
@@ -137,8 +138,8 @@ def haiku_workload(num_requests: int = 32, max_tokens: int = 64) -> Workload:
 
 
 def jsonl_workload(path: str | Path, default_max_tokens: int | None = None) -> Workload:
-    """One request per line: {"prompt": "..."} or {"messages": [...]}, optional "max_tokens";
-    a bare JSON string is a prompt."""
+    """One request per line: {"prompt": "..."} or {"messages": [...]}, optional "max_tokens" and "model" (that
+    request's model, e.g. a LoRA adapter's name; else the run's); a bare JSON string is a prompt."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such workload file: {path}")
@@ -166,6 +167,10 @@ def jsonl_workload(path: str | Path, default_max_tokens: int | None = None) -> W
             if not isinstance(msgs, list) or not all(isinstance(m, dict) and "content" in m for m in msgs):
                 raise ValueError(f"{path}:{lineno}: 'messages' must be a list of {{role, content}} objects")
             spec = RequestSpec(len(specs), messages=msgs, max_tokens=max_tokens)
+        if obj.get("model") is not None:
+            if not isinstance(obj["model"], str):
+                raise ValueError(f"{path}:{lineno}: 'model' must be a string")
+            spec.model = obj["model"]
         spec.prompt_tokens_est = len(spec.as_prompt().split())
         specs.append(spec)
     return Workload("jsonl", specs, dict(path=str(path), default_max_tokens=default_max_tokens))

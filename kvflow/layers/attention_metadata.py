@@ -45,5 +45,5 @@ class AttentionMetadata:
     row_seq: torch.Tensor | None = None               # [num_tokens] each row's sequence (a row of seq_tables)
     positions: torch.Tensor | None = None             # [num_tokens] each row's position: it sees keys 0..position
     # LoRA (enable_lora only): [num_tokens, max_loras * max_lora_rank], 1.0 in the columns of each token's adapter
-    # slot, zeros for base rows and padding (layers/lora.py)
+    # slot, zeros for base rows and padding (layers/lora.py); None: no row of this (eager) step has an adapter
     lora_mask: torch.Tensor | None = None

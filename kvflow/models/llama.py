@@ -95,7 +95,7 @@ class Attention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.qkv_lora is not None:
+        if self.qkv_lora is not None and meta.lora_mask is not None:
             qkv = qkv + self.qkv_lora(x, meta.lora_mask)
         # q and k heads sit side by side in qkv's rows: rotate them as one [T, Hq + Hkv, D] tensor
         qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -105,7 +105,7 @@ class Attention(nn.Module):
         q, k = self.rotary.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         attn = self.attn(q, k, v, meta)
         out = self.o_proj(attn)
-        if self.o_lora is not None:
+        if self.o_lora is not None and meta.lora_mask is not None:
             out = out + self.o_lora(attn, meta.lora_mask)
         return self.tp.all_reduce(out)
 
@@ -125,12 +125,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.gate_up_lora is not None:
+        if self.gate_up_lora is not None and meta.lora_mask is not None:
             gate_up = gate_up + self.gate_up_lora(x, meta.lora_mask)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         h = self.act(gate) * up
         out = self.down_proj(h)
-        if self.down_lora is not None:
+        if self.down_lora is not None and meta.lora_mask is not None:
             out = out + self.down_lora(h, meta.lora_mask)
         return self.tp.all_reduce(out)
 

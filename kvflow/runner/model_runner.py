@@ -222,7 +222,9 @@ class ModelRunner:
         pos = torch.tensor(starts)[row_seq] + torch.arange(len(row_seq)) - first_row[row_seq]
         slots = table[row_seq, pos // bs] * bs + pos % bs
         meta = AttentionMetadata(slot_mapping=slots.to(self.device), num_decode_tokens=rows)
-        if self.lora:       # every row's adapter slot (padding and base rows: -1, an all-zero mask row)
+        # every row's adapter slot (padding and base rows: -1, an all-zero mask row); an eager step of base rows only
+        # skips the LoRA terms (no mask), a compiled one always takes a mask (its graph's inputs never change)
+        if self.lora and (batch.lora_slots or pad_to):
             seq_slots = list(batch.lora_slots) or [-1] * len(batch.num_new_tokens)
             seq_slots = torch.tensor(seq_slots[:nd] + [-1] * (rows - nd) + seq_slots[nd:], dtype=torch.long)
             meta.lora_mask = lora_mask(seq_slots[row_seq], *self.lora, self.dtype).to(self.device)
