@@ -176,14 +176,20 @@ def test_run_time_load_use_unload_reload_while_others_stream(server, adapters, r
     url = server.base_url
     done: dict[str, list[int]] = {}
 
+    started = {m: threading.Event() for m in ("base", "qv", "fresh")}
+
     def stream(model: str, key: str):
+        chunks = []
         with httpx.stream("POST", url + "/completions", timeout=120,
                           json={"model": model, "prompt": prompts()[2], "max_tokens": 48, "temperature": 0.0,
                                 "ignore_eos": True, "stream": True}) as r:
             assert r.status_code == 200
-            chunks = [line for line in r.iter_lines() if line.startswith("data: ")]
-        assert chunks[-1] == "data: [DONE]"
-        done[key] = chunks
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line)
+                    started[key].set()
+        if chunks[-1] == "data: [DONE]" and len(chunks) > 2:
+            done[key] = chunks
 
     streams = [threading.Thread(target=stream, args=(m, m)) for m in ("base", "qv")]
     for t in streams:
@@ -196,6 +202,7 @@ def test_run_time_load_use_unload_reload_while_others_stream(server, adapters, r
     # unload while a request of it streams: it finishes; new requests for it are model_not_found
     late = threading.Thread(target=stream, args=("fresh", "fresh"))
     late.start()
+    assert started["fresh"].wait(60)         # it is streaming
     r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "fresh"})
     assert r.status_code == 200, r.text
     r = httpx.post(url + "/completions", json={"model": "fresh", "prompt": "hi", "max_tokens": 1})
@@ -332,8 +339,8 @@ def test_default_quantized_model_mixed_batch_equals_alone(tmp_path):
     b = make_adapter(model, tmp_path / "b", 8, ALL_SEVEN, seed=2, scale=0.05)
     del model
     llm = LLM(max_model_len=512, kv_cache_memory="64MiB", enable_lora=True, max_loras=2)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    texts = ["The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    texts = ["The capital of France is", "def fibonacci(n):"]
     loras = [None, LoRARequest("a", 1, str(a)), LoRARequest("b", 2, str(b))]
     jobs = [(p, lora) for p in texts for lora in loras]
     mixed = [o.outputs[0].token_ids for o in llm.generate([p for p, _ in jobs], params,
