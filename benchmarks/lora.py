@@ -63,7 +63,9 @@ def make_adapters(model: str | None, targets: list[str], out: Path) -> list[Path
     hf = LlamaConfig(vocab_size=64, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                      num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
                      num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
-    base = LlamaForCausalLM(hf)
+    with torch.device("meta"):          # the base weights are never read: no time spent initialising them
+        base = LlamaForCausalLM(hf)
+    base = base.to_empty(device="cpu")
     paths = []
     for i in range(NUM_ADAPTERS):
         peft_model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=RANK, target_modules=targets))

@@ -256,7 +256,8 @@ class AsyncEngine:
             raise LoRAAdapterError(f"The lora adapter '{name}' has already been loaded (the name is in use)")
         if self.model_config is None:
             raise LoRAAdapterError("the base model's config is unknown: cannot check the adapter")
-        inspect_adapter(path, self.model_config, self.config.max_lora_rank, name)
+        inspect_adapter(path, self.model_config, self.config.max_lora_rank, name,
+                        getattr(self.config, "lora_target_modules", None))
         lora = LoRARequest(name, next(self._lora_ids), str(path), self.served_model_name)
         self.loras[name] = lora
         logger.info("LoRA adapter %r (id %d) from %s", name, lora.lora_int_id, path)

@@ -11,7 +11,9 @@ SCHEDULING_POLICIES = ("continuous", "fcfs", "priority", "static")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8")
-POOLING_TYPES = ("last", "mean")     # kvflow/pooling_params.py says what each computes
+POOLING_TYPES = ("last", "mean")
+# the projections a LoRA adapter may adapt (PEFT's module names)
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")     # kvflow/pooling_params.py says what each computes
 
 
 def parse_bytes(value: int | str | None) -> int | None:
@@ -113,6 +115,10 @@ class EngineConfig:
                                      "zero-padded)")
     max_cpu_loras: int | None = _option(None, "adapters kept read in memory (LRU; an evicted one is read again "
                                               "from its path when needed; default: max_loras)")
+    lora_target_modules: tuple[str, ...] | None = _option(
+        None, "the projections LoRA slots exist for (default: all seven, q_proj k_proj v_proj o_proj gate_proj "
+              "up_proj down_proj); fewer cost less per step, and an adapter adapting others is refused",
+        type=str, nargs="+")
     compile_batch_sizes: tuple[int, ...] = _option((1, 2, 4, 8, 16, 32), "batch-size buckets of the compiled decode "
                                                    "step, compiled smallest first; a decode step is padded to the next "
                                                    "bucket, larger steps run eagerly", type=int, nargs="+")
@@ -121,6 +127,13 @@ class EngineConfig:
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "compile_batch_sizes", tuple(sorted({int(b) for b in self.compile_batch_sizes})))
+        if self.lora_target_modules is not None:
+            if isinstance(self.lora_target_modules, str):
+                object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules.replace(",", " ").split()))
+            object.__setattr__(self, "lora_target_modules", tuple(t for t in LORA_TARGET_MODULES
+                                                                  if t in self.lora_target_modules)
+                               if set(self.lora_target_modules) <= set(LORA_TARGET_MODULES)
+                               else tuple(self.lora_target_modules))
         self.validate()
 
     def validate(self) -> None:
@@ -163,6 +176,10 @@ class EngineConfig:
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora does not combine with tensor_parallel_size > 1 yet: each rank would need its "
                              "slice of every adapter (serve adapters with tensor_parallel_size=1)")
+        if self.lora_target_modules is not None:
+            bad = [t for t in self.lora_target_modules if t not in LORA_TARGET_MODULES]
+            if bad or not self.lora_target_modules:
+                raise ValueError(f"lora_target_modules: {bad or 'none given'} not among {', '.join(LORA_TARGET_MODULES)}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 

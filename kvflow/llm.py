@@ -128,7 +128,7 @@ class LLM:
             for lora in {lora.lora_int_id: lora for lora in loras if lora is not None}.values():
                 if self._checked_loras.get(lora.lora_int_id) != lora:
                     inspect_adapter(lora.lora_path, self.engine.model_config, self.config.max_lora_rank,
-                                    lora.lora_name)
+                                    lora.lora_name, self.config.lora_target_modules)
                     self._checked_loras[lora.lora_int_id] = lora
         return loras
 

@@ -321,6 +321,20 @@ def test_offline_llm_with_lora_request_and_prefix_cache_per_adapter(base_dir, ad
             [ids], params, lora_request=qv)
 
 
+def test_lora_target_modules_limits_the_slots_to_those_projections(base_dir, adapters, reference):
+    llm = LLM(str(base_dir), dtype="float32", max_model_len=256, kv_cache_memory="16MiB", enable_lora=True,
+              lora_target_modules=("v_proj", "q_proj"))
+    attn, mlp = llm.engine.runner.model.layers[0].self_attn, llm.engine.runner.model.layers[0].mlp
+    assert attn.qkv_lora.num_pieces == 2 and attn.o_lora is None and mlp.gate_up_lora is None
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = llm.generate([prompts()[1]], params, lora_request=LoRARequest("qv", 1, adapters["qv"]))
+    assert out[0].outputs[0].token_ids == reference["qv", 1]
+    with pytest.raises(ValueError, match="adapts k_proj, o_proj.*--lora-target-modules q_proj v_proj"):
+        llm.generate([prompts()[1]], params, lora_request=LoRARequest("all", 2, adapters["all"]))
+    with pytest.raises(ValueError, match="lora_target_modules"):
+        EngineConfig(enable_lora=True, lora_target_modules=("q_proj", "lm_head"))
+
+
 def test_default_quantized_model_mixed_batch_equals_alone(tmp_path):
     """The embedded GGUF on its default path (its 4-bit codes in kvflow's kernels where they run): adapters made by
     peft over a Llama of its shapes change the output, and a mixed batch gives each request what it gets alone."""
@@ -333,8 +347,9 @@ def test_default_quantized_model_mixed_batch_equals_alone(tmp_path):
     hf_cfg = LlamaConfig(vocab_size=64, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                          num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
                          num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
-    with torch.device("cpu"):
+    with torch.device("meta"):          # the base weights are never read: no time spent initialising them
         model = LlamaForCausalLM(hf_cfg)
+    model = model.to_empty(device="cpu")
     a = make_adapter(model, tmp_path / "a", 16, ["q_proj", "v_proj"], seed=1, scale=0.1)
     b = make_adapter(model, tmp_path / "b", 8, ALL_SEVEN, seed=2, scale=0.05)
     del model

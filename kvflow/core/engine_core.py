@@ -76,7 +76,8 @@ class EngineCore:
 
     def _read_adapter(self, lora: LoRARequest):
         from kvflow.models.lora_adapter import load_adapter
-        return load_adapter(lora.lora_path, self.model_config, self.config.max_lora_rank, lora.lora_name)
+        return load_adapter(lora.lora_path, self.model_config, self.config.max_lora_rank, lora.lora_name,
+                            self.config.lora_target_modules)
 
     @property
     def requests(self) -> dict[str, Request]:

@@ -8,11 +8,13 @@ adapter in two stacked matrices, S slots and rank R (`max_lora_rank`; smaller ra
     lora_a [in, P*S*R]    column block (p, s) holds piece p's A^T of the adapter in slot s
     lora_b [P*S*R, out]   row block (p, s) holds scale * B^T, written only into piece p's output columns
 
-and a step's per-token mask M [T, S*R] (1.0 in the R columns of the token's slot, zeros for a token of no
-adapter) gives the whole term as
+(kvflow keeps B per piece, lora_b{p} [S*R, width of piece p], which is the same without B's zero blocks), and a
+step's per-token mask M [T, S*R] (1.0 in the R columns of the token's slot, zeros for a token of no adapter) gives
+the whole term as
 
-    delta = ((x @ lora_a).view(T, P, S*R) * M[:, None, :]).view(T, P*S*R) @ lora_b
+    xa = (x @ lora_a).view(T, P, S*R) * M[:, None, :];   out[:, piece p] += xa[:, p] @ lora_b{p}
 
+Only the pieces some adapter may target get a term (`--lora-target-modules`, default all seven projections).
 Static shapes and no per-row or per-adapter Python: the compiled decode graphs take it as it is, and a base row's
 delta is exactly zero. The stacked matrices are buffers written in place between steps (`set_slot`), so a
 compiled graph reads them live. The mask is built once per step by the runner (`AttentionMetadata.lora_mask`).
@@ -25,51 +27,71 @@ from torch import nn
 
 
 class LoRAStack(nn.Module):
-    def __init__(self, in_features: int, piece_sizes: list[int], max_loras: int, max_rank: int):
+    """`pieces`: (output column offset, width) of each adapted piece of the base layer's output (e.g. q and v of
+    qkv_proj when only those are targeted)."""
+
+    def __init__(self, in_features: int, pieces: list[tuple[int, int]], max_loras: int, max_rank: int):
         super().__init__()
-        self.piece_sizes = list(piece_sizes)
-        self.num_pieces = len(piece_sizes)
+        self.pieces = [tuple(p) for p in pieces]
+        self.num_pieces = len(pieces)
         self.max_loras = max_loras
         self.max_rank = max_rank
         # where the base model's kernels make a row's result independent of what shares its step (the runner sets it
         # with kvflow's native kernels): the LoRA term is too (_invariant_mm)
         self.batch_invariant = False
+        # any slot holds an adapter that adapts this layer: eager steps skip the term otherwise (a compiled graph
+        # always computes it: it is traced before any adapter exists). Private: not copied into the compiler's model
+        self._active = False
+        self._slots_in_use: set[int] = set()
         cols = self.num_pieces * max_loras * max_rank
         self.register_buffer("lora_a", torch.zeros(in_features, cols), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(cols, sum(piece_sizes)), persistent=False)
+        # one B per piece, [S*R, width]: no zero blocks (a fused B would be block diagonal)
+        for p, (_, width) in enumerate(self.pieces):
+            self.register_buffer(f"lora_b{p}", torch.zeros(max_loras * max_rank, width), persistent=False)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """`mask`: [T, S*R] of the step (AttentionMetadata.lora_mask)."""
+    def add_to(self, out: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`out` (the base layer's output for `x`) plus the LoRA term of every row's slot; `mask`: [T, S*R] of the
+        step (AttentionMetadata.lora_mask)."""
         T = x.shape[0]
         mm = _invariant_mm if self.batch_invariant else torch.mm
         xa = mm(x, self.lora_a).view(T, self.num_pieces, -1) * mask[:, None, :]
-        return mm(xa.view(T, -1), self.lora_b)
+        if self.num_pieces == 1 and self.pieces[0] == (0, out.shape[1]):
+            return out + mm(xa.view(T, -1), self.lora_b0)
+        out = out.clone()
+        for p, (offset, width) in enumerate(self.pieces):      # static: the layer's pieces, not rows or adapters
+            out[:, offset:offset + width] += mm(xa[:, p], getattr(self, f"lora_b{p}"))
+        return out
 
     @torch.no_grad()
     def set_slot(self, slot: int, pieces: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float) -> None:
-        """Put one adapter's (A [r, in], B [out_p, r]) per piece (None: the adapter leaves that piece alone) into
+        """Put one adapter's (A [r, in], B [width, r]) per piece (None: the adapter leaves that piece alone) into
         `slot`; every piece None clears the slot."""
         S, R = self.max_loras, self.max_rank
-        offset = 0
-        for p, size in enumerate(self.piece_sizes):
+        for p in range(self.num_pieces):
             start = (p * S + slot) * R
+            b_all = getattr(self, f"lora_b{p}")
             self.lora_a[:, start:start + R].zero_()
-            self.lora_b[start:start + R].zero_()
+            b_all[slot * R:(slot + 1) * R].zero_()
             ab = pieces[p] if p < len(pieces) else None
             if ab is not None:
                 a, b = ab
                 r = a.shape[0]
                 self.lora_a[:, start:start + r].copy_(a.t())
-                self.lora_b[start:start + r, offset:offset + size].copy_(b.t() * scale)
-            offset += size
+                b_all[slot * R:slot * R + r].copy_(b.t() * scale)
+        if any(ab is not None for ab in pieces):
+            self._slots_in_use.add(slot)
+        else:
+            self._slots_in_use.discard(slot)
+        self._active = bool(self._slots_in_use)
 
 
 # _invariant_mm: rows in tiles of TILE, the reduction in chunks of at most CHUNK summed in order. Measured with MKL
 # (torch 2.13, 2-core Xeon with AVX-512): a plain [T, K] @ [K, N] gives a row different bits for different T
-# (another kernel for one row than for many; K split over threads for K = 1536), while a bmm of fixed [TILE, <=512]
-# tiles gives every row the bits it gets alone, on 1 or 2 threads, for every shape of the LoRA terms here.
+# (another kernel for one row than for many; K = 1536 split over threads), while a bmm of fixed [TILE, <= 768]
+# tiles gives every row the bits it gets alone, on 1 or 2 threads, for every shape of the LoRA terms of the embedded
+# model (K 64-1536, N 16-3072).
 TILE = 8
-CHUNK = 512
+CHUNK = 768
 
 
 def _invariant_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -80,10 +102,12 @@ def _invariant_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = None
     for start in range(0, K, CHUNK):        # a fixed, static loop (K is a layer's width), not over rows
         part_w = w[start:start + CHUNK]
-        part_x = F.pad(x[:, start:start + CHUNK], (0, 0, 0, pad)).view(tiles, TILE, -1)
-        part = torch.bmm(part_x, part_w.expand(tiles, *part_w.shape)).view(-1, w.shape[1])
+        part_x = x[:, start:start + CHUNK] if K > CHUNK else x
+        if pad:
+            part_x = F.pad(part_x, (0, 0, 0, pad))
+        part = torch.bmm(part_x.reshape(tiles, TILE, -1), part_w.expand(tiles, *part_w.shape))
         out = part if out is None else out + part
-    return out[:T]
+    return out.view(-1, w.shape[1])[:T]
 
 
 def lora_mask(token_slots: torch.Tensor, max_loras: int, max_rank: int, dtype: torch.dtype) -> torch.Tensor:

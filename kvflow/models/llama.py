@@ -72,6 +72,14 @@ class TensorParallelSizes:
         }
 
 
+def _lora_on(stack: LoRAStack | None, meta: AttentionMetadata | None) -> bool:
+    """Whether a projection adds its LoRA term this step: it has one, the step has a mask (an eager step of base rows
+    only has none), and some slot adapts it — a compiled graph always computes it (traced before any adapter)."""
+    if stack is None or meta is None or meta.lora_mask is None:
+        return False
+    return torch.compiler.is_compiling() or stack._active
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
                  layer: int = 0):
@@ -95,8 +103,8 @@ class Attention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.qkv_lora is not None and meta.lora_mask is not None:
-            qkv = qkv + self.qkv_lora(x, meta.lora_mask)
+        if _lora_on(self.qkv_lora, meta):
+            qkv = self.qkv_lora.add_to(qkv, x, meta.lora_mask)
         # q and k heads sit side by side in qkv's rows: rotate them as one [T, Hq + Hkv, D] tensor
         qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
@@ -105,8 +113,8 @@ class Attention(nn.Module):
         q, k = self.rotary.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         attn = self.attn(q, k, v, meta)
         out = self.o_proj(attn)
-        if self.o_lora is not None and meta.lora_mask is not None:
-            out = out + self.o_lora(attn, meta.lora_mask)
+        if _lora_on(self.o_lora, meta):
+            out = self.o_lora.add_to(out, attn, meta.lora_mask)
         return self.tp.all_reduce(out)
 
 
@@ -125,13 +133,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.gate_up_lora is not None and meta.lora_mask is not None:
-            gate_up = gate_up + self.gate_up_lora(x, meta.lora_mask)
+        if _lora_on(self.gate_up_lora, meta):
+            gate_up = self.gate_up_lora.add_to(gate_up, x, meta.lora_mask)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         h = self.act(gate) * up
         out = self.down_proj(h)
-        if self.down_lora is not None and meta.lora_mask is not None:
-            out = out + self.down_lora(h, meta.lora_mask)
+        if _lora_on(self.down_lora, meta):
+            out = self.down_lora.add_to(out, h, meta.lora_mask)
         return self.tp.all_reduce(out)
 
 
@@ -198,25 +206,42 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0))
 
     # ---- LoRA ----------------------------------------------------------------------------------------------
-    # (the attribute holding the LoRA term, the checkpoint projections it adapts in piece order) per block
-    LORA_TARGETS = {"self_attn": (("qkv_lora", ("q_proj", "k_proj", "v_proj")), ("o_lora", ("o_proj",))),
-                    "mlp": (("gate_up_lora", ("gate_proj", "up_proj")), ("down_lora", ("down_proj",)))}
+    # per block: (the attribute holding the LoRA term, the base layer, the checkpoint projections it fuses in order)
+    LORA_TARGETS = {"self_attn": (("qkv_lora", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                  ("o_lora", "o_proj", ("o_proj",))),
+                    "mlp": (("gate_up_lora", "gate_up_proj", ("gate_proj", "up_proj")),
+                            ("down_lora", "down_proj", ("down_proj",)))}
 
-    def enable_lora(self, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32) -> None:
-        """Give every layer's projections a LoRA term of `max_loras` slots of rank `max_rank` (all zero: no
-        adapter until `set_lora_slot`). One rank only (config.validate refuses tensor parallelism with LoRA)."""
+    def enable_lora(self, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32,
+                    targets: tuple[str, ...] | None = None) -> None:
+        """Give every layer's projections among `targets` (checkpoint names; None: all seven) a LoRA term of
+        `max_loras` slots of rank `max_rank` (all zero: no adapter until `set_lora_slot`). One rank only
+        (config.validate refuses tensor parallelism with LoRA)."""
         cfg, sizes = self.config, self.sizes
         q, kv = sizes.num_heads * cfg.head_dim, sizes.num_kv_heads * cfg.head_dim
+        widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": cfg.hidden_size,
+                  "gate_proj": sizes.intermediate_size, "up_proj": sizes.intermediate_size,
+                  "down_proj": cfg.hidden_size}
+        inputs = {"qkv_proj": cfg.hidden_size, "o_proj": q, "gate_up_proj": cfg.hidden_size,
+                  "down_proj": sizes.intermediate_size}
         device = self.norm.weight.device      # (the embedding may have been swapped for a quantized table)
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            with torch.device(device):
-                attn.qkv_lora = LoRAStack(cfg.hidden_size, [q, kv, kv], max_loras, max_rank)
-                attn.o_lora = LoRAStack(q, [cfg.hidden_size], max_loras, max_rank)
-                mlp.gate_up_lora = LoRAStack(cfg.hidden_size, [sizes.intermediate_size] * 2, max_loras, max_rank)
-                mlp.down_lora = LoRAStack(sizes.intermediate_size, [cfg.hidden_size], max_loras, max_rank)
-            for stack in (attn.qkv_lora, attn.o_lora, mlp.gate_up_lora, mlp.down_lora):
-                stack.to(dtype)
+        self.lora_pieces = {}                 # the LoRA term's attribute -> the projections it adapts, in order
+        for block, terms in self.LORA_TARGETS.items():
+            for attr, base, projections in terms:
+                pieces, offset = [], 0
+                for proj in projections:
+                    if targets is None or proj in targets:
+                        pieces.append((proj, offset, widths[proj]))
+                    offset += widths[proj]
+                if pieces:
+                    self.lora_pieces[attr] = tuple(proj for proj, _, _ in pieces)
+                for layer in self.layers:
+                    module = getattr(layer, block)
+                    if not pieces:
+                        continue
+                    with torch.device(device):
+                        stack = LoRAStack(inputs[base], [(o, w) for _, o, w in pieces], max_loras, max_rank)
+                    setattr(module, attr, stack.to(dtype))
 
     @torch.no_grad()
     def set_lora_slot(self, slot: int, tensors: dict | None, scale: float = 1.0) -> None:
@@ -226,11 +251,13 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             for block, terms in self.LORA_TARGETS.items():
                 module = getattr(layer, block)
-                for attr, projections in terms:
+                for attr, _, _ in terms:
                     stack = getattr(module, attr)
-                    pieces = [tensors.get(f"layers.{i}.{block}.{proj}") for proj in projections]
+                    if stack is None:
+                        continue
+                    pieces = [tensors.get(f"layers.{i}.{block}.{proj}") for proj in self.lora_pieces[attr]]
                     stack.set_slot(slot, [None if ab is None else (ab[0].to(stack.lora_a.dtype),
-                                                                   ab[1].to(stack.lora_b.dtype)) for ab in pieces],
+                                                                   ab[1].to(stack.lora_a.dtype)) for ab in pieces],
                                    scale)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

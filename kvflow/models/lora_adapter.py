@@ -21,9 +21,10 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvflow.config import LORA_TARGET_MODULES
 from kvflow.models.model_config import ModelConfig
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = LORA_TARGET_MODULES
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight")
@@ -89,8 +90,10 @@ def _safetensors_header(file: Path, name: str) -> dict:
     return header
 
 
-def inspect_adapter(path: str | Path, model_config: ModelConfig, max_rank: int, name: str | None = None) -> AdapterInfo:
-    """Check a PEFT adapter folder against the base model and the rank limit without reading its tensors."""
+def inspect_adapter(path: str | Path, model_config: ModelConfig, max_rank: int, name: str | None = None,
+                    allowed: tuple[str, ...] | None = None) -> AdapterInfo:
+    """Check a PEFT adapter folder against the base model, the rank limit and the projections the server has LoRA
+    slots for (`allowed`, --lora-target-modules; None: all seven) without reading its tensors."""
     path = Path(path).expanduser()
     name = name or path.name
     cfg = _read_config(path, name)
@@ -123,8 +126,13 @@ def inspect_adapter(path: str | Path, model_config: ModelConfig, max_rank: int, 
     if not weights_file.is_file():
         raise LoRAAdapterError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {str(path)!r}")
     header = _safetensors_header(weights_file, name)
-    return _check_tensors(name, str(path), {k: tuple(v["shape"]) for k, v in header.items()}, model_config,
+    info = _check_tensors(name, str(path), {k: tuple(v["shape"]) for k, v in header.items()}, model_config,
                           rank, scale)
+    outside = [t for t in info.targets if allowed is not None and t not in allowed]
+    if outside:
+        raise LoRAAdapterError(f"LoRA adapter {name!r} adapts {', '.join(outside)}, which this server has no LoRA slots "
+                               f"for (--lora-target-modules {' '.join(allowed)})")
+    return info
 
 
 def _is_regex(target: str) -> bool:
@@ -169,11 +177,12 @@ def _check_tensors(name: str, path: str, shapes: dict[str, tuple[int, ...]], cfg
     return AdapterInfo(path, rank, scale, targets, out)
 
 
-def load_adapter(path: str | Path, model_config: ModelConfig, max_rank: int, name: str | None = None) -> LoRAWeights:
+def load_adapter(path: str | Path, model_config: ModelConfig, max_rank: int, name: str | None = None,
+                 allowed: tuple[str, ...] | None = None) -> LoRAWeights:
     """The adapter's tensors as float32 (A [r, in], B [out, r]) per adapted projection, after every check."""
     from safetensors.torch import load_file
 
-    info = inspect_adapter(path, model_config, max_rank, name)
+    info = inspect_adapter(path, model_config, max_rank, name, allowed)
     tensors = load_file(str(Path(path).expanduser() / WEIGHTS_FILE))
     by_module: dict[str, dict] = {}
     for key, t in tensors.items():

@@ -71,9 +71,10 @@ class ModelRunner:
         # LoRA: a term beside each projection, its slots all zero until set_lora_slot (layers/lora.py)
         self.lora = (config.max_loras, config.max_lora_rank) if config.enable_lora else None
         if self.lora:
-            model.enable_lora(*self.lora, self.dtype)
-            log.info("LoRA: %d slot(s) of rank %d on every q/k/v/o/gate/up/down projection (%s)", *self.lora,
-                     str(self.dtype).removeprefix("torch."))
+            targets = config.lora_target_modules
+            model.enable_lora(*self.lora, self.dtype, targets)
+            log.info("LoRA: %d slot(s) of rank %d on %s (%s)", *self.lora, ", ".join(targets or ("every q/k/v/o/gate/"
+                     "up/down projection",)), str(self.dtype).removeprefix("torch."))
         self.model.eval()
         self.weights_bytes = sum(t.numel() * t.element_size() for name, t in
                                  [*model.named_parameters(), *model.named_buffers()] if not name.startswith("rotary"))
@@ -119,7 +120,7 @@ class ModelRunner:
                "block_size": self.block_size, "max_model_len": self.max_model_len,
                "cpu_flags": sorted(platform.cpu_flags()), "module_state": repr(module_state)}
         if self.lora:       # the LoRA terms are part of the graph (their slots are read live: buffers)
-            key["lora"] = self.lora
+            key["lora"] = (*self.lora, self.config.lora_target_modules)
         per_block = self.kv_cache_bytes // self.num_blocks
         job = {"config": self.config, "model_config": self.model_config, "model_path": model_path,
                "max_model_len": self.max_model_len, "module_state": module_state,
