@@ -5,11 +5,13 @@ Markdown table with the issue's goals.
 
     .venv/bin/python benchmarks/lora.py                       # the issue's table
     .venv/bin/python benchmarks/lora.py --targets all         # adapters on all seven projections
+    .venv/bin/python benchmarks/lora.py --all-slots           # slots on all seven projections, q,v adapters
     .venv/bin/python benchmarks/lora.py --reps 1 --requests 8 --single-requests 2 --extra-serve-args=--enforce-eager
 
 The adapters are made on the fly with peft over a Llama of the embedded model's shapes (an HF LlamaConfig built from
 the GGUF's config; random weights: only shapes matter for speed): rank 16, lora_alpha 16, targets q_proj,v_proj
-(PEFT's default for Llama) or, with `--targets all`, all seven projections.
+(PEFT's default for Llama) or, with `--targets all`, all seven projections. The LoRA server has slots only for
+the adapters' targets (`--lora-target-modules`) unless `--all-slots`.
 
 Loads, each on every server where it applies:
 - `adapters c=32`: concurrency 32, the requests spread evenly over the four adapters (request i asks for adapter
@@ -115,6 +117,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--targets", choices=tuple(TARGETS), default="qv", help="qv: q_proj,v_proj; all: all seven")
+    ap.add_argument("--all-slots", action="store_true", help="LoRA slots on all seven projections (default: "
+                                                                 "--lora-target-modules = the adapters' targets)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--requests", type=int, default=64, help="requests of the concurrency-32 loads")
     ap.add_argument("--single-requests", type=int, default=12, help="requests of the concurrency-1 loads")
@@ -135,7 +139,8 @@ def main() -> int:
     base_words = ["kvflow", "serve"] + ([args.model] if args.model else []) + flags
     commands = {
         "lora": shlex.join(base_words + ["--enable-lora", "--max-loras", str(NUM_ADAPTERS), "--max-lora-rank",
-                                         str(RANK), "--lora-modules", *(f"{n}={p}" for n, p in zip(names, adapters))]),
+                                         str(RANK), "--lora-modules", *(f"{n}={p}" for n, p in zip(names, adapters))]
+                             + ([] if args.all_slots else ["--lora-target-modules", *TARGETS[args.targets]])),
         "plain": shlex.join(base_words),
     }
     for k, c in commands.items():
