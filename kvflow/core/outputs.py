@@ -78,11 +78,6 @@ class StepStats:
     # observes nothing)
     iteration_tokens: int | None = None
     duration_s: float = 0.0
-    # LoRA (enable_lora): max_loras, and the adapters of running and of waiting requests (vLLM's
-    # vllm:lora_requests_info); max_lora 0: LoRA is off
-    max_lora: int = 0
-    lora_running: tuple[str, ...] = ()
-    lora_waiting: tuple[str, ...] = ()
     compiled_decode_buckets_ready: int = 0  # compiled decode graphs loaded (runner/compiled_decode.py)
     compiled_decode_buckets_total: int = 0  # buckets asked for (0: compiled decode off)
     # speculative decoding, this step's deltas (vLLM's SpecDecodingStats): requests that speculated, draft tokens
@@ -91,3 +86,8 @@ class StepStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA (enable_lora): max_loras, and the adapters of running and of waiting requests (vLLM's
+    # vllm:lora_requests_info); max_lora 0: LoRA is off
+    max_lora: int = 0
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
