@@ -1,7 +1,7 @@
 """Does a large Batch API job slow interactive traffic down? Interactive TTFT alone against the same load while a
 1,000-request batch runs in the background (issue 28's goal: p95 TTFT within 1.3x).
 
-    python benchmarks/batch_priority.py [--reps 3] [--batch-lines 1000] [--requests 24] [--concurrency 2]
+    python benchmarks/batch_priority.py [--reps 3] [--batch-lines 1000] [--requests 48] [--concurrency 2]
                                         [--kvflow-args "..."]
 
 One `kvflow serve` on the embedded model (its background compile of the decode steps waited for, as
@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--batch-lines", type=int, default=1000)
     ap.add_argument("--batch-max-tokens", type=int, default=64)
     ap.add_argument("--batch-warmup-lines", type=int, default=4, help="lines done before the load starts")
-    ap.add_argument("--requests", type=int, default=24, help="interactive requests per phase")
+    ap.add_argument("--requests", type=int, default=48, help="interactive requests per phase (p95 of 48: not decided by the first two alone)")
     ap.add_argument("--concurrency", type=int, default=2, help="interactive requests at once")
     ap.add_argument("--input-len", type=int, default=200, help="interactive prompt length (words)")
     ap.add_argument("--max-tokens", type=int, default=16, help="interactive output tokens")
