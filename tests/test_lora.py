@@ -4,7 +4,6 @@ slot pressure, the run-time routes) and offline (`LLM(enable_lora=True)` + `LoRA
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import shutil
 import threading
