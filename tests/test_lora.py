@@ -240,6 +240,19 @@ def test_run_time_errors_are_400s_naming_the_problem_and_the_server_keeps_servin
         assert words in r.json()["error"]["message"], (name, r.json())
     r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "never-loaded"})
     assert r.status_code == 400 and "never-loaded" in r.json()["error"]["message"]
+    r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "qv", "lora_int_id": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_int_id"
+    # vLLM's load_inplace: a refused replacement keeps the adapter that was there; an accepted one replaces it
+    r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "qv", "lora_path": str(big), "load_inplace": True})
+    assert r.status_code == 400 and "rank 32" in r.json()["error"]["message"]
+    assert complete(server, "qv", prompts()[0]) == reference["qv", 0]
+    r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "qv", "lora_path": str(adapters["all"]),
+                                                     "load_inplace": True})
+    assert r.status_code == 200, r.text
+    assert complete(server, "qv", prompts()[0]) == reference["all", 0]
+    r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "qv", "lora_path": str(adapters["qv"]),
+                                                     "load_inplace": True})
+    assert r.status_code == 200, r.text
     assert httpx.get(server.url + "/health").status_code == 200
     assert complete(server, "all", prompts()[0]) == reference["all", 0]
 

@@ -249,15 +249,23 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     if getattr(engine.config, "enable_lora", False) and runtime_lora_updating_allowed():
         @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_errors(400, 401))
         async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+            # load_inplace (vLLM's): a name in use gets the new weights (a fresh id: requests already submitted
+            # finish on the old ones); the old adapter stays if the new one is refused
+            replaced = engine.loras.pop(req.lora_name, None) if req.load_inplace else None
             try:
                 await asyncio.to_thread(_check_lora_path, req.lora_path)
                 engine.add_lora(req.lora_name, req.lora_path)
             except ValueError as e:
+                if replaced is not None:
+                    engine.loras[req.lora_name] = replaced
                 raise APIError(400, str(e), param="lora_path" if "path" in str(e) else "lora_name") from None
             return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
         @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_errors(400, 401))
         async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+            if req.lora_int_id is not None:       # ids are the server's own, fresh per load: unload by name
+                raise APIError(400, "lora_int_id is not supported: unload the adapter by lora_name",
+                               param="lora_int_id")
             try:
                 engine.remove_lora(req.lora_name)
             except KeyError:
@@ -284,6 +292,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
