@@ -65,7 +65,7 @@ class EngineConfig:
                                           "second), requests of higher values (the Batch API's lines) take at most "
                                           "this many rows of a step: a step stays as short as the interactive "
                                           "requests' own, so their latency holds (see docs/performance.md)")
-    max_background_tokens: int = _option(64, "tokens a step gives requests of a priority value above 0 (the Batch "
+    max_background_tokens: int = _option(16, "tokens a step gives requests of a priority value above 0 (the Batch "
                                             "API's lines) at all times: a step made of background work stays "
                                             "short, so an interactive request that arrives during it waits "
                                             "little (0: no cap; see docs/performance.md)")

@@ -434,7 +434,8 @@ def test_cancel_mid_run_finishes_running_lines_and_starts_no_more(model_path, tm
         assert b.status == "cancelled" and b.cancelled_at and b.completed_at is None
         out = records(client, b.output_file_id)            # the partial output, readable
         assert len(out) == b.request_counts.completed and b.request_counts.failed == 0
-        assert 2 <= len(out) <= 2 + 2 + 2                  # those done, and the two running at the cancel
+        # those done when the cancel was taken, and at most the two running then (batch_max_concurrency)
+        assert 2 <= cancelled.request_counts.completed <= len(out) <= cancelled.request_counts.completed + 2
         assert len({r["custom_id"] for r in out}) == len(out)
         assert all(r["response"]["body"]["usage"]["completion_tokens"] == 40 for r in out)   # ran to their end
         server.wait_idle()
