@@ -280,11 +280,13 @@ def test_slot_pressure_five_adapters_in_two_slots(base_dir, adapters, reference,
         server.core("check")
         state = server.core("lora_state")
         # every adapter swapped in at least once; the scheduler runs a resident adapter's requests before swapping
-        assert state["num_swaps"] >= 5 and state["num_loads"] == 5 and len(state["cpu"]) == 3
+        # (at least 5 reads: with 3 cached, one evicted may be needed again before the run ends, by arrival order)
+        loads = state["num_loads"]
+        assert state["num_swaps"] >= 5 and loads >= 5 and len(state["cpu"]) == 3
         # one evicted from the CPU cache is read again from its path
         evicted = next(i for i in range(1, 6) if i not in state["cpu"])
         assert complete(server, names[evicted - 1], prompts()[0]) == reference[names[evicted - 1], 0]
-        assert server.core("lora_state")["num_loads"] == 6
+        assert server.core("lora_state")["num_loads"] == loads + 1
         r = httpx.post(server.base_url + "/load_lora_adapter", json={"lora_name": "z", "lora_path": adapters["q"]})
         assert r.status_code == 404
 
