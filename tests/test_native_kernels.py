@@ -1,8 +1,8 @@
 """kvflow's CPU kernels (layers/native_kernels.c): 4-bit and 8-bit weights against a torch reference of the same
 arithmetic (int8 activations per group of 32), every row-count remainder, in each layout this CPU runs (AVX2's
-rows, AVX-512 VNNI's x16); paged attention and RMSNorm against float64; each kernel's batch invariance (a row's
-bits depend on that row alone), inside a compiled graph, and greedy output of the default engine alone against
-batched."""
+rows, AVX-512 VNNI's x16); paged attention and RMSNorm against float64; the LoRA term against torch's; each
+kernel's batch invariance (a row's bits depend on that row alone), inside a compiled graph, and greedy output of the
+default engine alone against batched."""
 from __future__ import annotations
 
 import pytest
@@ -188,6 +188,51 @@ def test_rms_norm_close_to_torch_and_the_same_bits_compiled_and_alone():
     assert torch.equal(native_kernels.rms_norm(x[7:8], weight, 1e-5), got[7:8])
     compiled = torch.compile(lambda t: native_kernels.rms_norm(t, weight, 1e-5), fullgraph=True, dynamic=False)
     assert torch.equal(compiled(x), got)
+
+
+@pytest.mark.parametrize("rank", [16, 12])
+def test_lora_term_matches_torch_reads_each_rows_slot_and_is_batch_invariant(rank):
+    """layers/lora.py's term through kvflow's op against the same stack's torch path (every slot, masked): rows of
+    three adapters and base rows mixed in one step; a base row keeps the base output's bits; a row alone, on one
+    thread or two, and in a compiled graph gets the bits it gets in the mixed step. Rank 12 leaves columns to the
+    kernel's scalar loop."""
+    from kvflow.layers.lora import LoRAStack, lora_mask
+    g = torch.Generator().manual_seed(3)
+    stack = LoRAStack(96, [(0, 64), (80, 16)], max_loras=4, max_rank=16)
+    for slot in (0, 2, 3):
+        stack.set_slot(slot, [(torch.randn(rank, 96, generator=g), torch.randn(64, rank, generator=g)),
+                              (torch.randn(rank, 96, generator=g), torch.randn(16, rank, generator=g))], 0.5)
+    slots = torch.tensor([0, -1, 2, 3, 0, -1, 3, 2, 2, 0, -1])
+    x, out = torch.randn(len(slots), 96, generator=g), torch.randn(len(slots), 96, generator=g)
+    mask = lora_mask(slots, 4, 16, torch.float32)
+    want = stack.add_to(out, x, mask)                                       # stack.native is False: torch's path
+    stack.native = True
+    got = stack.add_to(out, x, mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[slots < 0], out[slots < 0])
+    assert not torch.equal(got[slots >= 0], out[slots >= 0])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for row in range(len(slots)):
+                assert torch.equal(stack.add_to(out[row:row + 1], x[row:row + 1], mask[row:row + 1]), got[row:row + 1])
+    finally:
+        torch.set_num_threads(threads)
+    compiled = torch.compile(lambda o, t, m: stack.add_to(o, t, m), fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(out, x, mask), got)
+
+
+def test_lora_pieces_outside_the_output_are_refused_not_read_past():
+    from kvflow.layers.lora import LoRAStack, lora_mask
+    stack = LoRAStack(32, [(0, 32)], max_loras=2, max_rank=8)
+    mask = lora_mask(torch.tensor([0]), 2, 8, torch.float32)
+    with pytest.raises(ValueError, match="outside"):
+        native_kernels.lora_add(torch.zeros(1, 16), torch.zeros(1, 32), stack.lora_a, stack.lora_b,
+                                stack.lora_pieces, mask, 2)
+    with pytest.raises(ValueError, match="layout"):
+        native_kernels.lora_add(torch.zeros(1, 32), torch.zeros(1, 32), stack.lora_a, stack.lora_b,
+                                stack.lora_pieces, mask, 3)
 
 
 def test_default_engine_greedy_output_does_not_depend_on_what_shares_the_step():

@@ -1,6 +1,6 @@
-"""kvflow's own CPU kernels (native_kernels.c) for 4-bit and 8-bit group-quantized weights, paged attention and
-RMSNorm, built with the machine's C compiler on first use and called as torch custom ops (so compiled decode graphs
-keep them). Every one computes each row alone, in one fixed order: a row's bits do not depend on what shares its
+"""kvflow's own CPU kernels (native_kernels.c) for 4-bit and 8-bit group-quantized weights, paged attention,
+RMSNorm and LoRA terms, built with the machine's C compiler on first use and called as torch custom ops (so
+compiled decode graphs keep them). Every one computes each row alone, in one fixed order: a row's bits do not depend on what shares its
 step (batch invariance), which torch's kernels do not promise.
 
 Two matmul kernels, one per instruction set, each with its own weight layout (`isa()` picks, once per process):
@@ -110,6 +110,8 @@ def library() -> ctypes.CDLL | None:
                                            ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int, i64]
     lib.kvflow_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
     lib.kvflow_rms_norm.restype = None
+    lib.kvflow_lora_add.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.kvflow_lora_add.restype = ctypes.c_int
     for fn in (lib.kvflow_q4_linear, lib.kvflow_q8_linear, lib.kvflow_q4_linear_x16, lib.kvflow_q8_linear_x16,
                lib.kvflow_q5_linear, lib.kvflow_q5_linear_x16, lib.kvflow_paged_attention):
         fn.restype = ctypes.c_int
@@ -266,6 +268,7 @@ _OPS.define("q5_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor")
 _OPS.define("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor row_seq, "
             "Tensor positions, float scale, int window=0) -> Tensor")
 _OPS.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_OPS.define("lora_add(Tensor out, Tensor x, Tensor a, Tensor b, Tensor pieces, Tensor mask, int max_loras) -> Tensor")
 
 
 def _q4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
@@ -322,8 +325,31 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return y.view(x.shape)
 
 
+def _lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pieces: torch.Tensor,
+              mask: torch.Tensor, max_loras: int) -> torch.Tensor:
+    """`out` [T, N] plus each row's LoRA term from its slot alone (float32; layers/lora.py has the layout of `a`,
+    the flat `b`, `pieces` [P, 3] int64 and `mask`), each row in one fixed order (batch invariant)."""
+    y = out.clone(memory_format=torch.contiguous_format)
+    x, a, b, mask = x.contiguous(), a.contiguous(), b.contiguous(), mask.contiguous()
+    T, K = x.shape
+    num_pieces, slots_x_rank = pieces.shape[0], mask.shape[1]
+    if (max_loras < 1 or slots_x_rank % max_loras or a.shape != (K, num_pieces * slots_x_rank)
+            or mask.shape[0] != T or y.shape[0] != T or pieces.dtype != torch.int64 or pieces.shape[1:] != (3,)):
+        raise ValueError("native kernel: LoRA weights and mask not of one layout")     # never read past them
+    if T:
+        err = library().kvflow_lora_add(x.data_ptr(), T, K, a.data_ptr(), mask.data_ptr(), max_loras,
+                                        slots_x_rank // max_loras, num_pieces, b.data_ptr(), b.numel(),
+                                        pieces.contiguous().data_ptr(), y.data_ptr(), y.shape[1],
+                                        torch.get_num_threads())
+        if err == 2:
+            raise ValueError("native kernel: a LoRA piece outside the output or the B weights")
+        if err:
+            raise MemoryError("native kernel: out of memory for the LoRA term")
+    return y
+
+
 for _name, _kernel in (("q4_linear", _q4_linear), ("q8_linear", _q8_linear), ("q5_linear", _q5_linear),
-                       ("paged_attention", _paged_attention), ("rms_norm", _rms_norm)):
+                       ("paged_attention", _paged_attention), ("rms_norm", _rms_norm), ("lora_add", _lora_add)):
     _OPS.impl(_name, _kernel, "CPU")
 torch.library.register_fake("kvflow::q4_linear", lambda x, codes, scale, minimum:
                             x.new_empty(*x.shape[:-1], _out_rows(codes)), lib=_OPS)
@@ -333,11 +359,13 @@ torch.library.register_fake("kvflow::q5_linear", lambda x, codes, scale: x.new_e
                             lib=_OPS)
 torch.library.register_fake("kvflow::paged_attention", lambda q, *rest: torch.empty_like(q), lib=_OPS)
 torch.library.register_fake("kvflow::rms_norm", lambda x, weight, eps: torch.empty_like(x), lib=_OPS)
+torch.library.register_fake("kvflow::lora_add", lambda out, *rest: out.new_empty(out.shape), lib=_OPS)
 q4_linear = torch.ops.kvflow.q4_linear.default
 q8_linear = torch.ops.kvflow.q8_linear.default
 q5_linear = torch.ops.kvflow.q5_linear.default
 paged_attention = torch.ops.kvflow.paged_attention.default
 rms_norm = torch.ops.kvflow.rms_norm.default
+lora_add = torch.ops.kvflow.lora_add.default
 
 
 def attention_supports(head_dim: int, kv_dtype: torch.dtype) -> bool:

@@ -92,6 +92,7 @@ class ModelRunner:
                 norm.native = self.native_attention
             elif isinstance(norm, LoRAStack):     # batch invariant where the base model is (layers/lora.py)
                 norm.batch_invariant = self.native_attention
+                norm.native = self.native_attention and self.dtype == torch.float32
         if self.sliding_window:
             log.info("sliding-window attention: %d tokens on %d of %d layers (%s); the KV cache keeps every block",
                      self.sliding_window, model_config.layer_types.count("sliding_attention"),
