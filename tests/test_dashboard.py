@@ -5,6 +5,7 @@ docs/images/dashboard.png). Without a page open, the hub sends nothing."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -111,6 +112,7 @@ def test_dashboard_in_chromium(server, tmp_path):
             page.wait_for_timeout(1000)
             assert page.locator("#lanes-svg .lane").count() >= 15
             assert page.text_content("#t-ttft") != "–"                     # finished requests' percentiles
+            assert re.fullmatch(r"this view: \d+\.\d\d% of the server's time", page.text_content("#cost"))
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000
@@ -154,6 +156,8 @@ def test_event_stream_numbers(server):
     generated = sum(s[fields.index("generated")] for s in msg["steps"])
     assert generated >= sum(u.completion_tokens for u in usages.values())
     assert msg["stats"]["ttft"]["p50"] is not None and msg["stats"]["finished_last_minute"] >= 3
+    cost = msg["cost"]          # what the hub has spent: its steps and finished requests, this message's KV map
+    assert 0 < cost["frontend_s"] < cost["uptime_s"] and 0 < cost["engine_s"] < cost["uptime_s"]
     metrics = httpx.get(server.url + "/metrics").text
     blocks = int(metrics.split('num_gpu_blocks="')[1].split('"')[0])
     assert len(msg["kv_map"]) == blocks and set(msg["kv_map"]) <= set("0123")

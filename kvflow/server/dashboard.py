@@ -9,6 +9,11 @@ What it costs, and when:
   last minute's percentiles; about once a second the KV block map, asked of the engine process between steps
   (`EngineCore.kv_block_map`, one byte per block) on a worker thread. With no page open nothing is computed or
   sent.
+- What it spends is measured and sent with every message (`cost`): the seconds the hub's own code has run on the
+  event loop (`frontend_s`: on_step, on_finish, building, encoding and sending messages) and the KV map calls' round trips
+  (`engine_s`, an upper bound of the engine's share), against the hub's age (`uptime_s`); the page shows their sum
+  as a share of the time, and benchmarks/dashboard_overhead.py reads it over a run (the throughput difference it
+  causes is smaller than the run-to-run noise of a 2-core machine).
 
 The page itself (`static/dashboard.html`) is plain HTML + SVG/canvas + JS, shipped in the package: no build step,
 no CDN.
@@ -67,12 +72,21 @@ class DashboardHub:
         self._kv_map: str = ""
         self._kv_map_at = 0.0
         self._kv_map_interval = KV_MAP_INTERVAL_S
+        # what the hub has spent (see the module's docstring): event-loop seconds in its code, KV map round trips
+        self.started = time.monotonic()
+        self.frontend_s = 0.0
+        self.engine_s = 0.0
         engine.observer = self
+
+    def cost(self) -> dict:
+        return {"frontend_s": round(self.frontend_s, 6), "engine_s": round(self.engine_s, 6),
+                "uptime_s": round(time.monotonic() - self.started, 6)}
 
     # ---- the engine's side (event loop): always on, O(1) per step and per finished request -------------------
     def on_step(self, stats) -> None:
         if not stats.batch_size:
             return
+        t0 = time.perf_counter()
         self._step_seq += 1
         prefill = stats.num_prompt_tokens_computed
         compiled = (prefill == 0 and stats.compiled_decode_buckets_total > 0
@@ -81,14 +95,17 @@ class DashboardHub:
         self.steps.append((self._step_seq, time.time(), stats.duration_s, stats.batch_size, prefill,
                            stats.num_batched_tokens - prefill, stats.num_preemptions, compiled, stats.num_running,
                            stats.num_waiting, stats.kv_cache_usage, stats.num_generated_tokens))
+        self.frontend_s += time.perf_counter() - t0
 
     def on_finish(self, stream) -> None:
+        t0 = time.perf_counter()
         state = stream.state
         self._request_seq += 1
         entry = request_entry(stream, finished=True)
         entry["seq"] = self._request_seq
         entry["reason"] = ",".join(sorted({c.finish_reason or "abort" for c in state.choices}))
         self.finished.append(entry)
+        self.frontend_s += time.perf_counter() - t0
 
     # ---- an open page -----------------------------------------------------------------------------------------
     def message(self, step_cursor: int, request_cursor: int, first: bool) -> dict:
@@ -130,7 +147,9 @@ class DashboardHub:
                 t0 = time.perf_counter()
                 maps = await asyncio.to_thread(lambda: [self.engine.call_core("kv_block_map", rank=r)
                                                         for r in range(len(self.engine.processes))])
-                self._kv_map_interval = max(KV_MAP_INTERVAL_S, (time.perf_counter() - t0) / KV_MAP_BUDGET)
+                took = time.perf_counter() - t0
+                self.engine_s += took
+                self._kv_map_interval = max(KV_MAP_INTERVAL_S, took / KV_MAP_BUDGET)
                 self._kv_map = "".join(m.translate(KV_CHARS).decode("ascii") for m in maps)
             except Exception as e:  # noqa: BLE001 - the engine went away: keep the last map
                 logger.debug("kv block map: %s", e)
@@ -142,8 +161,11 @@ class DashboardHub:
         first = True
         try:
             while True:
+                t0 = time.perf_counter()
                 msg = self.message(step_cursor, request_cursor, first)
+                self.frontend_s += time.perf_counter() - t0
                 msg["kv_map"] = await self.kv_map()
+                t0 = time.perf_counter()
                 if msg["steps"]:
                     step_cursor = msg["steps"][-1][0]
                 else:
@@ -154,7 +176,10 @@ class DashboardHub:
                     request_cursor = self._request_seq
                 first = False
                 self.messages_sent += 1
-                yield f"data: {json.dumps(msg, separators=(',', ':'))}\n\n"
+                msg["cost"] = self.cost()
+                data = f"data: {json.dumps(msg, separators=(',', ':'))}\n\n"
+                yield data          # the server sends it (without waiting on the client) before asking for more
+                self.frontend_s += time.perf_counter() - t0
                 await asyncio.sleep(INTERVAL_S)
         finally:
             self.clients -= 1
