@@ -11,8 +11,8 @@ alternating for `--reps` rounds; medians and the ratios to the first.
 Throughput alone cannot show a 1% cost on a 2-core machine (its repetitions spread by several percent), so each run
 also measures the cost itself, around the load only:
 - `cost`: what the server says the view spent (every message carries the hub's counters, server/dashboard.py): the
-  seconds of the dashboard's code on the frontend's event loop plus the KV map calls' round trips, as a share of
-  the run's wall time. Were every such second taken from the engine, which keeps both cores busy, throughput
+  CPU seconds of the dashboard's code on the frontend's event loop plus the engine's time building the KV map, as a
+  share of the run's wall time. Were every such second taken from the engine, which keeps both cores busy, throughput
   would fall by at most this share: it bounds the cost from above.
 - CPU seconds of the frontend process and of the engine process (/proc), to see the same from outside.
 
@@ -79,8 +79,8 @@ def start_client(kind: str, url: str, cost_file: Path) -> subprocess.Popen:
     return subprocess.Popen([PYTHON, "-c", SSE_CLIENT, url, str(cost_file)])
 
 
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """(user + system CPU seconds of process `pid`, of all its descendants together), from /proc."""
+def cpu_seconds(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of process `pid` and of each of its descendants, from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
     parent, spent = {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -90,12 +90,19 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
             continue
         p = int(stat.parent.name)
         parent[p], spent[p] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
-    below, todo = 0.0, [c for c, pp in parent.items() if pp == pid]
+    tree, todo = {pid: spent.get(pid, 0.0)}, [c for c, pp in parent.items() if pp == pid]
     while todo:
         c = todo.pop()
-        below += spent.get(c, 0.0)
+        tree[c] = spent.get(c, 0.0)
         todo += [g for g, pp in parent.items() if pp == c]
-    return spent.get(pid, 0.0), below
+    return tree
+
+
+def cpu_delta(pid: int, before: dict[int, float], after: dict[int, float]) -> tuple[float, float]:
+    """(CPU seconds of `pid`, of its descendants) between two `cpu_seconds`: of the processes alive at the end (one
+    that ended meanwhile, e.g. the decode-step compiler, is left out rather than subtracted)."""
+    spent = {p: s - before.get(p, 0.0) for p, s in after.items()}
+    return spent.get(pid, 0.0), sum(s for p, s in spent.items() if p != pid)
 
 
 def read_cost(path: Path) -> dict | None:
@@ -134,7 +141,7 @@ def run_mode(mode: str, args, bench: list[str], out: Path) -> dict:
         runs = result["runs"] if "runs" in result else [result]
         summary = dict(runs[-1]["summary"])
         summary["wall_s"] = wall
-        summary["frontend_cpu_s"], summary["engine_cpu_s"] = (cpu1[0] - cpu0[0], cpu1[1] - cpu0[1])
+        summary["frontend_cpu_s"], summary["engine_cpu_s"] = cpu_delta(proc.pid, cpu0, cpu1)
         if cost0 and cost1:
             spent = cost1["frontend_s"] + cost1["engine_s"] - cost0["frontend_s"] - cost0["engine_s"]
             summary["dashboard_share"] = spent / (cost1["uptime_s"] - cost0["uptime_s"])

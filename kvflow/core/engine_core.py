@@ -139,12 +139,15 @@ class EngineCore:
         return {"num_preemptions": self.scheduler.num_preemptions,
                 "num_prompt_tokens_computed": self.num_prompt_tokens_computed}
 
-    def kv_block_map(self) -> bytes:
+    def kv_block_map(self) -> tuple[bytes, float]:
         """One byte per KV block: 0 free, 1 free but holding a prefix-cache entry, 2 held by one request, 3 shared
-        by several (the dashboard asks for it, about once a second while a page is open: O(blocks))."""
+        by several (the dashboard asks for it, about once a second while a page is open: O(blocks)); and the
+        seconds it took here, between steps (what the dashboard's view costs the engine)."""
+        t0 = time.perf_counter()
         kv = self.kv_cache_manager
-        return bytes((2 if c == 1 else 3) if c else (0 if k is None else 1)
-                     for c, k in zip(kv.ref_cnt, kv.block_key))
+        blocks = bytes((2 if c == 1 else 3) if c else (0 if k is None else 1)
+                       for c, k in zip(kv.ref_cnt, kv.block_key))
+        return blocks, time.perf_counter() - t0
 
     def load_compiled_steps(self) -> bool:
         """While idle: load the decode graphs compiled in the background since the last step; True when one
