@@ -11,9 +11,9 @@ SCHEDULING_POLICIES = ("continuous", "fcfs", "priority", "static")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8")
-POOLING_TYPES = ("last", "mean")
+POOLING_TYPES = ("last", "mean")     # kvflow/pooling_params.py says what each computes
 # the projections a LoRA adapter may adapt (PEFT's module names)
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")     # kvflow/pooling_params.py says what each computes
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def parse_bytes(value: int | str | None) -> int | None:
@@ -128,12 +128,11 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "compile_batch_sizes", tuple(sorted({int(b) for b in self.compile_batch_sizes})))
         if self.lora_target_modules is not None:
-            if isinstance(self.lora_target_modules, str):
-                object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules.replace(",", " ").split()))
-            object.__setattr__(self, "lora_target_modules", tuple(t for t in LORA_TARGET_MODULES
-                                                                  if t in self.lora_target_modules)
-                               if set(self.lora_target_modules) <= set(LORA_TARGET_MODULES)
-                               else tuple(self.lora_target_modules))
+            given = self.lora_target_modules
+            given = given.replace(",", " ").split() if isinstance(given, str) else given
+            # in one order whatever the order given (it keys the compiled graphs); unknown names kept for validate
+            object.__setattr__(self, "lora_target_modules", tuple(t for t in LORA_TARGET_MODULES if t in given)
+                               + tuple(t for t in given if t not in LORA_TARGET_MODULES))
         self.validate()
 
     def validate(self) -> None:

@@ -194,17 +194,17 @@ def test_rms_norm_close_to_torch_and_the_same_bits_compiled_and_alone():
 def test_lora_term_matches_torch_reads_each_rows_slot_and_is_batch_invariant(rank):
     """layers/lora.py's term through kvflow's op against the same stack's torch path (every slot, masked): rows of
     three adapters and base rows mixed in one step; a base row keeps the base output's bits; a row alone, on one
-    thread or two, and in a compiled graph gets the bits it gets in the mixed step. Rank 12 leaves columns to the
-    kernel's scalar loop."""
+    thread or two, and in a compiled graph gets the bits it gets in the mixed step. Slots of rank 12 leave their
+    last 4 columns to the kernel's scalar loop; an adapter of rank 8 in them is zero-padded."""
     from kvflow.layers.lora import LoRAStack, lora_mask
     g = torch.Generator().manual_seed(3)
-    stack = LoRAStack(96, [(0, 64), (80, 16)], max_loras=4, max_rank=16)
-    for slot in (0, 2, 3):
-        stack.set_slot(slot, [(torch.randn(rank, 96, generator=g), torch.randn(64, rank, generator=g)),
-                              (torch.randn(rank, 96, generator=g), torch.randn(16, rank, generator=g))], 0.5)
+    stack = LoRAStack(96, [(0, 64), (80, 16)], max_loras=4, max_rank=rank)
+    for slot, r in ((0, rank), (2, 8), (3, rank)):
+        stack.set_slot(slot, [(torch.randn(r, 96, generator=g), torch.randn(64, r, generator=g)),
+                              (torch.randn(r, 96, generator=g), torch.randn(16, r, generator=g))], 0.5)
     slots = torch.tensor([0, -1, 2, 3, 0, -1, 3, 2, 2, 0, -1])
     x, out = torch.randn(len(slots), 96, generator=g), torch.randn(len(slots), 96, generator=g)
-    mask = lora_mask(slots, 4, 16, torch.float32)
+    mask = lora_mask(slots, 4, rank, torch.float32)
     want = stack.add_to(out, x, mask)                                       # stack.native is False: torch's path
     stack.native = True
     got = stack.add_to(out, x, mask)

@@ -1,7 +1,7 @@
 """kvflow's own CPU kernels (native_kernels.c) for 4-bit and 8-bit group-quantized weights, paged attention,
 RMSNorm and LoRA terms, built with the machine's C compiler on first use and called as torch custom ops (so
-compiled decode graphs keep them). Every one computes each row alone, in one fixed order: a row's bits do not depend on what shares its
-step (batch invariance), which torch's kernels do not promise.
+compiled decode graphs keep them). Every one computes each row alone, in one fixed order: a row's bits do not
+depend on what shares its step (batch invariance), which torch's kernels do not promise.
 
 Two matmul kernels, one per instruction set, each with its own weight layout (`isa()` picks, once per process):
 AVX2 (`vpmaddubsw`, weights row by row as GGUF stores them) and AVX-512 VNNI (`vpdpbusd`, 16 weight rows

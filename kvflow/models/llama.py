@@ -233,15 +233,13 @@ class LlamaForCausalLM(nn.Module):
                     if targets is None or proj in targets:
                         pieces.append((proj, offset, widths[proj]))
                     offset += widths[proj]
-                if pieces:
-                    self.lora_pieces[attr] = tuple(proj for proj, _, _ in pieces)
+                if not pieces:
+                    continue
+                self.lora_pieces[attr] = tuple(proj for proj, _, _ in pieces)
                 for layer in self.layers:
-                    module = getattr(layer, block)
-                    if not pieces:
-                        continue
                     with torch.device(device):
                         stack = LoRAStack(inputs[base], [(o, w) for _, o, w in pieces], max_loras, max_rank)
-                    setattr(module, attr, stack.to(dtype))
+                    setattr(getattr(layer, block), attr, stack.to(dtype))
 
     @torch.no_grad()
     def set_lora_slot(self, slot: int, tensors: dict | None, scale: float = 1.0) -> None:

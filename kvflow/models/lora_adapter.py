@@ -24,7 +24,6 @@ from pathlib import Path
 from kvflow.config import LORA_TARGET_MODULES
 from kvflow.models.model_config import ModelConfig
 
-TARGETS = LORA_TARGET_MODULES
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight")
@@ -118,10 +117,10 @@ def inspect_adapter(path: str | Path, model_config: ModelConfig, max_rank: int, 
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
-    bad = [t for t in targets if t.split(".")[-1] not in TARGETS and not _is_regex(t)]
+    bad = [t for t in targets if t.split(".")[-1] not in LORA_TARGET_MODULES and not _is_regex(t)]
     if bad:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: target modules {bad} are not supported (kvflow adapts "
-                               f"{', '.join(TARGETS)}; not embeddings or the LM head)")
+                               f"{', '.join(LORA_TARGET_MODULES)}; not embeddings or the LM head)")
     weights_file = path / WEIGHTS_FILE
     if not weights_file.is_file():
         raise LoRAAdapterError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {str(path)!r}")
@@ -148,11 +147,11 @@ def _check_tensors(name: str, path: str, shapes: dict[str, tuple[int, ...]], cfg
         if m is None:
             what = "embeddings" if "embed" in key else "the LM head" if "lm_head" in key else "this module"
             raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} adapts {what}, which kvflow does not "
-                                   f"support (only {', '.join(TARGETS)} of the decoder layers)")
+                                   f"support (only {', '.join(LORA_TARGET_MODULES)} of the decoder layers)")
         layer, block, proj, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if proj not in TARGETS or (block == "self_attn") != (proj in TARGETS[:4]):
+        if proj not in LORA_TARGET_MODULES or (block == "self_attn") != (proj in LORA_TARGET_MODULES[:4]):
             raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} adapts {block}.{proj}, which kvflow does "
-                                   f"not support (only {', '.join(TARGETS)})")
+                                   f"not support (only {', '.join(LORA_TARGET_MODULES)})")
         if layer >= cfg.num_hidden_layers:
             raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}, the base model has "
                                    f"{cfg.num_hidden_layers} layers")
@@ -173,7 +172,7 @@ def _check_tensors(name: str, path: str, shapes: dict[str, tuple[int, ...]], cfg
                 f"takes {n_in} inputs to {n_out} outputs, so rank {rank} needs [{rank}, {n_in}] and [{n_out}, {rank}] "
                 f"(an adapter for another base model?)")
         out[module] = (a, b)
-    targets = tuple(t for t in TARGETS if any(m.endswith("." + t) for m in out))
+    targets = tuple(t for t in LORA_TARGET_MODULES if any(m.endswith("." + t) for m in out))
     return AdapterInfo(path, rank, scale, targets, out)
 
 
