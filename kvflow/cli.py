@@ -7,7 +7,7 @@ import sys
 
 def _add_generate_parser(sub) -> None:
     from kvflow.config import EngineConfig
-    from kvflow.server.cli import add_config_flags
+    from kvflow.server.common.flags import add_config_flags
 
     p = sub.add_parser("generate", help="complete one prompt with the engine, offline")
     p.add_argument("prompt")
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     from kvflow.bench.cli import add_bench_parser
     from kvflow.server.cli import add_serve_parser
-    from kvflow.server.batch_report import add_batch_parser
+    from kvflow.server.batch.report import add_batch_parser
     from kvflow.server.run_batch import add_run_batch_parser
 
     _add_generate_parser(sub)

@@ -266,7 +266,7 @@ def test_chat_prompt_logprobs_on_the_response(tiny):
 
 def test_parallel_tool_calls_false_allows_one_call(client):
     from kvflow.errors import InvalidRequestError
-    from kvflow.server.tool_calls import parse_tool_request
+    from kvflow.server.serving.tool_calls import parse_tool_request
 
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}

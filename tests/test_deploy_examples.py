@@ -28,7 +28,7 @@ def test_kubernetes_deployment_args_and_probes():
     assert server.port == container["ports"][0]["containerPort"] and server.request_log == "-"
     grace = docs["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > server.shutdown_grace_period       # the drain fits in the pod's grace period
-    routes = set(re.findall(r'@app\.get\("([^"]+)"', (ROOT / "kvflow/server/openai_api.py").read_text()))
+    routes = set(re.findall(r'@router\.get\("([^"]+)"', (ROOT / "kvflow/server/observe/health.py").read_text()))
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
     assert {"/health", "/health/live", "/metrics"} <= routes

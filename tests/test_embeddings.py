@@ -25,8 +25,8 @@ from kvflow.core.scheduler import Scheduler
 from kvflow.request import Request, RequestStatus
 from kvflow.runner.step import SampledTokens
 from kvflow.sampling_params import SamplingParams
-from kvflow.server.embeddings_api import EmbeddingRequest
-from kvflow.server.request_fields import REFUSED, VLLM_FIELDS
+from kvflow.server.embeddings.protocol import EmbeddingRequest
+from kvflow.server.serving.request_fields import REFUSED, VLLM_FIELDS
 from kvflow.server.testing import ServerThread
 from tiny_models import make_tiny_hf_model
 

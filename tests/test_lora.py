@@ -298,7 +298,7 @@ def test_a_bad_lora_module_stops_the_start_naming_it(base_dir, tmp_path):
                           enable_lora=True)
     with pytest.raises(ValueError, match="bad.*does not exist"):
         ServerThread(config, lora_modules=(f"bad={tmp_path / 'nothing'}",))
-    from kvflow.server.config import ServerConfig
+    from kvflow.server.common.config import ServerConfig
     assert ServerConfig(lora_modules=('{"name": "a", "path": "/p", "base_model_name": "m"}', "b=/q")
                         ).lora_module_paths() == [("a", "/p"), ("b", "/q")]
     with pytest.raises(ValueError, match="name=PATH"):

@@ -15,11 +15,12 @@ from starlette.testclient import TestClient
 
 from kvflow.async_engine import EngineOverloadedError, EngineShutdownError
 from kvflow.config import EngineConfig
-from kvflow.server.messages_api import (MessagesMetadata, MessagesRequest, MessagesTool, MessagesToolChoice,
-                                        CacheControl, InputMessage, JsonOutputFormat, OutputConfig, TextBlock,
-                                        ToolResultBlock, ToolUseBlock, messages_router)
-from kvflow.server.request_fields import MESSAGES_FIELDS, MESSAGES_REFUSED
-from kvflow.server.serving import OpenAIServing
+from kvflow.server.messages.protocol import (CacheControl, InputMessage, JsonOutputFormat, MessagesMetadata,
+                                             MessagesRequest, MessagesTool, MessagesToolChoice, OutputConfig,
+                                             TextBlock, ToolResultBlock, ToolUseBlock)
+from kvflow.server.messages.routes import messages_router
+from kvflow.server.serving.request_fields import MESSAGES_FIELDS, MESSAGES_REFUSED
+from kvflow.server.serving.serving import OpenAIServing
 from kvflow.server.testing import ServerThread
 from test_server_handlers import FakeEngine
 from tiny_models import make_tiny_hf_model

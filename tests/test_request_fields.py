@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from kvflow.config import EngineConfig
-from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvflow.server.request_fields import OPENAI_ONLY, REFUSED, VLLM_FIELDS
+from kvflow.server.serving.protocol import ChatCompletionRequest, CompletionRequest
+from kvflow.server.serving.request_fields import OPENAI_ONLY, REFUSED, VLLM_FIELDS
 from kvflow.server.testing import ServerThread
 from tiny_models import make_tiny_hf_model
 

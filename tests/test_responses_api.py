@@ -18,8 +18,8 @@ from openai.types.responses.response_create_params import ResponseCreateParamsBa
 from pydantic import BaseModel, Field
 
 from kvflow.config import EngineConfig
-from kvflow.server.request_fields import REFUSED, RESPONSES_OPENAI_FIELDS, VLLM_FIELDS
-from kvflow.server.responses_protocol import ResponsesRequest
+from kvflow.server.serving.request_fields import REFUSED, RESPONSES_OPENAI_FIELDS, VLLM_FIELDS
+from kvflow.server.responses.protocol import ResponsesRequest
 from kvflow.server.testing import ServerThread
 from test_request_fields import a_value_other_than
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvflow.config import EngineConfig
-from kvflow.server.run_batch import done_keys
+from kvflow.server.batch.runner import done_keys
 from kvflow.server.testing import ServerThread
 from tiny_models import make_tiny_hf_model
 

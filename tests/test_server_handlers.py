@@ -14,8 +14,9 @@ import pytest
 from kvflow.async_engine import CompletionDelta, RequestFailedError
 from kvflow.core.request_validator import RequestValidator
 from kvflow.errors import InvalidRequestError
-from kvflow.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest
-from kvflow.server.serving import OpenAIServing
+from kvflow.server.common.errors import APIError
+from kvflow.server.serving.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from kvflow.server.serving.serving import OpenAIServing
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -178,7 +179,7 @@ def serve_parser():
 
 def test_every_config_field_has_a_flag():
     from kvflow.config import EngineConfig
-    from kvflow.server.config import ServerConfig
+    from kvflow.server.common.config import ServerConfig
 
     sub = next(a for a in serve_parser()._actions if a.dest == "command").choices["serve"]
     flags = {s for a in sub._actions for s in a.option_strings}

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from kvflow.config import EngineConfig
-from kvflow.server.protocol import DetokenizeRequest, TokenizeRequest
-from kvflow.server.request_fields import REFUSED, VLLM_FIELDS
+from kvflow.server.serving.protocol import DetokenizeRequest, TokenizeRequest
+from kvflow.server.serving.request_fields import REFUSED, VLLM_FIELDS
 from kvflow.server.testing import ServerThread
 from tiny_models import make_tiny_hf_model
 

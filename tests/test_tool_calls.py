@@ -1,4 +1,4 @@
-"""Tool calling helpers (kvflow.server.tool_calls): validation, forced calls through the real grammar, parsers."""
+"""Tool calling helpers (kvflow.server.serving.tool_calls): validation, forced calls through the real grammar, parsers."""
 import json
 import random
 
@@ -7,7 +7,7 @@ import pytest
 
 from kvflow.errors import InvalidRequestError
 from kvflow.structured_output import GrammarCompiler
-from kvflow.server.tool_calls import (ToolCallStreamer, extract_tool_calls, get_tool_parser, parse_tool_request,
+from kvflow.server.serving.tool_calls import (ToolCallStreamer, extract_tool_calls, get_tool_parser, parse_tool_request,
                                template_supports_tools)
 from test_structured_output import gen_object_schema, one_torch_thread, sample_constrained  # noqa: F401
 
@@ -193,3 +193,10 @@ def test_arguments_stream_in_fragments():
     fragments = [tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", []) if "id" not in tc]
     assert len(fragments) > 5 and json.loads("".join(fragments)) == CALLS[0][1]
     assert get_tool_parser("json") and get_tool_parser("hermes")
+
+
+def test_the_config_names_every_parser():
+    """--tool-call-parser's choices (ServerConfig, below the chat route) are the parsers tool_calls.py implements."""
+    from kvflow.server.common import config
+    from kvflow.server.serving.tool_calls import TOOL_PARSERS
+    assert tuple(TOOL_PARSERS) == config.TOOL_PARSERS

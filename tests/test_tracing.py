@@ -131,10 +131,10 @@ def test_off_by_default_imports_nothing():
     """kvflow's tracer, OpenTelemetry's SDK and its exporter are imported only with the flag. (FastAPI itself imports
     the OpenTelemetry *API* when that is installed: not ours to avoid.)"""
     code = ("import sys\n"
-            "from kvflow.server import openai_api, serving, request_record\n"
-            "from kvflow.server.config import ServerConfig\n"
+            "import kvflow.server.app, kvflow.server.serving.serving, kvflow.server.common.request_record\n"
+            "from kvflow.server.common.config import ServerConfig\n"
             "assert ServerConfig().otlp_traces_endpoint is None\n"
             "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', 'opentelemetry.exporter',\n"
-            "                                                     'kvflow.server.tracing'))))\n")
+            "                                                     'kvflow.server.observe.tracing'))))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

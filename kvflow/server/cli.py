@@ -7,38 +7,15 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
-import typing
 
 from kvflow.config import EngineConfig
-from kvflow.server.config import ServerConfig
+from kvflow.server.common.config import ServerConfig
+from kvflow.server.common.flags import add_config_flags, setup_logging
 
 logger = logging.getLogger("kvflow.server")
 
 # given otherwise: MODEL is positional (or --model), and --served-model-name lists every name (ServerConfig)
 ENGINE_FIELDS_NOT_FLAGS = ("model", "served_model_name")
-
-
-def add_config_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
-    """One `--field-name` flag per dataclass field: type and default from the field, help from its metadata."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        meta = dict(f.metadata)
-        kw: dict = {"dest": f.name, "default": f.default, "help": meta.pop("help", None)}
-        if f.default not in (None, ""):
-            kw["help"] = f"{kw['help']} (default: %(default)s)"
-        aliases = meta.pop("aliases", ())
-        kind = meta.pop("type", None) or next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],)
-                                              if t is not type(None))
-        if kind is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(kind) is tuple:
-            kw["nargs"] = "+"
-        else:
-            kw["type"] = kind
-        parser.add_argument(f"--{f.name.replace('_', '-')}", *aliases, **kw, **meta)
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
@@ -75,16 +52,10 @@ def config_from_args(args) -> EngineConfig:
     return configs_from_args(args)[0]
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kvflow").setLevel(getattr(logging, level.upper()))
-
-
 def run_serve(args) -> int:
     """Exit status: 0 after SIGTERM/SIGINT (in-flight requests drained or failed cleanly), 1 if the engine died."""
-    from kvflow.server.openai_api import build_app, build_engine
-    from kvflow.server.uvicorn_server import EngineServer
+    from kvflow.server.app import build_app, build_engine
+    from kvflow.server.common.uvicorn_server import EngineServer
 
     setup_logging(args.log_level)
     config, server_config = configs_from_args(args)   # ValueError -> clean error exit in kvflow.cli

@@ -26,9 +26,9 @@ class ServerThread:
                  request_log: str | None = None, served_model_names: list[str] | None = None,
                  shutdown_grace_period: float = 5.0, log_stats_interval: float = 5.0, port: int | None = None,
                  **server_config):
-        from kvflow.server.config import ServerConfig
-        from kvflow.server.openai_api import build_app, build_engine
-        from kvflow.server.uvicorn_server import EngineServer
+        from kvflow.server.common.config import ServerConfig
+        from kvflow.server.app import build_app, build_engine
+        from kvflow.server.common.uvicorn_server import EngineServer
 
         self.port = port or free_port()
         self.config = ServerConfig(host=HOST, port=self.port, api_key=api_key, max_queue_len=max_queue_len,

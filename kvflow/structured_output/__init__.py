@@ -6,7 +6,7 @@
     apply_structured_masks(logits, [matcher or None for each row])   # in the sampler, before sampling
     matcher.accept(token_id)                         # after sampling; is_terminated() -> finish
 
-The names load on first use: the request side (spec, and kvflow.server.tool_calls / the server's config that use
+The names load on first use: the request side (spec, and kvflow.server.serving.tool_calls / the server's config that use
 it) must not import torch and llguidance, so that `kvflow --help` stays light.
 """
 from __future__ import annotations

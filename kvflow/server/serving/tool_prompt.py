@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvflow.server.tool_calls import ToolRequest, template_supports_tools
+from kvflow.server.serving.tool_calls import ToolRequest, template_supports_tools
 
 
 def chat_messages(messages: list, tools: ToolRequest | None, chat_template: str | None

@@ -14,7 +14,7 @@ import socket
 import uvicorn
 from fastapi import FastAPI
 
-from kvflow.server.config import ServerConfig
+from kvflow.server.common.config import ServerConfig
 
 # after the engine's shutdown every response has its last bytes queued: this only bounds the flush
 FLUSH_TIMEOUT_S = 5

@@ -16,8 +16,10 @@ from typing import Any, ClassVar, Literal, Union
 from pydantic import Field, model_validator
 
 from kvflow import sampling_params as limits
-from kvflow.server.protocol import APIError, OpenAIModel, Text, apply_field_rule, documented
-from kvflow.server.request_fields import RESPONSES_STATEFUL, refused_field
+from kvflow.server.common.errors import APIError
+from kvflow.server.common.schema import OpenAIModel, Text, documented
+from kvflow.server.serving.protocol import apply_field_rule
+from kvflow.server.serving.request_fields import RESPONSES_STATEFUL, refused_field
 
 # the one `include` value kvflow implements
 INCLUDE_LOGPROBS = "message.output_text.logprobs"

@@ -24,22 +24,23 @@ from starlette.responses import StreamingResponse
 
 from kvflow.async_engine import (CompletionDelta, EngineDeadError, EngineOverloadedError, EngineShutdownError,
                                  RequestFailedError, RequestStream)
-from kvflow.server.config import DEFAULT_MAX_N
-from kvflow.server.protocol import (APIError, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                    ChatCompletionResponse, ChatCompletionStreamChoice, ChatLogprobs,
-                                    ChatResponseMessage, CompletionChoice, CompletionChunk, CompletionLogprobs,
-                                    CompletionRequest, CompletionResponse, DeltaMessage, DetokenizeRequest,
-                                    DetokenizeResponse, ModelCard, ModelList, PromptLogprob, PromptTokensDetails,
-                                    TokenizeRequest,
-                                    TokenizeResponse, TokenLogprob, ToolCall, TopLogprob, UsageInfo, random_id)
+from kvflow.server.common.config import DEFAULT_MAX_N
+from kvflow.server.common.errors import APIError
+from kvflow.server.serving.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                            ChatCompletionResponse, ChatCompletionStreamChoice, ChatLogprobs,
+                                            ChatResponseMessage, CompletionChoice, CompletionChunk,
+                                            CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
+                                            DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                                            PromptLogprob, PromptTokensDetails, TokenizeRequest, TokenizeResponse,
+                                            TokenLogprob, ToolCall, TopLogprob, UsageInfo, random_id)
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
-from kvflow.server.chat_template import ChatTemplateOptions, template_variables
-from kvflow.server.request_record import current_record
-from kvflow.server.protocol import ModelPermission, TokenizerInfoResponse
-from kvflow.server.tool_prompt import chat_messages
+from kvflow.server.serving.chat_template import ChatTemplateOptions, template_variables
+from kvflow.server.common.request_record import current_record
+from kvflow.server.serving.protocol import ModelPermission, TokenizerInfoResponse
+from kvflow.server.serving.tool_prompt import chat_messages
 from kvflow.structured_output import GrammarCompiler, spec_from_request
-from kvflow.server.tool_calls import ExtractedToolCalls, ToolCallStreamer, ToolRequest, extract_tool_calls, parse_tool_request
+from kvflow.server.serving.tool_calls import ExtractedToolCalls, ToolCallStreamer, ToolRequest, extract_tool_calls, parse_tool_request
 
 
 @dataclass

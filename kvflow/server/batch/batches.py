@@ -18,12 +18,12 @@ import time
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict
 
-from kvflow.server.batch_store import StoreHandle, new_batch_id
-from kvflow.server.batch_worker import BatchWorker
-from kvflow.server.config import ServerConfig
-from kvflow.server.files_api import check_free_space, list_page, no_such_file
-from kvflow.server.protocol import APIError
-from kvflow.server.run_batch import URLS
+from kvflow.server.batch.store import StoreHandle, new_batch_id
+from kvflow.server.batch.worker import BatchWorker
+from kvflow.server.common.config import ServerConfig
+from kvflow.server.batch.files import check_free_space, list_page, no_such_file
+from kvflow.server.common.errors import APIError
+from kvflow.server.batch.runner import URLS
 
 WINDOW = re.compile(r"^([1-9][0-9]*)([smhd])$")
 SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

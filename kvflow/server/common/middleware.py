@@ -1,23 +1,28 @@
-"""Pure ASGI middleware at the edge, run before any route reads the body."""
+"""Pure ASGI middleware at the edge, run before any route reads the body.
+
+`error_shapes`: path prefix -> how that surface renders an APIError (Anthropic's Messages API has a shape of its
+own); every other path answers in OpenAI's. The app passes the surfaces' renderers in, so this needs none of them."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kvflow.server import messages_api
-from kvflow.server.protocol import APIError
+from kvflow.server.common.errors import APIError
 
+ErrorShapes = dict[str, Callable[[APIError], dict]]
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations")   # /tokenize covers /tokenizer_info
 
 
 class AuthAndArrival:
     """Stamp the arrival time; check the API key on the OpenAI routes (/health, /ping and /metrics stay open)."""
 
-    def __init__(self, app, api_key: str | None) -> None:
+    def __init__(self, app, api_key: str | None, error_shapes: ErrorShapes | None = None) -> None:
         self.app = app
         self.api_key = api_key
+        self.error_shapes = error_shapes or {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -30,7 +35,8 @@ class AuthAndArrival:
                 if auth != f"Bearer {self.api_key}" and not (key and key == self.api_key):
                     err = APIError(401, "Incorrect or missing API key: pass it as 'Authorization: Bearer <key>' "
                                         "or 'x-api-key: <key>'", code="invalid_api_key")
-                    await JSONResponse(error_body(scope, err), status_code=401)(scope, receive, send)
+                    body = error_body(scope, err, self.error_shapes)
+                    await JSONResponse(body, status_code=401)(scope, receive, send)
                     return
         await self.app(scope, receive, send)
 
@@ -40,10 +46,12 @@ class BodySizeLimit:
     so far pass the limit, so that neither the body nor its JSON parse ever exceed it. `uploads`: the paths whose
     POST bodies have a limit of their own (path -> (bytes, the flag that sets it)): /v1/files."""
 
-    def __init__(self, app, max_bytes: int, uploads: dict[str, tuple[int, str]] | None = None) -> None:
+    def __init__(self, app, max_bytes: int, uploads: dict[str, tuple[int, str]] | None = None,
+                 error_shapes: ErrorShapes | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.uploads = uploads or {}
+        self.error_shapes = error_shapes or {}
 
     def too_large(self, limit: tuple[int, str] | None = None) -> HTTPException:
         max_bytes, flag = limit or (self.max_bytes, "--max-request-body-size")
@@ -58,7 +66,7 @@ class BodySizeLimit:
         if length.isdigit() and int(length) > max_bytes:
             err = APIError(413, self.too_large(limit).detail, code="request_too_large")
             # the client may still be sending: tell it we will not read the rest
-            await JSONResponse(error_body(scope, err), status_code=413,
+            await JSONResponse(error_body(scope, err, self.error_shapes), status_code=413,
                                headers={"Connection": "close"})(scope, receive, send)
             return
         received = 0
@@ -75,6 +83,9 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
 
-def error_body(scope, err: APIError) -> dict:
-    """The error in the shape of the API the path belongs to: Anthropic's on /v1/messages, else OpenAI's."""
-    return messages_api.error_body(err) if scope["path"].startswith(messages_api.MESSAGES_PATH) else err.body()
+def error_body(scope, err: APIError, shapes: ErrorShapes) -> dict:
+    """The error in the shape of the API the path belongs to (`shapes`), else OpenAI's."""
+    for prefix, render in shapes.items():
+        if scope["path"].startswith(prefix):
+            return render(err)
+    return err.body()

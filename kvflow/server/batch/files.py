@@ -17,9 +17,9 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 from starlette.datastructures import UploadFile
 
-from kvflow.server.batch_store import StoreHandle, new_file_id
-from kvflow.server.config import ServerConfig
-from kvflow.server.protocol import APIError
+from kvflow.server.batch.store import StoreHandle, new_file_id
+from kvflow.server.common.config import ServerConfig
+from kvflow.server.common.errors import APIError
 
 # what a multipart envelope adds to the file's bytes (boundaries, part headers, the purpose field), at most
 MULTIPART_SLACK = 64 * 1024

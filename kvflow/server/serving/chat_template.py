@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvflow.server.protocol import APIError
+from kvflow.server.common.errors import APIError
 
 # parameters of transformers' apply_chat_template that are not template variables
 RENDERING_SWITCHES = ("conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation",

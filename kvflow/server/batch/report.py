@@ -13,8 +13,8 @@ import json
 import time
 from collections import Counter
 
-from kvflow.server.batch_store import BatchStore
-from kvflow.server.config import DEFAULT_BATCH_DIR
+from kvflow.server.batch.store import BatchStore
+from kvflow.server.common.config import DEFAULT_BATCH_DIR
 
 ENDS = ("completed_at", "cancelled_at", "expired_at", "failed_at")
 

@@ -15,13 +15,15 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+from fastapi import APIRouter
 from pydantic import ValidationError
 from starlette.requests import Request
 
 from kvflow.async_engine import RequestFailedError
 from kvflow.errors import InvalidRequestError
-from kvflow.server.protocol import APIError, ChatCompletionChoice, ChatCompletionRequest, ChatLogprobs, UsageInfo
-from kvflow.server.responses_protocol import (INCLUDE_LOGPROBS, IncompleteDetails, InputTokensDetails,
+from kvflow.server.common.errors import GENERATE_ERRORS, APIError
+from kvflow.server.serving.protocol import ChatCompletionChoice, ChatCompletionRequest, ChatLogprobs, UsageInfo
+from kvflow.server.responses.protocol import (INCLUDE_LOGPROBS, IncompleteDetails, InputTokensDetails,
                                               ResponseContentPartEvent, ResponseError,
                                               ResponseFunctionCallArgumentsDeltaEvent,
                                               ResponseFunctionCallArgumentsDoneEvent, ResponseFunctionToolCall,
@@ -29,7 +31,7 @@ from kvflow.server.responses_protocol import (INCLUDE_LOGPROBS, IncompleteDetail
                                               ResponseOutputText, ResponsesRequest, ResponsesResponse,
                                               ResponseStreamEvent, ResponseTextDeltaEvent, ResponseTextDoneEvent,
                                               ResponseTokenLogprob, ResponseUsage, response_id)
-from kvflow.server.serving import EventStream, Generation, OpenAIServing
+from kvflow.server.serving.serving import EventStream, Generation, OpenAIServing
 
 # the OpenAPI document's 200 for the route (its errors are the chat route's)
 RESPONSES_OPENAPI = {200: {"model": ResponsesResponse,
@@ -432,3 +434,14 @@ class ResponseEventWriter:
         response = self.head.model_copy(update=dict(status="failed", output=self.items,
                                                     error=ResponseError(message=message)))
         return self.sse(ResponseLifecycleEvent(type="response.failed", response=response))
+
+
+def responses_router(serving: OpenAIServing) -> APIRouter:
+    responses = ResponsesServing(serving)     # OpenAI's Responses API, an adapter over the chat route
+    router = APIRouter()
+
+    @router.post("/v1/responses", response_model=None, responses={**RESPONSES_OPENAPI, **GENERATE_ERRORS})
+    async def create_response(req: ResponsesRequest, raw: Request):
+        return await responses.create(req, raw)
+
+    return router

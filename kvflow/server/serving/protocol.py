@@ -7,100 +7,21 @@ a second time. What pydantic does check is shape: types, and that text is valid 
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from kvflow import sampling_params as limits
 from kvflow.errors import InvalidRequestError
 from kvflow.sampling_params import SamplingParams
-from kvflow.server.request_fields import REFUSED, refused_field
+from kvflow.server.common.errors import APIError
+from kvflow.server.common.schema import OpenAIModel, Text, documented
+from kvflow.server.serving.request_fields import REFUSED, refused_field
 
 logger = logging.getLogger("kvflow.server")
 _IGNORED_LOGGED: set[str] = set()       # unknown field names already logged (once each)
-
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _valid_unicode(text: str) -> str:
-    # JSON's "\ud800" escape parses to a lone surrogate, which no tokenizer or UTF-8 encoder accepts
-    if _LONE_SURROGATE.search(text):
-        raise ValueError("text must be valid Unicode: it holds a lone UTF-16 surrogate")
-    return text
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-
-
-def documented(default=None, **schema):
-    """A field whose limits appear in the OpenAPI document only (SamplingParams enforces them)."""
-    return Field(default, json_schema_extra=schema)
-
-
-class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
-
-
-# ---- errors -----------------------------------------------------------------------------------------------------
-class ErrorInfo(OpenAIModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(OpenAIModel):
-    error: ErrorInfo
-
-
-class APIError(Exception):
-    """An error the client should see, in OpenAI's shape."""
-
-    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    @classmethod
-    def bad_request(cls, e: ValueError, rename: dict[str, str] | None = None) -> "APIError":
-        """400 for a request the engine refused: `param` and `code` from the error's fields, never its text
-        (`rename` maps SamplingParams' names to the API's where they differ)."""
-        param = getattr(e, "param", None)
-        return cls(400, str(e), param=(rename or {}).get(param, param), code=getattr(e, "code", None))
-
-
-def validation_error(errors: list[dict]) -> APIError:
-    """The 400 for a body its route's pydantic model refused (`ValidationError.errors()`): the server's answer to a
-    RequestValidationError, and `kvflow run-batch`'s to a line's body."""
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
-        return APIError(400, msg, param=None)
-    msgs = []
-    for e in errors[:5]:
-        p = validation_param(e.get("loc", ()))
-        msgs.append(f"{p}: {e.get('msg')}" if p else str(e.get("msg")))
-    return APIError(400, "; ".join(msgs) or "invalid request", param=validation_param(first.get("loc", ())))
-
-
-def validation_param(loc) -> str | None:
-    parts = [str(x) for x in loc if x not in ("body", "query", "path")]
-    # drop pydantic's union-branch names ("str", "list[int]", "function-after[...]") that follow the field
-    keep = [p for p in parts if p not in ("str", "int", "float", "bool")
-            and not p.startswith(("list[", "dict[", "function-"))]
-    return ".".join(keep) or None
-
 
 def apply_field_rule(route: str, data: dict, implemented) -> dict:
     """The field rule of one route (request_fields.py): a field it refuses, set, is a 400 naming it; a field that
@@ -293,7 +214,7 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, Any]] | None = None      # for templates that read `documents` (RAG)
     reasoning_effort: Text | None = None               # for templates that read `reasoning_effort`
     echo: bool = False                       # the reply starts with the last message when it is the assistant's
-    # tool calling (kvflow.server.tool_calls.parse_tool_request checks them and names the field)
+    # tool calling (kvflow.server.serving.tool_calls.parse_tool_request checks them and names the field)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[Text, dict[str, Any], None] = None   # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool | None = None      # false: one call at most (tool_calls.parse_tool_request)

@@ -240,7 +240,7 @@ class JsonToolParser:
             pos = end
 
 
-TOOL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "json": JsonToolParser}
+TOOL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "json": JsonToolParser}   # keys: config.TOOL_PARSERS
 
 
 def get_tool_parser(name: str):

@@ -5,7 +5,10 @@ import json
 from dataclasses import dataclass, field
 
 from kvflow.config import parse_bytes
-from kvflow.server.tool_calls import TOOL_PARSERS
+
+# --tool-call-parser's names: the parsers serving/tool_calls.py implements (TOOL_PARSERS, keyed by these; a test
+# checks the two agree). Named here so that the config, below every surface, needs nothing of the chat route.
+TOOL_PARSERS = ("hermes", "json")
 
 # OpenAI's API rejects n > 128, and 128 is the default max_num_seqs: one request can fill at most one batch.
 # (vLLM's VLLM_MAX_N_SEQUENCES defaults to 16384, sized for GPUs; on a CPU that is minutes of one request.)

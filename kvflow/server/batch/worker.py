@@ -25,9 +25,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvflow.server.batch_store import ACTIVE, STATUSES, BatchStore
-from kvflow.server.protocol import APIError
-from kvflow.server.run_batch import URLS, BatchLine, BatchRunner, output_record, parse_line
+from kvflow.server.batch.store import ACTIVE, STATUSES, BatchStore
+from kvflow.server.common.errors import APIError
+from kvflow.server.batch.runner import URLS, BatchLine, BatchRunner, LineRoutes, output_record, parse_line
 
 logger = logging.getLogger("kvflow.server")
 
@@ -55,15 +55,17 @@ class Running:
 
 
 class BatchWorker:
-    def __init__(self, store_handle, serving, embeddings, metrics, *, max_concurrency: int, priority: int,
+    def __init__(self, store_handle, serving, routes: LineRoutes, metrics, *, max_concurrency: int, priority: int,
                  max_lines: int = MAX_LINES) -> None:
+        """`serving`: the served model names and their check; `routes`: the lines' routes (the app's
+        `batch_line_routes`)."""
         self.handle = store_handle
         self.serving = serving
         self.metrics = metrics
         self.max_concurrency = max(1, max_concurrency)
         self.priority = priority
         self.max_lines = max_lines
-        self.runner = BatchRunner(serving, embeddings, self.max_concurrency, priority=priority)
+        self.runner = BatchRunner(routes, self.max_concurrency, priority=priority)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._running: dict[str, Running] = {}

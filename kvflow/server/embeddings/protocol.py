@@ -1,30 +1,18 @@
-"""/v1/embeddings: OpenAI's Embeddings API (with vLLM's extras) over the served model's pooled final hidden states.
-
-An adapter over the one submit path: each input is one engine request carrying `PoolingParams` (prefill only, in the
-same continuous batch as generation; the engine's `--pooling` says last token or mean, `pooling_params.py` how the
-vector is finished); each request's stream ends with one delta carrying its vector, collected here.
-
-The field rule holds: every field of vLLM's EmbeddingCompletionRequest (and OpenAI's) is implemented here or refused
-with a 400 naming it (`request_fields.py`, REFUSED["embeddings"]); a field neither defines is ignored, logged once.
-"""
+"""/v1/embeddings' request and response: vLLM's EmbeddingCompletionRequest field by field (implemented here or
+refused in `serving/request_fields.py`, REFUSED["embeddings"]) and OpenAI's response."""
 from __future__ import annotations
 
-import asyncio
-import base64
 import time
 from typing import Any, ClassVar, Literal, Union
 
-import numpy as np
 from pydantic import Field, model_validator
-from starlette.requests import Request
 
-from kvflow.async_engine import RequestFailedError
 from kvflow.errors import InvalidRequestError
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
-from kvflow.server.protocol import (PRIORITY_FIELD, APIError, OpenAIModel, Text, apply_field_rule, documented, prompt_list,
-                                    random_id)
-from kvflow.server.serving import OpenAIServing, arrival_time, merge, run_unless_disconnected
+from kvflow.server.common.errors import APIError
+from kvflow.server.common.schema import OpenAIModel, Text, documented
+from kvflow.server.serving.protocol import PRIORITY_FIELD, apply_field_rule, prompt_list
 
 MAX_INPUTS = 2048                       # one request's inputs at most, as OpenAI allows
 # the bytes of a base64 vector: float32 (OpenAI's, and what its client decodes), in this byte order
@@ -99,51 +87,3 @@ class EmbeddingResponse(OpenAIModel):
 
 
 EMBEDDINGS_OPENAPI = {200: {"model": EmbeddingResponse, "description": "one vector per input, in input order"}}
-
-
-class EmbeddingsServing:
-    """The route's method, over the server's OpenAIServing (its model names, tokenization, submit and errors)."""
-
-    def __init__(self, serving: OpenAIServing) -> None:
-        self.serving = serving
-
-    async def create(self, req: EmbeddingRequest, raw: Request | None = None, *, priority: int = 0
-                     ) -> EmbeddingResponse:
-        """`priority`: the base the request's own priority adds to (the Batch API's; 0 for interactive)."""
-        serving = self.serving
-        arrival = arrival_time(raw)
-        model = serving.check_model(req.model)
-        inputs = req.inputs()
-        pooling, params = req.pooling_params(), req.sampling_params()
-        serving.check_prompt_chars(max((len(p) for p in inputs if isinstance(p, str)), default=0), "input")
-        prompt_ids = await asyncio.to_thread(serving.completion_prompt_ids, inputs, req.add_special_tokens)
-        request_id = f"embd-{req.request_id}" if req.request_id else random_id("embd")
-        streams = serving.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES, pooling=pooling,
-                                 priority=serving.priority(req, priority), model=model)
-        vectors: list[list[float] | None] = [None] * len(streams)
-
-        async def gather():
-            async for index, delta in merge(streams):
-                if delta.embedding is not None:
-                    vectors[index] = delta.embedding
-
-        try:
-            await run_unless_disconnected(gather(), raw, streams)
-        except RequestFailedError as e:
-            raise serving.failure(e) from None
-        if any(v is None for v in vectors):      # e.g. aborted by a shutdown past its grace period
-            raise APIError(503, "the engine stopped before every input was embedded", type="service_unavailable",
-                           code="service_unavailable")
-        prompt_tokens = sum(s.num_prompt_tokens for s in streams)
-        return EmbeddingResponse(
-            id=request_id, model=model,
-            data=[EmbeddingData(index=i, embedding=encode(v, req.encoding_format, req.endianness))
-                  for i, v in enumerate(vectors)],
-            usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens))
-
-
-def encode(vector: list[float], encoding_format: str, endianness: str = "native") -> list[float] | str:
-    """A vector as the response carries it: floats, or base64 of its float32 bytes in the given byte order."""
-    if encoding_format == "float":
-        return vector
-    return base64.b64encode(np.asarray(vector, dtype=BYTE_ORDERS[endianness]).tobytes()).decode("ascii")

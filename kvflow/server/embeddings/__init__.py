@@ -1,0 +1,1 @@
+"""/v1/embeddings: OpenAI's Embeddings API with vLLM's extras."""

@@ -1,0 +1,1 @@
+"""/v1/messages: Anthropic's Messages API, an adapter over the chat route."""

@@ -1,0 +1,1 @@
+"""The operator's view: /health, /metrics, /version, the live /dashboard and OpenTelemetry traces."""

@@ -1,0 +1,1 @@
+"""OpenAI's chat and completions surface (with SageMaker's /invocations, /tokenize, /detokenize, the LoRA routes)."""

@@ -1,0 +1,1 @@
+"""/v1/responses: OpenAI's Responses API, an adapter over the chat route."""
