@@ -36,6 +36,24 @@ def prefix_cache_hits(url: str) -> float:
     raise AssertionError("no vllm:prefix_cache_hits_total")
 
 
+def served_by_replica(log_dir: Path, ids: set[str], timeout: float = 30.0) -> dict[str, tuple[int, int]]:
+    """Response id -> (replica index, cached tokens), from the replicas' request logs, once `ids` are all there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        served = {}
+        for k in range(2):
+            path = log_dir / f"replica-{k + 1}.jsonl"
+            for line in path.read_text().splitlines() if path.exists() else []:
+                try:
+                    x = json.loads(line)
+                except json.JSONDecodeError:         # a line being written
+                    continue
+                served[x["id"]] = (k, x["cached_tokens"])
+        if ids <= set(served) or time.monotonic() > deadline:
+            return served
+        time.sleep(0.1)
+
+
 @pytest.mark.skipif(not (BIN / "vllm-router").exists(), reason="vllm-router is not installed (pip install "
                                                                 "vllm-router; the test extra has it)")
 def test_shared_prefixes_land_on_the_replica_that_holds_them(tmp_path):
@@ -74,13 +92,9 @@ def test_shared_prefixes_land_on_the_replica_that_holds_them(tmp_path):
             answers = list(pool.map(ask, SYSTEM, (0, 0)))
         for i in range(1, 4):
             answers += [ask(role, i) for role in SYSTEM]
-        time.sleep(0.5)                               # the last lines reach the replicas' logs
-        served = {}                                   # response id -> (replica, cached tokens)
-        for k in range(2):
-            path = tmp_path / f"replica-{k + 1}.jsonl"
-            for line in path.read_text().splitlines() if path.exists() else []:
-                x = json.loads(line)
-                served[x["id"]] = (k, x["cached_tokens"])
+        # each replica's log writer is a thread behind a queue: wait until every answer's line is on disk (a fixed
+        # sleep lost the last lines on a loaded machine)
+        served = served_by_replica(tmp_path, {r.id for _, r in answers})
         where = {role: {served[r.id][0] for rr, r in answers if rr == role} for role in SYSTEM}
         assert all(len(w) == 1 for w in where.values()), where       # each prefix stayed on one replica
         assert where["pirate"] != where["auditor"], where               # and the two went to different ones
