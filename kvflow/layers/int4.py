@@ -11,7 +11,7 @@ in a plain nibble layout and always dequantize: never a crash.
 Which of the two runs a step is chosen by its number of rows, from a measurement at load (`choose_kernel_rows`,
 ~0.1 s when the kernel wins outright): the kernel reads 4-bit weights and wins small steps everywhere, while a
 large prefill chunk may run faster as one float GEMM over a dequantized copy, depending on the CPU
-(docs/performance.md).
+(docs/performance.md; the crossover table per CPU in docs/measurements/performance-history.md).
 The dequantizing path unpacks torch's own packed layout, which differs between AVX-512 and AVX2 builds: it is
 learned at start-up by packing known codes, and checked, so no second copy of the codes is kept.
 """

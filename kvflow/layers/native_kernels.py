@@ -54,7 +54,7 @@ def compute_dtype(device: torch.device, dtype_setting: str, quantization: str | 
     """float32 for dtype=auto where the weights are 4-bit codes ("gguf", "int4") on a CPU that runs these kernels:
     they compute in float32, and then every step's matmuls, attention and norms are kvflow's batch-invariant
     kernels, also where the CPU has fast bf16 (on AVX-512 VNNI as fast as torch's bf16 int4 kernel at one row and
-    ~2x faster from 16 rows, docs/performance.md). None elsewhere: platform.pick_dtype decides."""
+    ~2x faster from 32 rows, docs/performance.md). None elsewhere: platform.pick_dtype decides."""
     if dtype_setting == "auto" and quantization in ("gguf", "int4") and device.type == "cpu" and usable():
         return torch.float32
     return None
