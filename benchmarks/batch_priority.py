@@ -1,5 +1,5 @@
 """Does a large Batch API job slow interactive traffic down? Interactive TTFT alone against the same load while a
-1,000-request batch runs in the background (issue 28's goal: p95 TTFT within 1.3x).
+1,000-request batch runs in the background (the goal: p95 TTFT within 1.3x).
 
     python benchmarks/batch_priority.py [--reps 3] [--batch-lines 1000] [--requests 48] [--concurrency 2]
                                         [--kvflow-args "..."]

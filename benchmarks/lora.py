@@ -1,4 +1,4 @@
-"""LoRA adapters (issue 27) through the server: `kvflow serve` on the embedded model with `--enable-lora --max-loras 4
+"""LoRA adapters through the server: `kvflow serve` on the embedded model with `--enable-lora --max-loras 4
 --max-lora-rank 16` and four rank-16 adapters, against the same server's base model and a server without
 `--enable-lora`; the load from `kvflow bench` (the haiku prompts, streamed, greedy); medians of `--reps` and one
 Markdown table with the issue's goals.
@@ -18,7 +18,7 @@ Loads, each on every server where it applies:
   i mod 4: a jsonl dataset with a model per line);
 - `base c=32`: the same requests on the base model;
 - `adapter c=1`: one adapter at concurrency 1;  `base c=1`: the base model at concurrency 1.
-Goals (issue 27): adapters c=32 output tok/s >= 0.8x the base's; adapter c=1 TPOT p50 <= 1.15x the base's. The
+Goals: adapters c=32 output tok/s >= 0.8x the base's; adapter c=1 TPOT p50 <= 1.15x the base's. The
 ratios are given against the server without --enable-lora (what a user gives up by turning LoRA on and using it)
 and against the same server's base model.
 
@@ -219,7 +219,7 @@ def main() -> int:
               f"max_tokens {args.output_len}; {time.monotonic() - t_start:.0f} s in all.\n"
               + "".join(f"\n- {k}: `{v}`" for k, v in commands.items())
               + "".join(f"\n- kernel path ({k}): {v}" for k, v in paths.items())
-              + "\n\nGoals (issue 27): adapters at concurrency 32 output tok/s ≥ 0.8x the base's; one adapter at "
+              + "\n\nGoals: adapters at concurrency 32 output tok/s ≥ 0.8x the base's; one adapter at "
                 "concurrency 1 TPOT p50 ≤ 1.15x the base's (ratios against the server without --enable-lora).\n")
     table = "\n".join(rows)
     (out / "lora.md").write_text(header + "\n" + table + "\n")

@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 26) through the server: `kvflow serve` with speculation off, `ngram` and `suffix`,
+"""Speculative decoding through the server: `kvflow serve` with speculation off, `ngram` and `suffix`,
 the same streamed load from `kvflow bench` against each, on the embedded model; medians of `--reps` and one
 Markdown table with the ratios to off, the acceptance rate and mean accepted length, and the issue's goals.
 
@@ -240,7 +240,7 @@ def main() -> int:
               f"quote max_tokens {args.quote_output_len}, haiku {args.haiku_output_len}"
               f"{', ignore_eos' if args.ignore_eos else ''}; {time.monotonic() - t_start:.0f} s in all.\n"
               + "".join(f"\n- {m}: `{c}`" for m, c in commands.items())
-              + "\n\nGoals (issue 26): quote c=1 output tok/s ≥ 1.8x off and TPOT p50 ≤ 0.6x; quote c=8 ≥ 1.3x; "
+              + "\n\nGoals: quote c=1 output tok/s ≥ 1.8x off and TPOT p50 ≤ 0.6x; quote c=8 ≥ 1.3x; "
                 "quote c=32 and haiku at every level ≥ 0.97x.\n")
     (out / "spec_decode.md").write_text(header + "\n" + table + "\n")
     print("\n" + header + "\n" + table)

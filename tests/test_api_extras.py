@@ -1,4 +1,4 @@
-"""vLLM's completions and chat extras (issue 24), end to end: the real server through the official client (vLLM's
+"""vLLM's completions and chat extras, end to end: the real server through the official client (vLLM's
 extras go in `extra_body`, as a vLLM user sends them). Each test shows the field changing the output in the way
 vLLM defines, so a field accepted and dropped fails here.
 

@@ -1,4 +1,4 @@
-"""The online Batch API (issue 28): /v1/files and /v1/batches through the official openai client against the real
+"""The online Batch API: /v1/files and /v1/batches through the official openai client against the real
 server (uvicorn + AsyncEngine, a tiny random-weight model), the SQLite store on disk under a tmp --batch-dir.
 
 - 200 lines (two files: a chat batch and a completions batch, as OpenAI's one-endpoint-per-batch rule has it, with

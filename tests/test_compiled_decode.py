@@ -1,6 +1,6 @@
 """Compiled decode steps (kvflow/runner/compiled_decode.py) against eager ones, on a tiny random model: the same
 greedy tokens, padding rows that stay in the scratch block, and an eager fallback when compiling fails; eager
-steps while a bucket compiles (issue 23's race), a clean exit during a compile, and a warm second start."""
+steps while a bucket compiles (a race once lost there), a clean exit during a compile, and a warm second start."""
 from __future__ import annotations
 
 import logging

@@ -126,7 +126,7 @@ def test_every_series_the_dashboard_queries_is_on_a_live_server(metrics_page):
     assert "model_name" in {v["name"] for v in dashboard["templating"]["list"]}
     exprs = dashboard_queries(dashboard)
     names = {name for e in exprs for name, _ in selectors(e)}
-    # the panels cover the metrics issue 24 asked for
+    # the panels cover the metrics vLLM's dashboards chart
     for name in ("vllm:iteration_tokens_total_bucket", "vllm:num_requests_waiting_by_reason", "vllm:cache_config_info",
                  "vllm:request_params_n_sum", "vllm:request_params_max_tokens_sum",
                  "vllm:request_inference_time_seconds_sum", "vllm:request_num_preemptions_sum",

@@ -1,4 +1,4 @@
-"""Hostile grammars (issue 24): a constraint the grammar compiler cannot handle within its limits is a 400 naming
+"""Hostile grammars: a constraint the grammar compiler cannot handle within its limits is a 400 naming
 the field, in bounded time, the same on every try; it never crashes the server, never reaches the engine to fail
 there (a 500) or to poison later requests (an empty 200), and compiling it never stalls other streams.
 

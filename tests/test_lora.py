@@ -1,4 +1,4 @@
-"""LoRA adapters (issue 27), with real parts: adapters made by peft over a tiny random Llama (and over the embedded
+"""LoRA adapters, with real parts: adapters made by peft over a tiny random Llama (and over the embedded
 model's shapes), kvflow's greedy tokens against transformers + peft in float32, through the server (mixed batches,
 slot pressure, the run-time routes) and offline (`LLM(enable_lora=True)` + `LoRARequest`)."""
 from __future__ import annotations

@@ -100,7 +100,7 @@ def float32_reference(smol_llm):
     return perplexity(smol_llm, TEXT), [o.outputs[0].token_ids for o in smol_llm.generate(PROMPTS, GREEDY_32)]
 
 
-# 4-bit against float32 on the same weights (issue 15). "gguf" is the default for the embedded Q4_1 file (its own
+# 4-bit against float32 on the same weights. "gguf" is the default for the embedded Q4_1 file (its own
 # codes, scales rounded to bf16 as torch's int4 kernel takes them); "int4" rounds float weights to group-32 int4,
 # as for a float checkpoint (here: the GGUF's float32 values). Both compute in dtype=auto (bf16 on this AVX-512-BF16
 # machine, float32 on an AVX2 one).

@@ -1,4 +1,4 @@
-"""The field rule (issue 24): every field of vLLM's chat and completions request schemas is implemented (a field
+"""The field rule: every field of vLLM's chat and completions request schemas is implemented (a field
 of kvflow's pydantic model) or refused with a 400 naming it when set; never accepted and dropped. Through the real
 server with httpx (the official client has no names for most of these; `extra_body` sends the same JSON)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""/v1/responses (OpenAI's Responses API, issue 25) through the official openai client on the real server.
+"""/v1/responses (OpenAI's Responses API) through the official openai client on the real server.
 
 The route is an adapter over the chat route, so most checks compare it with /v1/chat/completions on the same
 prompt: the same greedy text and the same prompt token count. The embedded SmolLM2 runs everything (its JSON and

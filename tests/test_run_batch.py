@@ -1,4 +1,4 @@
-"""`kvflow run-batch` (issue 28, offline): vLLM's batch file format through the server's own routes.
+"""`kvflow run-batch` (offline): vLLM's batch file format through the server's own routes.
 
 The real command (a subprocess) on a tiny random model: a file mixing chat, completions and embeddings with bad lines
 (malformed JSON, an unknown url, a refused field, a streaming body, a body the model refuses, a model not served);

@@ -431,7 +431,7 @@ def test_lone_surrogate_is_400_naming_the_field(http, route, body, param):
     ("best_of", 3),
 ])
 def test_values_the_engine_cannot_run_are_400(server, http, field, value):
-    """Each of these once ended the engine loop or slipped through (issue 14); now a 400 naming the field."""
+    """Each of these once ended the engine loop or slipped through; now a 400 naming the field."""
     body = {"model": "tiny", "prompt": "x", "max_tokens": 3, "min_tokens": 2, "temperature": 0.8, field: value}
     assert_openai_error(http.post("/v1/completions", json=body), 400, param=field)
     assert http.get("/health").status_code == 200

@@ -17,7 +17,7 @@ How:
   (no tracing, ~tens of ms a bucket once Inductor's own cache holds their C++), on the engine thread between
   steps (`poll`, from `bucket_for` and the server's idle loop). Why a process: tracing patches
   `torch.nn.Module.__call__` globally, so tracing on one thread while another runs the same model eagerly
-  broke the eager forward (issue 23); a compile thread inside Inductor also aborted the process at exit;
+  broke the eager forward (a race now closed); a compile thread inside Inductor also aborted the process at exit;
 - the engine serves eagerly until a bucket is loaded (boot time does not grow), and eagerly for steps with
   prefill chunks or above the largest bucket; a second start with the same key loads every bucket at once;
 - any failure (the child failing, a graph that does not load, a compiled step raising) is logged once and

@@ -1,4 +1,4 @@
-"""OpenAI's Batch API, online (issue 28): `/v1/batches` create, retrieve, list (newest first, `after` / `limit`),
+"""OpenAI's Batch API, online: `/v1/batches` create, retrieve, list (newest first, `after` / `limit`),
 cancel; the Batch object's shape. The worker that runs the batches is server/batch_worker.py; the store is
 server/batch_store.py.
 

@@ -1,4 +1,4 @@
-"""OpenAI's Files API for the Batch API (issue 28): `/v1/files` upload (multipart, purpose "batch"), list, retrieve,
+"""OpenAI's Files API for the Batch API: `/v1/files` upload (multipart, purpose "batch"), list, retrieve,
 content, delete; FileObject's shape. The bytes are files under `--batch-dir` (server/batch_store.py); a batch's
 output and error files are listed here too (purpose "batch_output").
 

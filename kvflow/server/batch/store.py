@@ -1,4 +1,4 @@
-"""The Batch API's storage (issue 28): file and batch metadata, each batch's input lines and each line's result in
+"""The Batch API's storage: file and batch metadata, each batch's input lines and each line's result in
 one SQLite database (stdlib `sqlite3`, WAL mode) under `--batch-dir`; file bodies as files beside it.
 
     <batch-dir>/batches.sqlite3        files, batches, lines (a batch's validated input), results

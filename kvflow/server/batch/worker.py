@@ -1,4 +1,4 @@
-"""The online Batch API's worker (issue 28): validates new batches, runs their lines through the server's routes
+"""The online Batch API's worker: validates new batches, runs their lines through the server's routes
 (run_batch.BatchRunner, at the batch priority), commits each result, writes the output and error files, and
 resumes whatever a stop or a crash left.
 

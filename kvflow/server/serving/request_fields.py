@@ -1,6 +1,6 @@
 """The request fields of OpenAI's and vLLM's chat, completions and (de)tokenize schemas that kvflow does not
 implement, as data: each is refused with a 400 naming it when a request sets it to anything but its default, never
-accepted and dropped (the rule of issue 24). The fields kvflow implements are its pydantic models' own
+accepted and dropped (the field rule). The fields kvflow implements are its pydantic models' own
 (`server/protocol.py`); `tests/test_request_fields.py` checks that every field of vLLM's lists below is one or the
 other. A field that neither schema defines is ignored, as vLLM does, and logged once per name.
 
