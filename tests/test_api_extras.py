@@ -56,6 +56,7 @@ def tokenize(server, text, add_special_tokens=True) -> list[int]:
 
 
 # ---- sampling fields --------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bad_words_keep_the_greedy_answer_out(client):
     assert "Paris" in complete(client).choices[0].text
     text = complete(client, extra_body={"bad_words": ["Paris"]}).choices[0].text
@@ -77,6 +78,7 @@ def test_allowed_token_ids_bound_the_output(client, smol_server):
         "allowed_token_ids"
 
 
+@pytest.mark.slow
 def test_truncate_prompt_tokens_keeps_the_last_tokens_and_counts_them(client, smol_server):
     ids = tokenize(smol_server, "One two three four. " + PROMPT)
     r = complete(client, prompt=ids, extra_body={"truncate_prompt_tokens": 6})
@@ -118,6 +120,7 @@ def test_completion_echo_prepends_the_prompt_and_its_logprobs(client, smol_serve
     assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
 
 
+@pytest.mark.slow
 def test_return_token_ids_whole_and_streamed(client, smol_server):
     r = complete(client, extra_body={"return_token_ids": True}).choices[0]
     assert r.prompt_token_ids == tokenize(smol_server, PROMPT)
@@ -160,6 +163,7 @@ def test_completion_add_special_tokens(client, smol_server):
 
 
 # ---- the chat template ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_continue_final_message_and_chat_echo(client):
     messages = [{"role": "user", "content": "Name the capital of France."},
                 {"role": "assistant", "content": "The capital of France is"}]
@@ -216,6 +220,7 @@ def tiny(tmp_path_factory):
         yield path, s
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_equal_transformers(tiny):
     from transformers import AutoModelForCausalLM
 
@@ -243,6 +248,7 @@ def test_prompt_logprobs_equal_transformers(tiny):
     assert plain.choices[0].text == r.choices[0].text
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_bad_values(tiny):
     _, server = tiny
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
@@ -254,6 +260,7 @@ def test_prompt_logprobs_bad_values(tiny):
         "prompt_logprobs"
 
 
+@pytest.mark.slow
 def test_chat_prompt_logprobs_on_the_response(tiny):
     _, server = tiny
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
@@ -264,6 +271,7 @@ def test_chat_prompt_logprobs_on_the_response(tiny):
     assert all(len(p) == 1 and math.isfinite(next(iter(p.values()))["logprob"]) for p in got[1:])
 
 
+@pytest.mark.slow
 def test_parallel_tool_calls_false_allows_one_call(client):
     from kvflow.errors import InvalidRequestError
     from kvflow.server.serving.tool_calls import parse_tool_request
@@ -281,6 +289,7 @@ def test_parallel_tool_calls_false_allows_one_call(client):
 
 
 # ---- priority (vLLM's: honoured only under --scheduling-policy priority) -----------------------------------------
+@pytest.mark.slow
 def test_priority_without_the_priority_policy_is_a_400_naming_it(client):
     body = bad_request(lambda: complete(client, extra_body={"priority": 5}))
     assert body["param"] == "priority" and "--scheduling-policy priority" in body["message"]

@@ -151,6 +151,7 @@ def two_hundred(server):
                 ran=engine_requests(server.url) - before)
 
 
+@pytest.mark.slow
 def test_200_lines_complete_with_every_custom_id_once(two_hundred, client):
     outputs, errors = [], []
     for b in two_hundred["batches"]:
@@ -193,6 +194,7 @@ def test_refused_lines_carry_the_routes_status_and_error_body(two_hundred, clien
                 assert online.status_code == status and online.json() == r["response"]["body"], cid
 
 
+@pytest.mark.slow
 def test_good_lines_equal_the_online_answer(two_hundred, client, server):
     outputs = {r["custom_id"]: r for b in two_hundred["batches"] for r in records(client, b.output_file_id)}
     bodies = {json.loads(x)["custom_id"]: json.loads(x) for x in two_hundred["lines"]}
@@ -368,6 +370,7 @@ def test_bad_create_parameters_are_400s_naming_them(client):
     assert error_of(e, 400)["param"].startswith("expires_after")
 
 
+@pytest.mark.slow
 def test_upload_limits_file_size_and_disk_space(model_path, tmp_path):
     with ServerThread(EngineConfig(model=str(model_path), **ENGINE), batch_dir=str(tmp_path / "b"),
                       max_batch_file_size="4KiB", batch_min_free_space="4096TiB") as server:
@@ -406,6 +409,7 @@ def test_list_pages_newest_first(client):
         client.files.retrieve(f.id)
 
 
+@pytest.mark.slow
 def test_the_api_key_guards_files_and_batches(model_path, tmp_path):
     with ServerThread(EngineConfig(model=str(model_path), **ENGINE), batch_dir=str(tmp_path / "b"),
                       api_key="sekret") as server:
@@ -419,6 +423,7 @@ def test_the_api_key_guards_files_and_batches(model_path, tmp_path):
 
 
 # ---- cancel, expiry ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_cancel_mid_run_finishes_running_lines_and_starts_no_more(model_path, tmp_path):
     with ServerThread(EngineConfig(model=str(model_path), **ENGINE), batch_dir=str(tmp_path / "b"),
                       batch_max_concurrency=2) as server:
@@ -444,6 +449,7 @@ def test_cancel_mid_run_finishes_running_lines_and_starts_no_more(model_path, tm
         assert client.batches.retrieve(b.id).request_counts.completed == len(out)
 
 
+@pytest.mark.slow
 def test_a_batch_past_its_completion_window_expires(model_path, tmp_path):
     with ServerThread(EngineConfig(model=str(model_path), **ENGINE), batch_dir=str(tmp_path / "b"),
                       batch_max_concurrency=1) as server:
@@ -483,6 +489,7 @@ def committed(batch_dir: Path, batch_id: str) -> tuple[dict, str]:
     return results, status
 
 
+@pytest.mark.slow
 def test_a_graceful_stop_commits_the_lines_in_flight_and_a_restart_resumes(model_path, tmp_path):
     batch_dir = tmp_path / "batches"
     n = 16
@@ -526,6 +533,7 @@ def serve(model_path, batch_dir, *flags) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_batch_then_restart_completes_each_line_once(model_path, tmp_path):
     batch_dir = tmp_path / "batches"
     n = 24

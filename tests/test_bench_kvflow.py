@@ -34,6 +34,7 @@ def bench(*argv: str) -> int:
     return main(["bench", "--no-progress", *argv])
 
 
+@pytest.mark.slow
 def test_bench_against_kvflow_server(kvflow_server, tmp_path):
     assert httpx.get(kvflow_server.root_url + "/health", trust_env=False).status_code == 200
     lines = [{"messages": [{"role": "user", "content": f"Q{i}: write a haiku"}], "max_tokens": 12}
@@ -89,6 +90,7 @@ def test_optimization_experiment_static_vs_continuous(tiny_model, tmp_path):
     assert html.count("data:image/png;base64,") >= 3
 
 
+@pytest.mark.slow
 def test_bench_reports_speculative_decoding_from_the_servers_counters(tiny_model, tmp_path):
     """The quote workload against the real server with n-gram speculation: the report's acceptance rate and mean
     accepted length are the server's own spec_decode counters (a fresh server, no warmup: the run's deltas are

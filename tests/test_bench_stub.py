@@ -171,6 +171,7 @@ def stub():
         yield s
 
 
+@pytest.mark.slow
 def test_bench_run_writes_valid_reports_and_measures_client_ceiling(stub, tmp_path, capsys):
     out = tmp_path / "run"
     rc = bench("--base-url", stub.base_url, "--workload", "random", "--input-len", "32", "--output-len", "64",
@@ -209,6 +210,7 @@ def test_bench_run_writes_valid_reports_and_measures_client_ceiling(stub, tmp_pa
     assert tps > 1000
 
 
+@pytest.mark.slow
 def test_bench_counts_errors_by_kind_and_finishes(tmp_path):
     lines = [{"prompt": "hello there", "max_tokens": 8},
              {"prompt": "ERR400 a prompt over the context limit"},
@@ -240,6 +242,7 @@ def test_bench_counts_errors_by_kind_and_finishes(tmp_path):
     assert (out / "report.html").read_text().startswith("<!DOCTYPE html>")
 
 
+@pytest.mark.slow
 def test_sweep_and_compare(stub, tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     assert bench("--base-url", stub.base_url, "--workload", "haiku", "--num-requests", "16", "--output-len", "8",
@@ -260,6 +263,7 @@ def test_sweep_and_compare(stub, tmp_path, capsys):
     assert (tmp_path / "cmp.md").read_text() == text[:-1]   # print() added one newline
 
 
+@pytest.mark.slow
 def test_duration_with_poisson_arrivals(stub, tmp_path):
     out = tmp_path / "dur"
     assert bench("--base-url", stub.base_url, "--workload", "haiku", "--output-len", "4", "--request-rate", "40",

@@ -50,6 +50,7 @@ def written_blocks(llm: LLM) -> set[int]:
 # float32: 3 requests, so bucket 4 runs one padding row per step; 40 tokens, identical. bfloat16: 4 requests, 16
 # tokens: Inductor folds the residual add into the matmul (addmm) and rounds to bf16 once where eager rounds twice,
 # and at token 32 one request of this random model flips a near-tie (106 vs 40269) a step early.
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,num_prompts,max_tokens", [("float32", 3, 40), ("bfloat16", 4, 16)])
 def test_compiled_decode_gives_the_eager_greedy_tokens_and_padding_stays_in_the_scratch_block(tiny_dir, dtype,
                                                                                               num_prompts, max_tokens):
@@ -75,6 +76,7 @@ def cold_caches(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_a_failing_compile_falls_back_to_eager_steps(tiny_dir, cold_caches, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "/bin/false")          # Inductor's C++ compiler: every compile fails
     with caplog.at_level(logging.WARNING, logger="kvflow"):
@@ -97,6 +99,7 @@ def shared_cold_caches(tmp_path_factory):
         yield root
 
 
+@pytest.mark.slow
 def test_eager_steps_while_a_bucket_compiles_are_unharmed(tiny_dir, shared_cold_caches):
     """Issue 23: compiling on a thread of the serving process patched torch.nn.Module.__call__ while it traced,
     so an eager step at that moment died (NameError: module is not installed as a submodule). Steps of 2 rows
@@ -117,6 +120,7 @@ def test_eager_steps_while_a_bucket_compiles_are_unharmed(tiny_dir, shared_cold_
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_a_second_start_loads_the_saved_graphs_without_compiling(tiny_dir, shared_cold_caches):
     settings = dict(dtype="float32", max_model_len=256, enforce_eager=False, compile_batch_sizes=(1,))
     first = LLM(str(tiny_dir), kv_cache_memory="16MiB", **settings)     # compiles (unless the race test did)
@@ -131,6 +135,7 @@ def test_a_second_start_loads_the_saved_graphs_without_compiling(tiny_dir, share
     again.shutdown()
 
 
+@pytest.mark.slow
 def test_the_process_exits_cleanly_while_it_compiles(tiny_dir, cold_caches):
     """Issue 23: `kvflow generate` printed its answer, then aborted (terminate called without an active
     exception, status 134) while the compile thread was inside Inductor. The compiler is a child process now,
@@ -157,6 +162,7 @@ def test_enforce_eager_and_buckets_are_serve_flags():
     assert config.enforce_eager and config.compile_batch_sizes == (1, 2, 8)
 
 
+@pytest.mark.slow
 def test_small_steps_on_fewer_threads_use_their_compiled_graphs(tiny_dir):
     """small_step_threads (what a server sets): Inductor bakes the thread count into a graph, so each bucket is
     compiled with the count its steps run on."""
@@ -186,6 +192,7 @@ def test_the_graph_cache_keeps_the_most_recently_used_and_this_engines_own(tmp_p
     prune_saved_graphs(tmp_path / "missing", keep=set())         # no folder yet: nothing to do
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("native", [True, False], ids=["kvflow-kernel", "sdpa"])
 def test_compiled_decode_keeps_gemma3s_sliding_window(tmp_path, native, monkeypatch):
     """A random Gemma 3 (window 16, 5 local : 1 global): decode steps past the window, compiled, give the eager

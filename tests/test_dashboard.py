@@ -60,6 +60,7 @@ class Streams:
             t.join(30)
 
 
+@pytest.mark.slow
 def test_nothing_sent_without_a_page(server):
     hub = server.app.state.dashboard
     sent = hub.messages_sent

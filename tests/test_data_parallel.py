@@ -38,6 +38,7 @@ def answers(server) -> list[str]:
             PROMPTS))
 
 
+@pytest.mark.slow
 def test_two_engines_answer_as_one_and_share_the_work(model_path):
     with ServerThread(config(model_path)) as one:
         expected = answers(one)
@@ -66,6 +67,7 @@ def test_two_engines_answer_as_one_and_share_the_work(model_path):
         assert hits >= 3 * 64                                  # three requests found the prefix's blocks
 
 
+@pytest.mark.slow
 def test_one_engine_dying_is_the_servers_death(model_path):
     with ServerThread(config(model_path, data_parallel_size=2)) as server:
         assert answers(server)

@@ -208,6 +208,7 @@ def token_ids(server, text: str) -> list[int]:
     return r.json()["tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_embeddings_match_transformers_float_and_base64(servers, hf_hidden, pooling):
     server = servers[pooling]
@@ -236,6 +237,7 @@ def test_embeddings_match_transformers_float_and_base64(servers, hf_hidden, pool
     np.testing.assert_allclose(from_base64[1], as_floats.data[1].embedding, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_every_input_form_gives_the_same_vectors(servers):
     server = servers["mean"]
     client = client_of(server)
@@ -251,6 +253,7 @@ def test_every_input_form_gives_the_same_vectors(servers):
     assert cosine(texts[0].embedding, texts[1].embedding) < 0.999
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switch", ["normalize", "use_activation"])
 def test_normalize_false_gives_the_pooled_state_itself(servers, hf_hidden, switch):
     server = servers["mean"]
@@ -270,6 +273,7 @@ def prompt_tokens_counter(server) -> float:
     return float(re.search(r'^vllm:prompt_tokens_total\{model_name="tiny"\} (\S+)$', text, re.M).group(1))
 
 
+@pytest.mark.slow
 def test_usage_counts_every_input_and_truncate_prompt_tokens_keeps_the_last_tokens(servers, hf_hidden):
     server = servers["last"]
     client = client_of(server)
@@ -287,6 +291,7 @@ def test_usage_counts_every_input_and_truncate_prompt_tokens_keeps_the_last_toke
     assert cosine(truncated.data[0].embedding, reference(hf_hidden, ids[1], "last")) < 0.999
 
 
+@pytest.mark.slow
 def test_dimensions_is_a_400_naming_it(servers):
     with pytest.raises(openai.BadRequestError) as e:
         client_of(servers["last"]).embeddings.create(model="tiny", input=SHORT, dimensions=8)
@@ -299,6 +304,7 @@ def a_value_other_than(default):
     return "bfloat16" if default == "float32" else [1, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field", sorted(REFUSED["embeddings"]))
 def test_a_refused_field_is_a_400_naming_it_and_its_default_is_accepted(servers, field):
     url = servers["last"].base_url + "/embeddings"
@@ -309,6 +315,7 @@ def test_a_refused_field_is_a_400_naming_it_and_its_default_is_accepted(servers,
     assert r.status_code == 200, (field, r.text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, param", [
     ({"input": []}, "input"),
     ({"input": ""}, "input"),                                        # no tokens
@@ -325,6 +332,7 @@ def test_bad_requests_are_errors_in_openais_shape_naming_the_field(servers, body
     assert error["param"] == param and error["message"] and error["type"], error
 
 
+@pytest.mark.slow
 def test_embeddings_share_the_batch_with_streaming_generation(servers, hf_hidden):
     """Embedding requests (one of them chunked) sent while greedy streams generate in the same server: the vectors
     match transformers, they come back before the streams end (they did not wait for them), and every stream's
@@ -385,6 +393,7 @@ def test_llm_embed_matches_transformers(model_path, hf_hidden):
     assert cosine(raw[0], want) >= 0.999 and abs(np.linalg.norm(raw[0]) / np.linalg.norm(want) - 1) < 1e-3
 
 
+@pytest.mark.slow
 def test_llm_embed_under_tensor_parallelism_pools_rank_0s_hidden_states(model_path, hf_hidden):
     """Every rank holds the whole hidden state after the last all-reduce and the replicated norm: rank 0's is the
     model's."""

@@ -56,6 +56,7 @@ def tiny_llama_llm(tiny_llama_dir):
 
 # ---- correctness against transformers ------------------------------------------------------------
 
+@pytest.mark.slow
 def test_smollm2_greedy_matches_transformers(smol_llm, hf_smol):
     outs = smol_llm.generate(SMOL_PROMPTS, GREEDY)
     eos = smol_llm.tokenizer.eos_token_ids
@@ -66,6 +67,7 @@ def test_smollm2_greedy_matches_transformers(smol_llm, hf_smol):
     assert sum(len(o.outputs[0].token_ids) for o in outs) > 8 * 8   # not all stopped at once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_tiny_random_models_match_transformers(family, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -79,6 +81,7 @@ def test_tiny_random_models_match_transformers(family, tmp_path):
     llm.engine.kv_cache_manager.check()
 
 
+@pytest.mark.slow
 def test_safetensors_and_gguf_of_the_same_weights_give_the_same_logits(tiny_llama_dir, tiny_llama_llm, tmp_path):
     gguf_path = tmp_path / "tiny.gguf"
     write_gguf_from_hf(tiny_llama_dir, gguf_path)
@@ -102,6 +105,7 @@ def mixed_prompts(tokenizer, k=16):
     return [tokenizer.encode(t) for t in base[:k]]
 
 
+@pytest.mark.slow
 def test_batch_invariance_alone_and_in_a_batch_of_16(smol_llm):
     prompts = mixed_prompts(smol_llm.tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=16)
@@ -111,6 +115,7 @@ def test_batch_invariance_alone_and_in_a_batch_of_16(smol_llm):
     assert len({len(p) for p in prompts}) > 8
 
 
+@pytest.mark.slow
 def test_chunked_prefill_gives_the_same_outputs(smol_llm):
     prompts = mixed_prompts(smol_llm.tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=12)
@@ -123,6 +128,7 @@ def test_chunked_prefill_gives_the_same_outputs(smol_llm):
     chunked_llm.engine.kv_cache_manager.check()
 
 
+@pytest.mark.slow
 def test_preemption_with_a_tiny_kv_cache_loses_nothing(tiny_llama_dir, tiny_llama_llm):
     prompts = [[(i * 37 + j) % 40000 + 10 for j in range(20 + i)] for i in range(16)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -151,6 +157,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_llama_llm):
     assert different_seed != alone
 
 
+@pytest.mark.slow
 def test_n_samples_stop_strings_and_logprobs(smol_llm):
     out = smol_llm.generate(["Count: 1, 2, 3,"], SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=10))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2] and all(c.token_ids for c in out.outputs)

@@ -114,6 +114,7 @@ def send_one(server, data) -> None:
     assert server.engine.is_alive, server.engine.death_reason
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
@@ -121,6 +122,7 @@ def test_no_request_can_hurt_the_server(server, data):
     send_one(server, data)
 
 
+@pytest.mark.slow
 def test_after_the_fuzzer_the_server_serves_and_holds_nothing(server):
     """Runs after the fuzzer (file order) on the same server."""
     generated = sum(n for (status, route), n in STATUS.items() if status == 200 and route.startswith("/v1/"))
@@ -150,8 +152,9 @@ ISSUE_14_ROWS = [{"stop_token_ids": [1000000], "min_tokens": 2}, {"stop_token_id
                  {"repetition_penalty": float("nan")}]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", ISSUE_14_ROWS, ids=lambda r: ",".join(r))
-def test_issue_14_rows_are_400_with_tensor_parallelism(tp_server, row):
+def test_once_fatal_rows_are_400_with_tensor_parallelism(tp_server, row):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **row}
     r = httpx.post(tp_server.url + "/v1/chat/completions", content=json.dumps(body, allow_nan=True).encode(),
                    headers={"content-type": "application/json"}, timeout=60)
@@ -160,6 +163,7 @@ def test_issue_14_rows_are_400_with_tensor_parallelism(tp_server, row):
     assert tp_server.engine.is_alive
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
@@ -167,6 +171,7 @@ def test_no_request_can_hurt_a_tensor_parallel_server(tp_server, data):
     send_one(tp_server, data)
 
 
+@pytest.mark.slow
 def test_after_the_tp_fuzzer_the_server_serves_and_holds_nothing(tp_server):
     r = httpx.post(tp_server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3},
                    timeout=60)

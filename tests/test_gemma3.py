@@ -138,6 +138,7 @@ def default_llm(gemma3_path):
     return LLM(str(gemma3_path), max_model_len=MAX_MODEL_LEN, kv_cache_memory="256MiB")
 
 
+@pytest.mark.slow
 def test_gemma3_270m_default_config_is_batch_invariant(default_llm):
     runner = default_llm.engine.runner
     assert runner.quantization == "gguf"
@@ -152,6 +153,7 @@ def test_gemma3_270m_default_config_is_batch_invariant(default_llm):
     default_llm.engine.kv_cache_manager.check()
 
 
+@pytest.mark.slow
 def test_gemma3_270m_k_quants_are_served_from_the_files_codes(default_llm):
     """Layer 0 of the Q4_K_M file: attn_output Q4_K (4-bit codes, the file's own), attn_q / attn_k Q5_0 with attn_v
     Q8_0 (one fused 8-bit matrix), ffn_gate / ffn_up Q5_0, ffn_down Q6_K (re-rounded to 8-bit codes)."""
@@ -165,6 +167,7 @@ def test_gemma3_270m_k_quants_are_served_from_the_files_codes(default_llm):
     assert "capital" in out[0].outputs[0].text or "Paris" in out[0].outputs[0].text
 
 
+@pytest.mark.slow
 def test_gemma3_chat_template_and_end_of_turn(default_llm):
     tok = default_llm.tokenizer
     assert tok.encode("<end_of_turn>", add_special_tokens=False)[0] in tok.eos_token_ids   # beside <eos>
@@ -175,6 +178,7 @@ def test_gemma3_chat_template_and_end_of_turn(default_llm):
                     "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
 
 
+@pytest.mark.slow
 def test_gemma3_server_32_concurrent_streaming_chats(gemma3_path, default_llm):
     """The client scenario on Gemma 3 270M's default configuration: 32 streamed chats at once, each the tokens the
     offline LLM gives that chat alone (the default configuration is batch invariant where kvflow's kernels run)."""

@@ -121,6 +121,7 @@ def missing(exprs: list[str], series: dict[str, list[dict[str, str]]]) -> list[s
     return out
 
 
+@pytest.mark.slow
 def test_every_series_the_dashboard_queries_is_on_a_live_server(metrics_page):
     dashboard = json.loads(DASHBOARD.read_text())
     assert "model_name" in {v["name"] for v in dashboard["templating"]["list"]}
@@ -141,6 +142,7 @@ def test_every_series_the_dashboard_queries_is_on_a_live_server(metrics_page):
                 assert labels.get("model_name") == "$model_name", (name, expr)
 
 
+@pytest.mark.slow
 def test_the_check_fails_on_a_renamed_metric_or_a_wrong_suffix(metrics_page):
     series = exposed_series(metrics_page)
     assert missing(['rate(vllm:iteration_tokens_bucket{model_name="$model_name"}[5m])',   # lost its _total
@@ -153,6 +155,7 @@ def test_the_check_fails_on_a_renamed_metric_or_a_wrong_suffix(metrics_page):
         "vllm:num_requests_waiting_by_reason{'reason': 'busy'}"]
 
 
+@pytest.mark.slow
 def test_the_series_vllms_example_dashboard_queries_are_there(metrics_page):
     series = exposed_series(metrics_page)
     assert [name for name in VLLM_EXAMPLE_DASHBOARD_SERIES if name not in series] == []

@@ -8,12 +8,14 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from kvflow.config import EngineConfig
 from kvflow.server.testing import ServerThread
 from tiny_models import make_tiny_hf_model
 
 
+@pytest.mark.slow
 def test_health_is_readiness_and_live_is_liveness(tmp_path):
     path = make_tiny_hf_model(tmp_path, family="llama", seed=6, max_position_embeddings=4096)
     cfg = EngineConfig(model=str(path), dtype="float32", max_model_len=4096, kv_cache_memory="16MiB", max_num_seqs=4)

@@ -81,6 +81,7 @@ def assert_400(response: httpx.Response, param: str, code: str | None = "grammar
 
 
 # ---------------------------------------------------------------------------------------------- each kind
+@pytest.mark.slow
 @pytest.mark.parametrize("body, param", [
     ({"structured_outputs": {"regex": NESTED_REPEAT}}, "structured_outputs.regex"),
     ({"guided_regex": "((a{100}){100}){100}", "stream": True}, "guided_regex"),
@@ -108,6 +109,7 @@ def test_a_constraint_beyond_the_limits_is_a_400_naming_the_field_every_time(ser
     assert server.engine.is_alive and httpx.get(f"{server.url}/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_a_grammar_check_past_the_time_limit_is_a_400_in_bounded_time(server):
     start = time.monotonic()
     error = assert_400(chat(server, guided_grammar=gbnf_chain(GBNF_CHAIN_RULES)), "guided_grammar")
@@ -124,6 +126,7 @@ def test_a_schema_nested_past_pythons_recursion_limit_is_a_400(server):
     assert_400(httpx.post(f"{server.base_url}/completions", json=body, timeout=60), "guided_json", code=None)
 
 
+@pytest.mark.slow
 def test_left_recursion_and_legitimate_large_constraints_still_work(server):
     """An Earley parser takes left recursion in its stride; a 1000-entry choice list and 2000 required properties
     are inside the limits."""
@@ -139,6 +142,7 @@ def test_left_recursion_and_legitimate_large_constraints_still_work(server):
 
 
 # ---------------------------------------------------------------------------------------------- the engine's side
+@pytest.mark.slow
 def test_a_grammar_that_fails_in_the_engine_fails_only_its_request_every_time(server, monkeypatch):
     """With the probe off, the nested repeat reaches the engine and runs out of lexer fuel on its first token.
     It must fail there each time (before: a 500, then a 200 with empty content and finish_reason "stop", since
@@ -158,6 +162,7 @@ def test_a_grammar_that_fails_in_the_engine_fails_only_its_request_every_time(se
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", ok.choices[0].message.content), ok.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_a_lexer_spent_in_the_engine_is_not_reused_by_the_next_request(server, smollm2_tokenizer, monkeypatch):
     """Every copy of a rebuilt template shares its lexer: once one request spends it (here: by taking `b`, after
     which a million forced bytes blow the fuel), the next request of the same grammar that takes the harmless
@@ -172,6 +177,7 @@ def test_a_lexer_spent_in_the_engine_is_not_reused_by_the_next_request(server, s
 
 
 # ---------------------------------------------------------------------------------------------- other streams
+@pytest.mark.slow
 def test_other_streams_keep_their_pace_while_hostile_grammars_compile(server):
     """A stream's chunks keep coming while the compiler works through ~5 s of hostile and large grammars: the
     compile runs on the compiler's threads and child, the rebuild on the engine's reader thread; on the event

@@ -34,6 +34,7 @@ def bf16_rounded(gq: GroupQuantized) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- the file's codes, untouched
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ftype", ["q4_0", "q4_1", "q8_0"])
 def test_gguf_codes_dequantize_to_the_files_values(tiny_hf, tmp_path, ftype):
     """keep_quantized yields codes whose float values are bit for bit what the float load gives (Q/K rows
@@ -136,6 +137,7 @@ def test_default_for_a_quantized_gguf_is_to_keep_it_quantized(smollm2_path):
     assert weight_quantization(files, None, "auto", device_type="cuda") is None
 
 
+@pytest.mark.slow
 def test_embedded_model_serves_within_130_mib():
     llm = LLM(max_model_len=256, kv_cache_memory="16MiB")
     runner = llm.engine.runner
@@ -159,6 +161,7 @@ def test_embedded_model_serves_within_130_mib():
     assert "Paris" in out[0].outputs[0].text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ftype", ["q4_0", "q8_0"])
 def test_tiny_quantized_gguf_runs_kept_quantized(tiny_hf, tmp_path, ftype):
     path = write_gguf_from_hf(tiny_hf, tmp_path / f"m-{ftype}.gguf", ftype=ftype)

@@ -61,6 +61,7 @@ def wide_hf(tmp_path_factory):
                               intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 
 
+@pytest.mark.slow
 def test_q4_k_file_kept_as_its_own_codes(wide_hf, tmp_path):
     path = write_gguf_from_hf(wide_hf, tmp_path / "m-q4_k.gguf", ftype="q4_k")
     files = resolve_model_files(path)
@@ -115,6 +116,7 @@ def test_mixed_stacks_keep_8_bit_pieces_as_the_files_codes():
     assert (got - q4k.dequantize()).abs().max() <= q4k.dequantize().abs().max() / 254 * 1.001
 
 
+@pytest.mark.slow
 def test_q4_k_m_file_serves_from_its_codes(wide_hf, tmp_path):
     from kvflow import LLM, SamplingParams
     from kvflow.layers import native_kernels
@@ -133,6 +135,7 @@ def test_q4_k_m_file_serves_from_its_codes(wide_hf, tmp_path):
     assert len(out[0].outputs[0].token_ids) == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ftype", ["q8_0", "q5_0"])
 def test_untied_8_bit_head_multiplies_the_files_codes(tmp_path, ftype):
     from kvflow import LLM
@@ -154,6 +157,7 @@ def test_untied_8_bit_head_multiplies_the_files_codes(tmp_path, ftype):
 
 # --------------------------------------------------------------------------- a tied table held once
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ftype", ["q4_k", "q4_0", "q4_1", "q8_0", "q4_k_m"])
 def test_tied_table_is_held_once_and_looks_up_the_files_values(wide_hf, tmp_path, ftype):
     from kvflow import LLM, SamplingParams
@@ -226,6 +230,7 @@ def test_fp16_scales_give_the_kernels_the_same_bits_as_float32(layout):
                            nk._run(q8, x, nk.pack_q8(c8, layout), nk.pack_scales(d, layout)))
 
 
+@pytest.mark.slow
 def test_untied_4_bit_embedding_is_held_packed_and_looks_up_the_files_values(tmp_path):
     from kvflow import LLM
     from kvflow.layers import native_kernels
@@ -307,6 +312,7 @@ def test_5_bit_kernel_gives_the_8_bit_kernels_bits_from_5_8_of_the_bytes(layout)
     assert not nk.fits_q5(torch.tensor([[-17, 0]], dtype=torch.int8))
 
 
+@pytest.mark.slow
 def test_q5_0_matrix_held_in_5_bits_same_bits_eager_and_compiled():
     from kvflow.layers import native_kernels as nk
     from kvflow.layers.quantization import NativeQ8Linear

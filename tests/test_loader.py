@@ -45,6 +45,7 @@ def test_embedded_model_config(smollm2_path):
     assert cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,)
 
 
+@pytest.mark.slow
 def test_embedded_model_weights_names_and_shapes(smollm2_path):
     weights = dict(iter_weights(smollm2_path))
     assert len(weights) == 2 + 30 * 9 and "lm_head.weight" not in weights
@@ -79,6 +80,7 @@ def test_embedded_weights_match_transformers_gguf_load(smollm2_path):
 
 # --------------------------------------------------------------------------- safetensors vs GGUF
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_tiny_hf_and_gguf_give_same_config_and_tensors(tiny, family):
     hf_dir, gguf_path = tiny(family)
@@ -100,6 +102,7 @@ def test_tiny_hf_and_gguf_give_same_config_and_tensors(tiny, family):
         assert torch.equal(gg[name], hf[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ftype,tol", [("f16", 1e-3), ("bf16", 8e-3), ("q8_0", 1 / 200), ("q4_0", 1 / 7),
                                        ("q4_1", 1 / 14)])
 def test_quantized_gguf_loads_close_to_original(tiny, tmp_path, ftype, tol):
@@ -207,6 +210,7 @@ def test_folder_without_config_or_weights(tmp_path):
 
 # --------------------------------------------------------------------------- ModelFiles: resolved once
 
+@pytest.mark.slow
 def test_model_files_parse_the_gguf_once(smollm2_path, monkeypatch):
     import kvflow.models.model_files as model_files
     from kvflow.tokenizer import Tokenizer
@@ -226,6 +230,7 @@ def test_model_files_parse_the_gguf_once(smollm2_path, monkeypatch):
     assert len(names) == 2 + 30 * 9
 
 
+@pytest.mark.slow
 def test_model_files_of_an_hf_folder(tiny):
     from kvflow.tokenizer import Tokenizer
 

@@ -126,6 +126,7 @@ def complete(server, model: str, ids: list[int], max_tokens: int = MAX_TOKENS) -
     return r.json()["choices"][0]["token_ids"]
 
 
+@pytest.mark.slow
 def test_mixed_batch_of_three_adapters_and_the_base_equals_transformers_peft_and_each_alone(server, reference):
     jobs = [(name, i) for name in (None, *THREE) for i in range(len(prompts()))]
     barrier = threading.Barrier(len(jobs))
@@ -257,6 +258,7 @@ def test_run_time_errors_are_400s_naming_the_problem_and_the_server_keeps_servin
     assert complete(server, "all", prompts()[0]) == reference["all", 0]
 
 
+@pytest.mark.slow
 def test_slot_pressure_five_adapters_in_two_slots(base_dir, adapters, reference, monkeypatch):
     """40 concurrent requests over 5 adapters (and none without) with --max-loras 2 and --max-cpu-loras 3: each
     waits for a slot, none fails, each gets its own adapter's tokens; adapters are swapped in and read again after
@@ -291,6 +293,7 @@ def test_slot_pressure_five_adapters_in_two_slots(base_dir, adapters, reference,
         assert r.status_code == 404
 
 
+@pytest.mark.slow
 def test_a_bad_lora_module_stops_the_start_naming_it(base_dir, tmp_path):
     from kvflow.server.testing import ServerThread
 
@@ -349,6 +352,7 @@ def test_lora_target_modules_limits_the_slots_to_those_projections(base_dir, ada
         EngineConfig(enable_lora=True, lora_target_modules=("q_proj", "lm_head"))
 
 
+@pytest.mark.slow
 def test_default_quantized_model_mixed_batch_equals_alone(tmp_path):
     """The embedded GGUF on its default path (its 4-bit codes in kvflow's kernels where they run): adapters made by
     peft over a Llama of its shapes change the output, and a mixed batch gives each request what it gets alone."""
@@ -380,6 +384,7 @@ def test_default_quantized_model_mixed_batch_equals_alone(tmp_path):
         assert mixed[k + 1] != mixed[k] and mixed[k + 2] != mixed[k], texts[k // 3]
 
 
+@pytest.mark.slow
 def test_compiled_decode_steps_read_the_slots_live(base_dir, adapters, reference, monkeypatch):
     """Decode graphs traced with the LoRA terms present give the eager tokens, for adapters swapped in after the
     graph was compiled (the stacked weights are buffers read at every call)."""

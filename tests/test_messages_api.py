@@ -96,6 +96,7 @@ def anthropic_error(resp: httpx.Response, status: int, kind: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- create
+@pytest.mark.slow
 def test_create_answers_a_message_with_usage_and_the_system_prompt_in_the_prompt(smol, client):
     user = "Name three colors."
     before = successes(smol)
@@ -132,6 +133,7 @@ def test_max_tokens_stops_with_max_tokens(client):
     assert (r.stop_reason, r.stop_sequence, r.usage.output_tokens) == ("max_tokens", None, 3)
 
 
+@pytest.mark.slow
 def test_stop_sequences_stop_with_stop_sequence(client):
     messages = [{"role": "user", "content": "List the days of the week."}]
     client.messages.create(model="smol", max_tokens=1, messages=messages)     # both runs find the same prefix cached
@@ -145,6 +147,7 @@ def test_stop_sequences_stop_with_stop_sequence(client):
     assert r.content[0].text == text[:at]
 
 
+@pytest.mark.slow
 def test_a_forced_tool_gives_a_tool_use_block_whose_input_follows_the_schema(client):
     r = client.messages.create(model="smol", max_tokens=64, tools=TOOLS,
                                tool_choice={"type": "tool", "name": "get_weather"},
@@ -162,6 +165,7 @@ def test_a_forced_tool_gives_a_tool_use_block_whose_input_follows_the_schema(cli
     assert len({b.id for b in r.content}) == len(r.content)
 
 
+@pytest.mark.slow
 def test_structured_output_follows_output_config_format(client):
     schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
               "required": ["color"], "additionalProperties": False}
@@ -227,6 +231,7 @@ def raw_events(server, body: dict) -> list[tuple[str, dict]]:
     return events
 
 
+@pytest.mark.slow
 def test_stream_is_parsed_by_the_client_and_equals_the_greedy_message(smol, client):
     body = dict(model="smol", max_tokens=24, messages=[{"role": "user", "content": "Describe the sea in a sentence."}])
     client.messages.create(**{**body, "max_tokens": 1})        # both runs below then find the same prefix cached
@@ -251,6 +256,7 @@ def test_stream_is_parsed_by_the_client_and_equals_the_greedy_message(smol, clie
     assert events[-2][1]["delta"]["stop_reason"] == created.stop_reason
 
 
+@pytest.mark.slow
 def test_stream_of_a_forced_tool_streams_its_input_as_json_deltas(smol, client):
     body = dict(model="smol", max_tokens=64, tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather"},
                 messages=[{"role": "user", "content": "What is the weather in Paris?"}])
@@ -268,6 +274,7 @@ def test_stream_of_a_forced_tool_streams_its_input_as_json_deltas(smol, client):
 
 
 # ---------------------------------------------------------------------------------------------- errors
+@pytest.mark.slow
 def test_errors_come_in_anthropics_shape_and_the_client_raises_its_own_classes(tiny, tiny_client):
     user = [{"role": "user", "content": "hi"}]
     with pytest.raises(anthropic.NotFoundError) as e:
@@ -319,6 +326,7 @@ def test_errors_come_in_anthropics_shape_and_the_client_raises_its_own_classes(t
     assert "422" not in op["responses"]
 
 
+@pytest.mark.slow
 def test_tool_choice_errors_name_the_messages_fields(tiny_client):
     user = [{"role": "user", "content": "hi"}]
     cases = [({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice: "),
@@ -417,6 +425,7 @@ def placed(kind: str, name: str, value) -> tuple[dict, str]:
 REFUSED_CASES = [(kind, name) for kind, fields in MESSAGES_REFUSED.items() for name in fields]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, name", REFUSED_CASES)
 def test_a_refused_field_is_a_400_naming_its_path(tiny, kind, name):
     body, path = placed(kind, name, [1, 2])
@@ -425,6 +434,7 @@ def test_a_refused_field_is_a_400_naming_its_path(tiny, kind, name):
     assert message.startswith(f"{path}: not supported"), message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, name", REFUSED_CASES)
 def test_a_refused_field_at_a_value_that_asks_for_nothing_is_accepted(tiny, kind, name):
     for value in (None, *MESSAGES_REFUSED[kind][name]):
@@ -433,6 +443,7 @@ def test_a_refused_field_at_a_value_that_asks_for_nothing_is_accepted(tiny, kind
         assert r.status_code == 200 and r.json()["type"] == "message", (name, value, r.text)
 
 
+@pytest.mark.slow
 def test_implemented_extras_are_accepted_and_unknown_fields_ignored_and_logged_once(tiny, tiny_client, caplog):
     with caplog.at_level(logging.WARNING, logger="kvflow.server"):
         for _ in range(2):

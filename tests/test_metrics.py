@@ -55,6 +55,7 @@ def scrape(server) -> dict[tuple[str, tuple], float]:
     return out
 
 
+@pytest.mark.slow
 def test_metrics_page_parses_and_has_vllm_names(server):
     text = httpx.get(server.url + "/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -168,6 +169,7 @@ def test_absent_max_tokens_is_observed_resolved(server):
     assert after[(name, ())] - before[(name, ())] == 512 - r.usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_per_request_preemptions_add_up_to_the_engine_counter(tmp_path):
     path = make_tiny_hf_model(tmp_path / "tiny", family="llama", seed=2)
     # 12 blocks of 16 tokens (512 bytes a token): 16 requests of up to 75 tokens must preempt one another
@@ -195,6 +197,7 @@ def test_per_request_preemptions_add_up_to_the_engine_counter(tmp_path):
     assert after[("vllm:request_num_preemptions_bucket", (("le", "+Inf"),))] == 16
 
 
+@pytest.mark.slow
 def test_metrics_under_load_match_usage(server):
     server.wait_idle()
     before = scrape(server)

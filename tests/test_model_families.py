@@ -75,6 +75,7 @@ def check_family(tmp_path, monkeypatch, family: str, window: int | None = None, 
     return path
 
 
+@pytest.mark.slow
 def test_gemma3_random_model_matches_transformers_with_its_sliding_window(tmp_path, monkeypatch):
     path = check_family(tmp_path, monkeypatch, "gemma3", window=16)
     cfg = resolve_model_files(path).config
@@ -82,6 +83,7 @@ def test_gemma3_random_model_matches_transformers_with_its_sliding_window(tmp_pa
     assert cfg.rope_local_theta == 10_000.0 and cfg.rope_theta == 1_000_000.0 and cfg.head_dim == 256
 
 
+@pytest.mark.slow
 def test_the_window_changes_the_output(tmp_path):
     """The same weights with the window opened past the prompts: a different continuation on the long prompts, so
     the test above checks the window and not attention that ignores it."""
@@ -96,11 +98,13 @@ def test_the_window_changes_the_output(tmp_path):
     assert narrow[0][:12] == wide[0][:12] and narrow[0] != wide[0] and narrow[2] != wide[2]
 
 
+@pytest.mark.slow
 def test_phi3_fused_checkpoint_with_a_sliding_window_matches_transformers(tmp_path, monkeypatch):
     # Phi-3-mini-4k's shape: fused qkv_proj and gate_up_proj, a window on every layer (2047 there)
     check_family(tmp_path, monkeypatch, "phi3", window=16, sliding_window=16, num_key_value_heads=4)
 
 
+@pytest.mark.slow
 def test_phi4_mini_partial_rotary_and_longrope_match_transformers(tmp_path, monkeypatch):
     # Phi-4-mini's shape: 3/4 of each head rotates, LongRoPE (short factors within the original context), tied
     rotary_half = int(16 * 0.75) // 2
@@ -113,6 +117,7 @@ def test_phi4_mini_partial_rotary_and_longrope_match_transformers(tmp_path, monk
     assert cfg.rotary_dim == 12 and cfg.max_position_embeddings == 4096     # capped: the short factors only
 
 
+@pytest.mark.slow
 def test_llama32_rope_scaling_matches_transformers(tmp_path, monkeypatch):
     # Llama 3.2 1B's rope: theta 500k, llama3 scaling factor 32 from 8192, tied embeddings
     check_family(tmp_path, monkeypatch, "llama", rope_theta=500_000.0, tie_word_embeddings=True,
@@ -120,6 +125,7 @@ def test_llama32_rope_scaling_matches_transformers(tmp_path, monkeypatch):
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
 
+@pytest.mark.slow
 def test_qwen3_qk_norm_matches_transformers(tmp_path, monkeypatch):
     # Qwen3-0.6B's shape: head_dim larger than hidden / heads, QK-norm, theta 1M, tied embeddings
     check_family(tmp_path, monkeypatch, "qwen3", head_dim=32, rope_theta=1_000_000.0, tie_word_embeddings=True)
@@ -146,6 +152,7 @@ def test_architecture_table_and_its_errors():
 
 # ---- the same models as GGUF files (llama.cpp's names and conventions) --------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,overrides", [
     ("gemma3", {}),                                                        # norms stored as 1 + w, renamed norms
     ("phi3", {"sliding_window": 16, "partial_rotary_factor": 0.75}),       # attn_qkv, fused ffn_up, rotary count
@@ -174,6 +181,7 @@ def test_gguf_twin_gives_the_safetensors_tokens(tmp_path, family, overrides):
     assert got == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
 
 
+@pytest.mark.slow
 def test_gemma3_k_quant_gguf_default_config_is_batch_invariant(tmp_path):
     """A random Gemma 3 whose matrices are 256 wide, as llama-quantize's Q4_K_M writes it (Q4_K, Q6_K for the
     embedding and some attn_v / ffn_down): served from the file's codes by default, each prompt alone as in a batch."""

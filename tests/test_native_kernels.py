@@ -235,6 +235,7 @@ def test_lora_pieces_outside_the_output_are_refused_not_read_past():
                                 stack.lora_pieces, mask, 3)
 
 
+@pytest.mark.slow
 def test_default_engine_greedy_output_does_not_depend_on_what_shares_the_step():
     """The issue's bar: each prompt alone against all of them at once, token for token. Batched, the 12 prompts are
     prefilled together in one step (150 rows) and decoded 12 at a time, eagerly or by the compiled bucket of 16 as

@@ -69,6 +69,7 @@ def test_outputs_identical_after_evictions_under_a_small_cache(tiny_dir):
     assert kv.prefix_cache_hits > 0 and kv.num_evictions > 0
 
 
+@pytest.mark.slow
 def test_shared_system_prompt_is_computed_once(smol_llm):
     """~500-token system prompt x 32 questions: after the first request, prefill computes >= 90% fewer
     of the shared tokens."""
@@ -95,6 +96,7 @@ def test_shared_system_prompt_is_computed_once(smol_llm):
     assert first[0].num_cached_tokens == 0
 
 
+@pytest.mark.slow
 def test_cached_tokens_reported_through_the_api(tiny_dir):
     from kvflow.server.testing import ServerThread
     config = EngineConfig(model=str(tiny_dir), dtype="float32", max_model_len=256, kv_cache_memory="32MiB")

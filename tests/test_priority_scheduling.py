@@ -7,11 +7,13 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+import pytest
 
 from kvflow.config import EngineConfig
 from kvflow.server.testing import ServerThread
 
 
+@pytest.mark.slow
 def test_only_batch_requests_are_preempted_when_the_kv_cache_is_short(tmp_path):
     log = tmp_path / "requests.jsonl"
     # ~24 blocks of 16 tokens: 4 batch requests of ~100 tokens each fill it, so the interactive ones need theirs
@@ -41,6 +43,7 @@ def test_only_batch_requests_are_preempted_when_the_kv_cache_is_short(tmp_path):
     assert all(v == 0 for k, v in preempted.items() if "chat" in k), preempted
 
 
+@pytest.mark.slow
 def test_interactive_streams_run_beside_a_batch_and_only_batch_lines_are_preempted(tmp_path):
     """The Batch API's lines run at --batch-priority 10 behind interactive requests: with a KV cache too small for
     everyone, the interactive streams are never preempted (batch lines are), they finish while the batch is still

@@ -74,6 +74,7 @@ FP8_WEIGHTS_GAP = pytest.mark.xfail(
            "greedy output on only 7 of 16 prompts at 8 tokens on this 135M model")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [{"quantization": "int8"},
                                      pytest.param({"quantization": "fp8"}, marks=FP8_WEIGHTS_GAP),
                                      {"kv_cache_dtype": "fp8"}],
@@ -133,6 +134,7 @@ def four_bit_runs(float32_reference):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", FOUR_BIT)
 def test_4bit_perplexity_and_greedy_prefix_close_to_float32(mode, four_bit_runs):
     change, prefixes = four_bit_runs(mode)
@@ -140,6 +142,7 @@ def test_4bit_perplexity_and_greedy_prefix_close_to_float32(mode, four_bit_runs)
     assert sum(prefixes) / 16 >= 10       # measured 15-17 tokens; bf16 floats (no 4-bit at all) 22
 
 
+@pytest.mark.slow
 # Known gap: no reduced-precision path reaches 12/16 identical 32-token greedy continuations of float32 on this
 # 135M model, not even bf16 float weights (7/16). Float32 compute over the file's exact codes with only the scales
 # rounded to bf16 gives 6/16: the continuations flip on weight perturbations of <= 0.4% per group.
@@ -151,6 +154,7 @@ def test_4bit_greedy_agreement_12_of_16_at_32_tokens(mode, four_bit_runs):
     assert sum(p >= 32 for p in prefixes) >= 12
 
 
+@pytest.mark.slow
 def test_quantized_weight_memory_is_at_most_55_percent_of_bf16():
     kw = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
     bf16 = LLM(quantization="none", **kw).engine.runner.weights_bytes
@@ -159,6 +163,7 @@ def test_quantized_weight_memory_is_at_most_55_percent_of_bf16():
         assert quantized <= 0.55 * bf16, f"{method}: {quantized} bytes vs bf16 {bf16}"
 
 
+@pytest.mark.slow
 def test_fp8_kv_cache_doubles_token_capacity():
     kw = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory="64MiB")
     auto = LLM(**kw).engine.runner.num_blocks
@@ -198,6 +203,7 @@ def test_int8_kernel_matches_dequantized_matmul(dtype):
     assert not int8_kernel_supported(torch.device("cpu"), 40)     # K not a multiple of 16: never handed over
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not int8_kernel_supported(torch.device("cpu"), 576), reason="torch has no CPU int8 kernel")
 def test_int8_matrices_use_the_cpu_kernel():
     """On CPU every int8 matrix of the embedded model runs torch's int8 kernel for small steps: the int8 layers

@@ -50,6 +50,7 @@ def server(tmp_path_factory):
         yield s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route, field", [(r, f) for r in ("chat", "completions") for f in sorted(REFUSED[r])])
 def test_a_refused_field_set_is_a_400_naming_it(server, route, field):
     body = {**BASE[route], field: a_value_other_than(REFUSED[route][field])}

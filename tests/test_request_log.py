@@ -38,6 +38,7 @@ def read_lines(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_fifty_requests_fifty_lines(server):
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
     expected: dict[str, dict] = {}       # X-Request-Id -> what its line must say
@@ -176,6 +177,7 @@ def test_rotation_by_size(tmp_path):
     assert kept == [f"req-{i}" for i in range(100 - len(kept), 100)]     # the newest lines, in order
 
 
+@pytest.mark.slow
 def test_a_stuck_log_never_blocks_serving(tmp_path):
     """The log is a FIFO nobody reads: the writer thread blocks on it, the server does not (requests, /health);
     once a reader comes, the lines arrive."""

@@ -90,6 +90,7 @@ def test_every_responses_field_is_implemented_or_refused():
     assert not missing, f"neither implemented nor refused: {missing}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field", sorted(REFUSED["responses"]))
 def test_a_refused_field_set_is_a_400_naming_it(server, field):
     body = {"model": "smol", "input": "hi", "max_output_tokens": 1,
@@ -155,6 +156,7 @@ def test_text_input_is_the_chat_route_with_usage(server, client):
     assert request_successes(server) == before + 2          # counted like any other request
 
 
+@pytest.mark.slow
 def test_message_list_input_and_instructions_change_the_prompt(client):
     as_text = respond(client)
     as_list = respond(client, input=[{"role": "user", "content": QUESTION}])
@@ -180,6 +182,7 @@ def test_max_output_tokens_cuts_the_response_as_incomplete(client):
     assert r.usage.output_tokens == 3 and r.max_output_tokens == 3 and r.output[0].status == "incomplete"
 
 
+@pytest.mark.slow
 def test_json_schema_output_parses_and_validates(client):
     r = respond(client, input="Describe a person as JSON.", max_output_tokens=80,
                 text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
@@ -195,6 +198,7 @@ def test_json_schema_output_parses_and_validates(client):
     assert isinstance(parsed.output_parsed, Person)
 
 
+@pytest.mark.slow
 def test_logprobs_when_included(client):
     kw = dict(include=["message.output_text.logprobs"], top_logprobs=2, max_output_tokens=8)
     r = respond(client, **kw)
@@ -212,6 +216,7 @@ def test_logprobs_when_included(client):
     assert streamed and streamed == [lp.token for lp in logprobs][:len(streamed)]
 
 
+@pytest.mark.slow
 def test_a_function_tool_call_is_a_function_call_item_and_its_output_goes_back_in(client):
     q = "What is the weather in Paris?"
     r = respond(client, input=q, tools=[WEATHER_TOOL], tool_choice=FORCE_WEATHER, max_output_tokens=40)
@@ -284,6 +289,7 @@ def test_create_stream_true_gives_typed_events(client):
     assert events[-1].response.usage.output_tokens == 4
 
 
+@pytest.mark.slow
 def test_streamed_function_call_events(client):
     kw = dict(input="What is the weather in Paris?", tools=[WEATHER_TOOL], tool_choice=FORCE_WEATHER,
               max_output_tokens=40)

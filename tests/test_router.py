@@ -54,6 +54,7 @@ def served_by_replica(log_dir: Path, ids: set[str], timeout: float = 30.0) -> di
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (BIN / "vllm-router").exists(), reason="vllm-router is not installed (pip install "
                                                                 "vllm-router; the test extra has it)")
 def test_shared_prefixes_land_on_the_replica_that_holds_them(tmp_path):

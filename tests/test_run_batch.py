@@ -106,6 +106,7 @@ def by_id(records) -> dict:
     return {r["custom_id"]: r for r in records}
 
 
+@pytest.mark.slow
 def test_every_line_answered_once_and_good_lines_equal_the_servers_answer(batch, model_path):
     records = read_output(batch["out"])
     assert len(records) == len(batch["lines"])
@@ -141,6 +142,7 @@ def test_every_line_answered_once_and_good_lines_equal_the_servers_answer(batch,
                 assert body["choices"][0]["text" if g["url"] == "/v1/completions" else "message"]
 
 
+@pytest.mark.slow
 def test_bad_lines_carry_the_servers_status_and_openais_error_body(batch, model_path):
     records = read_output(batch["out"])
     got = by_id(records)
@@ -165,6 +167,7 @@ def test_bad_lines_carry_the_servers_status_and_openais_error_body(batch, model_
             assert online.json() == got[cid]["response"]["body"], cid
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_the_first_runs_lines_and_computes_only_the_rest(batch):
     half, total = batch["half"], len(batch["lines"])
     assert processed(batch["first"])[0] == half and processed(batch["first"])[2] == 0
@@ -176,6 +179,7 @@ def test_a_resumed_run_keeps_the_first_runs_lines_and_computes_only_the_rest(bat
     assert len(done_keys(batch["out"])) == total
 
 
+@pytest.mark.slow
 def test_a_finished_output_is_not_run_again_and_a_cut_off_line_is_dropped(batch, model_path, tmp_path):
     out = tmp_path / "results.jsonl"
     full = batch["out"].read_text()
@@ -203,6 +207,7 @@ def test_a_repeated_custom_id_refuses_the_file_naming_the_line(model_path, tmp_p
     assert not (tmp_path / "out.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_the_progress_bar_shows_on_a_terminal_only(batch, model_path, tmp_path):
     import pty
 
@@ -231,6 +236,7 @@ def test_the_progress_bar_shows_on_a_terminal_only(batch, model_path, tmp_path):
     assert "4/4" in text and "output tok/s" in text and "failed" in text, text[-2000:]
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_keeps_what_finished_and_a_rerun_completes_it(model_path, tmp_path):
     import signal
     import time

@@ -58,6 +58,7 @@ def assert_idle_and_empty(server):
 
 
 # ---- happy paths ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_models_health_version(client, http):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
@@ -193,6 +194,7 @@ def test_stop_strings(client):
     assert kept.choices[0].text == expected + stop
 
 
+@pytest.mark.slow
 def test_a_stream_read_after_its_request_finished_gets_every_delta(model_path):
     """A consumer slower than the engine: every step's deltas wait in the stream's queue. The stream once stopped
     after the first of them, because it asked the request's state (already finished) rather than the step."""

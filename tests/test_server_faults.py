@@ -41,6 +41,7 @@ def error_of(resp: httpx.Response, status: int) -> dict:
     return err
 
 
+@pytest.mark.slow
 def test_api_key(model_path):
     with ServerThread(config(model_path), api_key="s3cret") as server:
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -66,6 +67,7 @@ def read_sse(resp) -> list[dict]:
     return events
 
 
+@pytest.mark.slow
 def test_overload_429_and_accepted_requests_finish(model_path):
     with ServerThread(config(model_path, max_num_seqs=1), max_queue_len=1) as server, \
             httpx.Client(base_url=server.url, timeout=60) as http:
@@ -95,6 +97,7 @@ def test_overload_429_and_accepted_requests_finish(model_path):
         server.core("check")
 
 
+@pytest.mark.slow
 def test_engine_death_gives_errors_and_503(model_path):
     with ServerThread(config(model_path)) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=30)
@@ -133,6 +136,7 @@ def test_engine_death_gives_errors_and_503(model_path):
         assert 'kvflow:engine_alive{model_name="tiny"} 0.0' in text
 
 
+@pytest.mark.slow
 def test_sigterm_lets_in_flight_finish_then_exits_0(model_path, tmp_path):
     port = free_port()
     log_path = tmp_path / "requests.jsonl"
@@ -235,6 +239,7 @@ def start_serve(model_path, *flags) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_sigterm_past_the_grace_period_ends_every_stream_with_error_and_done(model_path):
     """Streams still running when the grace period ends get an SSE error event and [DONE] (not a cut
     connection); a collected request gets 503; the server exits 0 soon after the grace period."""
@@ -293,6 +298,7 @@ def test_sigterm_past_the_grace_period_ends_every_stream_with_error_and_done(mod
 
 
 # ---- failure isolation: one request's fault ends that request, not the engine ------------------------------------
+@pytest.mark.slow
 def test_a_fault_in_one_requests_sampling_fails_it_alone(model_path, monkeypatch, tmp_path):
     inject_into_engine(monkeypatch, tmp_path / "fault", """
         from kvflow.runner.sampler import Sampler
@@ -330,6 +336,7 @@ def test_a_fault_in_one_requests_sampling_fails_it_alone(model_path, monkeypatch
         server.core("check")
 
 
+@pytest.mark.slow
 def test_a_fault_in_one_requests_detokenization_fails_it_alone(model_path, monkeypatch):
     from kvflow.detokenizer import IncrementalDetokenizer
 
@@ -353,6 +360,7 @@ def test_a_fault_in_one_requests_detokenization_fails_it_alone(model_path, monke
         server.core("check")
 
 
+@pytest.mark.slow
 def test_offline_llm_with_tensor_parallel_exits_with_the_scripts_status(model_path, tmp_path):
     """`del llm` before exit, or a `with` block: status 0, no worker processes left behind."""
     script = tmp_path / "offline.py"

@@ -21,6 +21,7 @@ def auto_llm():
     return LLM(dtype="auto", quantization="none", max_model_len=512, kv_cache_memory="64MiB")
 
 
+@pytest.mark.slow
 def test_auto_adds_bf16_copies_and_float32_does_not(auto_llm, smol_llm):
     kinds = {type(m) for m in auto_llm.engine.runner.model.modules()}
     assert DualPrecisionLinear in kinds and DualPrecisionEmbedding in kinds
@@ -32,6 +33,7 @@ def test_auto_adds_bf16_copies_and_float32_does_not(auto_llm, smol_llm):
     assert 1.45 < ratio < 1.55
 
 
+@pytest.mark.slow
 def test_large_batches_stay_exact_float32(auto_llm, smol_llm):
     """Every step of 8 equal-length requests has more than SMALL_BATCH_ROWS rows: float32 throughout."""
     assert len(PROMPTS) > SMALL_BATCH_ROWS
@@ -42,6 +44,7 @@ def test_large_batches_stay_exact_float32(auto_llm, smol_llm):
     assert auto == exact
 
 
+@pytest.mark.slow
 def test_small_batches_read_bf16_and_stay_close(auto_llm, smol_llm):
     """One request alone decodes on the bf16 copies: not bit-identical to float32, but nearly the same text."""
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)

@@ -126,6 +126,7 @@ def greedy_reference(smol_llm):
     return ids, params, [o.outputs[0].token_ids for o in smol_llm.generate(ids, params)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
 def test_greedy_output_with_speculation_is_token_for_token_the_same(greedy_reference, spec):
     ids, params, reference = greedy_reference
@@ -141,6 +142,7 @@ def test_greedy_output_with_speculation_is_token_for_token_the_same(greedy_refer
     llm.engine.kv_cache_manager.check()
 
 
+@pytest.mark.slow
 def test_seeded_sampling_with_speculation_gives_the_same_output_as_without(smol_llm):
     ids = prompts(smol_llm.tokenizer)[:4]
     params = [SamplingParams(temperature=0.8, top_k=50, max_tokens=16, seed=100 + i) for i in range(len(ids))]
@@ -168,6 +170,7 @@ def tiny_llama_dir(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("tiny-llama-spec"), family="llama", seed=0)
 
 
+@pytest.mark.slow
 def test_unseeded_sampling_has_the_same_distribution_with_speculation(tiny_llama_dir):
     # six tokens only; the prompt holds each of them with a continuation, so every step has drafts
     allowed = [300, 301, 302, 303, 304, 305]
@@ -190,6 +193,7 @@ def test_unseeded_sampling_has_the_same_distribution_with_speculation(tiny_llama
     assert chi_square_p(*pair) > 0.01, pair
 
 
+@pytest.mark.slow
 def test_the_server_speculates_and_reports_vllm_spec_decode_metrics():
     import httpx
     import openai

@@ -200,6 +200,7 @@ def sample_constrained(tokenizer, matchers, seed, pad_vocab=128, extra_rows=0):
     return [outs[id(m)] for m in matchers]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fifty_generated_schemas_always_validate(compiler, smollm2_tokenizer, seed):
     rng = random.Random(1234 + seed)

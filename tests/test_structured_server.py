@@ -59,6 +59,7 @@ def bad_request(call) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the goals
+@pytest.mark.slow
 def test_fifty_generated_schemas_at_temperature_1_all_validate(smol_server):
     """50 generated schemas (nested objects, arrays, enums, bounded numbers, optional fields) at once."""
     rng = random.Random(16)
@@ -85,6 +86,7 @@ def test_fifty_generated_schemas_at_temperature_1_all_validate(smol_server):
         jsonschema.validate(json.loads(choice.message.content), schema)
 
 
+@pytest.mark.slow
 def test_parse_returns_a_pydantic_object(client):
     class Pet(BaseModel):
         name: str = Field(max_length=12)
@@ -96,6 +98,7 @@ def test_parse_returns_a_pydantic_object(client):
     assert isinstance(r.choices[0].message.parsed, Pet)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_tool_choice_arguments_validate(client, stream):
     kw = dict(tools=TOOLS, tool_choice="required", temperature=1.0, max_tokens=200)
@@ -122,6 +125,7 @@ def test_required_tool_choice_arguments_validate(client, stream):
         jsonschema.validate(json.loads(arguments), PARAMS[name])
 
 
+@pytest.mark.slow
 def test_named_tool_then_the_conversation_goes_on_with_a_tool_message(client):
     choice = ask(client, "Weather in Oslo?", tools=TOOLS, temperature=1.0,
                  tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
@@ -135,6 +139,7 @@ def test_named_tool_then_the_conversation_goes_on_with_a_tool_message(client):
     assert follow.choices[0].message.content is not None and follow.choices[0].message.tool_calls is None
 
 
+@pytest.mark.slow
 def test_n_choices_and_a_stop_string_with_a_schema(client):
     r = ask(client, n=3, temperature=1.0, extra_body={"guided_json": PERSON})
     assert len(r.choices) == 3
@@ -148,6 +153,7 @@ def test_n_choices_and_a_stop_string_with_a_schema(client):
         assert '"age"' not in c.message.content
 
 
+@pytest.mark.slow
 def test_json_object_and_vllm_extras_on_chat_and_completions(client):
     # seeded: an unseeded draw at temperature 1 may write one string until max_tokens (then it is no JSON)
     answer = ask(client, temperature=1.0, seed=0, response_format={"type": "json_object"}).choices[0]
@@ -185,6 +191,7 @@ def test_invalid_constraints_are_400_naming_the_field(client, kw, param):
     assert body["param"] == param and body["type"] == "invalid_request_error", body
 
 
+@pytest.mark.slow
 def test_one_compiler_per_server_caches_each_schema(client, smol_server):
     schema = {"type": "object", "properties": {"cached": {"type": "boolean"}}, "required": ["cached"]}
     serving, sizes = smol_server.app.state.serving, []
@@ -205,6 +212,7 @@ def tiny_config(path, **kw) -> EngineConfig:
                                   served_model_name="tiny"), **kw})
 
 
+@pytest.mark.slow
 def test_preemption_keeps_the_matcher_in_step(tiny_path):
     """A KV cache of 10 blocks for 8 constrained requests of ~60 tokens: requests are preempted and
     recomputed mid-JSON; every answer still validates."""
@@ -232,6 +240,7 @@ def test_preemption_keeps_the_matcher_in_step(tiny_path):
         jsonschema.validate(json.loads(r.choices[0].text), schema)
 
 
+@pytest.mark.slow
 def test_auto_tool_choice_with_a_parser(tiny_path):
     with ServerThread(tiny_config(tiny_path), enable_auto_tool_choice=True, tool_call_parser="hermes") as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)

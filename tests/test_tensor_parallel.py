@@ -138,6 +138,7 @@ def test_bad_distributed_settings_are_value_errors(kw, message):
 
 # ---- TP=2 equals TP=1 ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_tiny_model_tp2_matches_tp1_with_chunked_prefill_prefix_hits_and_sampling(tiny_even):
     prompts, params = workload(16)
     # a 32-token budget prefills the longer prompts in chunks; 6 sequences at a time makes later ones wait
@@ -148,6 +149,7 @@ def test_tiny_model_tp2_matches_tp1_with_chunked_prefill_prefix_hits_and_samplin
     assert (sizes.num_heads, sizes.num_kv_heads, sizes.intermediate_size, sizes.vocab_size) == (2, 1, 64, 24576)
 
 
+@pytest.mark.slow
 def test_uneven_split_tp2_matches_tp1(tmp_path):
     """3 KV heads (2 + 1 per rank, as SmolLM2), an odd MLP width and vocabulary: every split is uneven."""
     path = make_tiny_hf_model(tmp_path / "uneven", family="qwen2", seed=5, hidden_size=96, num_attention_heads=6,
@@ -159,6 +161,7 @@ def test_uneven_split_tp2_matches_tp1(tmp_path):
     assert (sizes.num_heads, sizes.num_kv_heads, sizes.intermediate_size, sizes.vocab_size) == (4, 2, 65, 24578)
 
 
+@pytest.mark.slow
 def test_quantized_weights_and_fp8_kv_cache_work_on_shards(tiny_even):
     """int8 layers are swapped in on each rank's shards; the embedding's masked lookup works on the int8 table.
     Not bit-identical to TP=1: o_proj / down_proj rows are split, so each shard gets its own per-row scale."""
@@ -175,6 +178,7 @@ def test_quantized_weights_and_fp8_kv_cache_work_on_shards(tiny_even):
     assert sum(same_prefix) >= 0.8 * 24 * len(prompts), same_prefix
 
 
+@pytest.mark.slow
 def test_smollm2_tp2_greedy_matches_tp1(smol_llm):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
                "The three laws of motion are"]
@@ -191,6 +195,7 @@ def test_smollm2_tp2_greedy_matches_tp1(smol_llm):
 
 # ---- serving ------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_server_answers_the_openai_client_and_an_idle_worker_death_turns_health_503(tiny_even):
     config = core_config(tiny_even, tensor_parallel_size=2, served_model_name="tiny", max_model_len=512)
     tp1 = LLM(str(tiny_even), dtype="float32", max_model_len=512, kv_cache_memory="32MiB", device="cpu")
@@ -261,6 +266,7 @@ def gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_killing_a_worker_mid_request_fails_the_request_and_the_server_exits_non_zero(tiny_even, tmp_path):
     port, log = free_port(), tmp_path / "serve.log"
     proc = serve([str(tiny_even), "--device", "cpu", "--tensor-parallel-size", "2", "--port", str(port), "--host", "127.0.0.1",
@@ -299,6 +305,7 @@ def test_killing_a_worker_mid_request_fails_the_request_and_the_server_exits_non
             proc.wait()
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine_serve_and_stop_together(tiny_even, tmp_path):
     """Node 0 runs the server and rank 0, node 1 (`--node-rank 1`) only rank 1, over tcp://127.0.0.1:PORT."""
     port, rendezvous = free_port(), f"tcp://127.0.0.1:{free_port()}"

@@ -106,6 +106,7 @@ def rendered_ids(hf_tokenizer, messages, **kw) -> list[int]:
 
 
 # ---- /tokenize: the chat form is the chat route's prompt --------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("chat, tool_choice", [("plain", None), ("tool turn", "required"), ("tool turn", None),
                                                ("tool turn", "none")])
 def test_the_chat_form_is_the_prompt_the_chat_route_runs(http, chat, tool_choice):
@@ -126,6 +127,7 @@ def test_the_chat_form_without_tools_is_what_transformers_renders(http, hf_token
     assert got == rendered_ids(hf_tokenizer, CHATS["plain"], add_generation_prompt=False)
 
 
+@pytest.mark.slow
 def test_tools_reach_the_prompt_on_a_server_without_a_tool_parser(plain, http):
     """vLLM's /tokenize takes tools on any server; kvflow renders them as the chat route does under "auto" with
     the json parser (the other server's)."""
@@ -241,6 +243,7 @@ def test_tokenizer_info_is_the_tokenizers_config_behind_its_flag(http, plain, mo
 
 
 # ---- SageMaker's routes -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ping_answers_as_health_without_a_key(plain_server):
     for method in ("GET", "POST"):
         r = httpx.request(method, plain_server.url + "/ping")
@@ -272,6 +275,7 @@ def test_invocations_refuses_what_neither_route_takes(http):
 
 
 # ---- /v1/models -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_model_cards_have_vllms_parent_and_permission(server, model_path):
     client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60)
     (card,) = client.models.list().data

@@ -35,6 +35,7 @@ def reference_tokenizer(smollm2_path):
 
 # --------------------------------------------------------------------------- tokenizer
 
+@pytest.mark.slow
 def test_gguf_tokenizer_matches_transformers_gguf_tokenizer(smollm2_tokenizer, reference_tokenizer):
     tok, ref = smollm2_tokenizer, reference_tokenizer
     for text in TEXTS + MULTIBYTE:
@@ -90,6 +91,7 @@ def test_missing_chat_template_is_value_error(smollm2_tokenizer):
         Tokenizer(hf).apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.slow
 def test_hf_folder_and_gguf_tokenizers_agree(tmp_path):
     from tiny_models import make_tiny_hf_model, write_gguf_from_hf
 

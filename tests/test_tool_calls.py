@@ -123,6 +123,7 @@ def test_forced_calls_validate_streamed_and_not(compiler, smollm2_tokenizer, cho
         assert content == "" and same_calls(streamed, result.tool_calls) is None
 
 
+@pytest.mark.slow
 def test_required_with_generated_parameter_schemas(compiler, smollm2_tokenizer):
     rng = random.Random(5)
     tools = [{"type": "function", "function": {"name": f"fn_{i}", "parameters": gen_object_schema(rng)}} for i in range(6)]

@@ -70,6 +70,7 @@ def value(v):
     return getattr(v, kind) if kind else None
 
 
+@pytest.mark.slow
 def test_one_span_per_request_with_vllm_attributes(tmp_path):
     receiver = Receiver()
     path = make_tiny_hf_model(tmp_path, family="llama", seed=4)
@@ -127,6 +128,7 @@ def test_one_span_per_request_with_vllm_attributes(tmp_path):
     assert error["gen_ai.usage.prompt_tokens"] == 0
 
 
+@pytest.mark.slow
 def test_off_by_default_imports_nothing():
     """kvflow's tracer, OpenTelemetry's SDK and its exporter are imported only with the flag. (FastAPI itself imports
     the OpenTelemetry *API* when that is installed: not ours to avoid.)"""
