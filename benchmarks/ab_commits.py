@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx
 
+from kvflow.bench.result import BenchResult
+from kvflow.bench.summary import RunSummary
 from kvflow.server.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +56,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError("the server was not ready in time")
 
 
-def run_side(tree: Path, serve_args: list[str], bench_args: list[str], out: Path, timeout: float) -> dict:
+def run_side(tree: Path, serve_args: list[str], bench_args: list[str], out: Path, timeout: float) -> RunSummary:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PYTHONPATH=str(tree))
@@ -66,9 +68,7 @@ def run_side(tree: Path, serve_args: list[str], bench_args: list[str], out: Path
         wait_ready(url, proc, timeout)
         subprocess.run([PYTHON, "-m", "kvflow.cli", "bench", "--base-url", url + "/v1", "--no-progress",
                         "--output-dir", str(out), *bench_args], check=True, cwd=ROOT, capture_output=True)
-        result = json.loads((out / "results.json").read_text())
-        runs = result["runs"] if "runs" in result else [result]
-        return runs[-1]["summary"]
+        return BenchResult.from_json(json.loads((out / "results.json").read_text())).runs[-1].summary
     finally:
         proc.terminate()
         try:
@@ -97,24 +97,24 @@ def main() -> int:
     trees = {"A": worktree(args.a, work), "B": worktree(args.b, work)}
     bench = ["--workload", args.workload, "--output-len", str(args.output_len), "--ignore-eos", "--temperature", "0",
              "--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency), "--warmup", "4"]
-    figures: dict[str, list[dict]] = {"A": [], "B": []}
+    figures: dict[str, list[RunSummary]] = {"A": [], "B": []}
     try:
         for rep in range(args.reps):
             for side in ("A", "B") if rep % 2 == 0 else ("B", "A"):      # alternating: drift hits both
                 s = run_side(trees[side], args.serve_args, bench, out / f"{side}{rep}", args.ready_timeout)
                 figures[side].append(s)
-                print(f"rep {rep} {side} ({getattr(args, side.lower())}): {s['output_throughput']:.1f} out tok/s, "
-                      f"TPOT p50 {s['tpot_ms']['p50']:.1f} ms, TTFT p50 {s['ttft_ms']['p50']:.0f} ms, "
-                      f"{s['failed']} failed", flush=True)
+                print(f"rep {rep} {side} ({getattr(args, side.lower())}): {s.output_throughput:.1f} out tok/s, "
+                      f"TPOT p50 {s.tpot_ms.p50:.1f} ms, TTFT p50 {s.ttft_ms.p50:.0f} ms, "
+                      f"{s.failed} failed", flush=True)
     finally:
         for tree in trees.values():
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
 
-    def median(side: str, key, sub=None) -> float:
-        return statistics.median(f[key][sub] if sub else f[key] for f in figures[side])
+    def median(side: str, figure) -> float:
+        return statistics.median(figure(s) for s in figures[side])
 
-    a, b = median("A", "output_throughput"), median("B", "output_throughput")
-    ta, tb = median("A", "tpot_ms", "p50"), median("B", "tpot_ms", "p50")
+    a, b = median("A", lambda s: s.output_throughput), median("B", lambda s: s.output_throughput)
+    ta, tb = median("A", lambda s: s.tpot_ms.p50), median("B", lambda s: s.tpot_ms.p50)
     print(f"\n| revision | output tok/s (median of {args.reps}) | TPOT p50 ms |\n|---|---|---|")
     print(f"| A {args.a} | {a:.1f} | {ta:.1f} |\n| B {args.b} | {b:.1f} | {tb:.1f} |")
     print(f"\nB/A output throughput: {b / a:.3f}x; TPOT p50 {tb / ta:.3f}x "

@@ -40,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_commits import wait_ready  # noqa: E402
 
+from kvflow.bench.result import BenchResult  # noqa: E402
 from kvflow.server.testing import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,9 +138,8 @@ def run_mode(mode: str, args, bench: list[str], out: Path) -> dict:
         cost1, cpu1, wall = read_cost(cost_file), cpu_seconds(proc.pid), time.monotonic() - t0
         if client is not None and client.poll() is not None:
             raise RuntimeError("the dashboard client died during the run")
-        result = json.loads((out / "results.json").read_text())
-        runs = result["runs"] if "runs" in result else [result]
-        summary = dict(runs[-1]["summary"])
+        result = BenchResult.from_json(json.loads((out / "results.json").read_text()))
+        summary = result.runs[-1].summary.to_json()     # summary.json: the run's summary, then this mode's costs
         summary["wall_s"] = wall
         summary["frontend_cpu_s"], summary["engine_cpu_s"] = cpu_delta(proc.pid, cpu0, cpu1)
         if cost0 and cost1:

@@ -176,9 +176,8 @@ def main() -> int:
                     run = bench(server, ["--workload", "jsonl", "--dataset", str(data), "--concurrency", str(conc),
                                          "--num-requests", str(n), "--warmup", "0"],
                                 where / f"{load}-c{conc}", args.bench_timeout)
-                    s = run["summary"]
-                    f = {"output_throughput": s["output_throughput"], "tpot_p50_ms": s["tpot_ms"]["p50"],
-                         "failed": s["failed"]}
+                    s = run.summary
+                    f = {"output_throughput": s.output_throughput, "tpot_p50_ms": s.tpot_ms.p50, "failed": s.failed}
                     results.setdefault(f"{server_name}:{load}:{conc}", []).append(f)
                     print(f"rep {rep} {server_name} {load} c={conc}: {f['output_throughput']:.1f} out tok/s, TPOT p50 "
                           f"{fmt(f['tpot_p50_ms'])} ms, {f['failed']} failed", flush=True)

@@ -292,11 +292,10 @@ def run_level(server: LaunchedServer, level, waves: int) -> dict:
     workload, n, conc = workload_for(level, waves)
     cfg = BenchConfig(base_url=server.base_url, api="chat", num_requests=n, concurrency=conc, ignore_eos=True,
                       temperature=0.0, warmup=1, progress=False, metrics_interval=1.0, timeout=1800.0)
-    run = run_benchmark(cfg, workload, command=shlex.join(sys.argv))["runs"][-1]
-    s = run["summary"]
-    return {"output_throughput": s["output_throughput"], "ttft_p50_ms": s["ttft_ms"]["p50"],
-            "ttft_p95_ms": s["ttft_ms"]["p95"], "tpot_p50_ms": s["tpot_ms"]["p50"], "itl_p99_ms": s["itl_ms"]["p99"],
-            "completed": s["completed"], "failed": s["failed"], "num_requests": n, "concurrency": conc}
+    s = run_benchmark(cfg, workload, command=shlex.join(sys.argv)).runs[-1].summary
+    return {"output_throughput": s.output_throughput, "ttft_p50_ms": s.ttft_ms.p50,
+            "ttft_p95_ms": s.ttft_ms.p95, "tpot_p50_ms": s.tpot_ms.p50, "itl_p99_ms": s.itl_ms.p99,
+            "completed": s.completed, "failed": s.failed, "num_requests": n, "concurrency": conc}
 
 
 def median_of(runs: list[dict]) -> dict:

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_compare import wait_for_compiled_steps  # noqa: E402
 
 from kvflow.bench.launcher import LaunchedServer  # noqa: E402
+from kvflow.bench.result import BenchResult, RunResult  # noqa: E402
 
 PYTHON = sys.executable
 METHODS = {
@@ -98,8 +99,8 @@ def serve_command(args, method: str, spec_extra: dict, flags: list[str]) -> str:
     return shlex.join(words)
 
 
-def bench(server: LaunchedServer, bench_args: list[str], out: Path, timeout: float) -> dict:
-    """One `kvflow bench` run (a process of its own) against the server: its run's record."""
+def bench(server: LaunchedServer, bench_args: list[str], out: Path, timeout: float) -> RunResult:
+    """One `kvflow bench` run (a process of its own) against the server: its (last) run."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [PYTHON, "-m", "kvflow.cli", "bench", "--base-url", server.base_url, "--no-progress", "--temperature", "0",
            "--metrics-interval", "1.0", "--output-dir", str(out), *bench_args]
@@ -108,7 +109,7 @@ def bench(server: LaunchedServer, bench_args: list[str], out: Path, timeout: flo
     if r.returncode != 0:
         raise RuntimeError(f"kvflow bench failed ({r.returncode}): {shlex.join(cmd)}\n{(r.stdout + r.stderr)[-2000:]}"
                            f"\n--- server ---\n{server.log_tail()}")
-    return json.loads((out / "results.json").read_text())["runs"][-1]
+    return BenchResult.from_json(json.loads((out / "results.json").read_text())).runs[-1]
 
 
 def level_args(args, workload: str, concurrency: int, n: int, index: int, out: Path) -> list[str]:
@@ -126,14 +127,14 @@ def level_args(args, workload: str, concurrency: int, n: int, index: int, out: P
     return ["--workload", "jsonl", "--dataset", str(path), *common]
 
 
-def figures(run: dict) -> dict:
-    s, srv = run["summary"], run.get("server") or {}
-    return {"output_throughput": s["output_throughput"], "tpot_p50_ms": s["tpot_ms"]["p50"],
-            "ttft_p50_ms": s["ttft_ms"]["p50"], "completed": s["completed"], "failed": s["failed"],
-            "output_tokens": s.get("total_output_tokens"),
-            "acceptance_rate": srv.get("spec_decode_acceptance_rate"),
-            "mean_accepted_length": srv.get("spec_decode_mean_accepted_length"),
-            "drafts": srv.get("spec_decode_num_drafts")}
+def figures(run: RunResult) -> dict:
+    s, sd = run.summary, run.server.spec_decode
+    return {"output_throughput": s.output_throughput, "tpot_p50_ms": s.tpot_ms.p50,
+            "ttft_p50_ms": s.ttft_ms.p50, "completed": s.completed, "failed": s.failed,
+            "output_tokens": s.total_output_tokens,
+            "acceptance_rate": sd.acceptance_rate if sd else None,
+            "mean_accepted_length": sd.mean_accepted_length if sd else None,
+            "drafts": sd.num_drafts if sd else None}
 
 
 def median(values) -> float | None:

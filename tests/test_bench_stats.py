@@ -1,9 +1,11 @@
 """`kvflow bench` pieces against hand-computed values: percentiles, TPOT, ITL spreading, goodput, cost, /metrics
-parsing, workloads, launch command building."""
+parsing, workloads, launch command building; results.json read back and written again."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +14,10 @@ from kvflow.bench.cli import parse_sweep
 from kvflow.bench.launcher import build_argv, parse_vary, variants
 from kvflow.bench.metrics_sampler import parse_metrics, summarize_series
 from kvflow.bench.stats import distribution, meets_slo, parse_slo, percentile, summarize
-from kvflow.bench.report import findings, table_rows
+from kvflow.bench.report import findings, load_result, markdown_report, table_rows
+from kvflow.bench.result import (BenchMeta, BenchResult, ClientHost, ClientStats, CommandSettings, ExperimentMeta,
+                                 ExperimentResult, Load, RunResult, Sweep, VariantResult, Warmup, WorkloadInfo,
+                                 result_from_json)
 from kvflow.bench.workloads import (haiku_workload, jsonl_workload, quote_workload, random_workload,
                                      shared_prefix_workload, write_jsonl)
 
@@ -25,7 +30,7 @@ def test_percentile_interpolates_like_numpy():
     assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
     assert percentile([7.0], 95) == 7.0 and percentile([], 50) is None
     d = distribution([0.001, 0.002, 0.003])                # seconds in, ms out
-    assert d["mean"] == pytest.approx(2.0) and d["p50"] == pytest.approx(2.0) and d["p90"] == pytest.approx(2.8)
+    assert d.mean == pytest.approx(2.0) and d.p50 == pytest.approx(2.0) and d.p90 == pytest.approx(2.8)
 
 
 def test_tpot_and_itl_of_a_record():
@@ -59,25 +64,51 @@ def _rec(i, send, ttft, e2e, out, prompt, success=True, kind=None):
                          error_kind=kind)
 
 
+def _meta(**changes) -> BenchMeta:
+    meta = BenchMeta(command="kvflow bench --sweep request-rate=2,inf", kvflow_version="0.1.0",
+                     started_at="2026-01-01T00:00:00+00:00", finished_at="2026-01-01T00:01:00+00:00",
+                     base_url="http://127.0.0.1:8000/v1", api="chat", model="m", server_models=["m"],
+                     server_version={"version": "1"}, seed=0, workload=WorkloadInfo("random", {"input_len": 8}),
+                     ignore_eos=True, temperature=0.0, warmup=1, timeout_s=600.0, slo={"ttft": 0.2},
+                     cost_per_hour=3.6, sweep=Sweep("request_rate", [2.0, math.inf]),
+                     client_host=ClientHost(python="3.11.7", platform="Linux", machine="x86_64"))
+    return dataclasses.replace(meta, **changes)
+
+
+def _run(label, server, records=None, rate=math.inf, series=(), keep_text=False, slo=None, cost=None) -> RunResult:
+    """A run of `records` (one request of 10 tokens in 1 s by default) whose server summed up as `server`."""
+    records = [_rec(0, 0.0, 0.1, 1.0, 10, 5)] if records is None else records
+    return RunResult(label=label, load=Load(concurrency=None, request_rate=rate, num_requests=len(records),
+                                            duration_limit_s=None),
+                     started_at="2026-01-01T00:00:00+00:00", finished_at="2026-01-01T00:00:02+00:00",
+                     summary=summarize(records, slo, cost), server=server, server_series=list(series),
+                     client=ClientStats(cpu_seconds=0.1, wall_seconds=2.0, cpu_fraction=0.05, max_rss_bytes=1 << 26),
+                     warmup=Warmup(requests=1, failed=0), records=records, keep_text=keep_text)
+
+
+def _bench(runs: list[RunResult]) -> BenchResult:
+    return BenchResult(meta=_meta(), runs=runs)
+
+
 def test_summary_throughput_goodput_cost():
     recs = [_rec(0, 0.0, 0.1, 1.0, 10, 5),                 # TPOT 0.9/9 = 0.1
             _rec(1, 0.5, 0.3, 1.5, 10, 7),                 # ends at 2.0; TPOT 1.2/9
             _rec(2, 0.2, None, 0.01, 0, 9, success=False, kind="http_400")]
     s = summarize(recs, slo=parse_slo("ttft=200ms"), cost_per_hour=3.6)
-    assert s["duration_s"] == pytest.approx(2.0)           # first send 0.0 -> last end 2.0
-    assert (s["completed"], s["failed"]) == (2, 1)
-    assert s["errors_by_kind"] == {"http_400": 1}
-    assert s["request_throughput"] == pytest.approx(1.0)
-    assert s["input_throughput"] == pytest.approx(6.0)     # (5 + 7) / 2: failed requests' prompts don't count
-    assert s["output_throughput"] == pytest.approx(10.0)
-    assert s["ttft_ms"]["mean"] == pytest.approx(200.0)
-    assert s["tpot_ms"]["p50"] == pytest.approx((100.0 + 1200 / 9) / 2)
-    assert s["e2e_ms"]["p50"] == pytest.approx(1250.0)
-    assert s["good_requests"] == 1 and s["goodput"] == pytest.approx(0.5)
-    assert s["good_fraction"] == pytest.approx(1 / 3)
-    assert s["cost"]["run_dollars"] == pytest.approx(0.002)  # $3.6/h for 2 s
-    assert s["cost"]["per_million_output_tokens"] == pytest.approx(100.0)
-    assert s["cost"]["per_successful_request"] == pytest.approx(0.001)
+    assert s.duration_s == pytest.approx(2.0)              # first send 0.0 -> last end 2.0
+    assert (s.completed, s.failed) == (2, 1)
+    assert s.errors_by_kind == {"http_400": 1}
+    assert s.request_throughput == pytest.approx(1.0)
+    assert s.input_throughput == pytest.approx(6.0)        # (5 + 7) / 2: failed requests' prompts don't count
+    assert s.output_throughput == pytest.approx(10.0)
+    assert s.ttft_ms.mean == pytest.approx(200.0)
+    assert s.tpot_ms.p50 == pytest.approx((100.0 + 1200 / 9) / 2)
+    assert s.e2e_ms.p50 == pytest.approx(1250.0)
+    assert s.slo.good_requests == 1 and s.slo.goodput == pytest.approx(0.5)
+    assert s.slo.good_fraction == pytest.approx(1 / 3)
+    assert s.cost.run_dollars == pytest.approx(0.002)      # $3.6/h for 2 s
+    assert s.cost.per_million_output_tokens == pytest.approx(100.0)
+    assert s.cost.per_successful_request == pytest.approx(0.001)
 
 
 def test_slo_parsing_and_checks():
@@ -114,10 +145,11 @@ def test_parse_metrics_with_fallback_names():
     series = [{"t": 0.0, **m}, {"t": 2.0, **m, "running": 1.0, "prefix_cache_queries": 200.0,
                                 "prefix_cache_hits": 115.0, "step_seconds": 2.5}]
     s = summarize_series(series)
-    assert s["prefix_cache_hit_rate"] == pytest.approx(0.75)   # (115 - 40) / (200 - 100)
-    assert s["engine_busy_fraction"] == pytest.approx(0.5)     # 1.0 s of steps in 2.0 s
-    assert s["running_mean"] == pytest.approx(3.0) and s["running_max"] == 5.0
-    assert summarize_series([], available=False, error="HTTP 404") == {"available": False, "error": "HTTP 404"}
+    assert s.prefix_cache.hit_rate == pytest.approx(0.75)      # (115 - 40) / (200 - 100)
+    assert s.engine_busy.fraction == pytest.approx(0.5)        # 1.0 s of steps in 2.0 s
+    assert s.running.mean == pytest.approx(3.0) and s.running.max == 5.0
+    assert summarize_series([], available=False, error="HTTP 404").to_json() == {"available": False,
+                                                                                   "error": "HTTP 404"}
 
 
 def test_parse_metrics_reads_llama_server_names():
@@ -173,24 +205,23 @@ def test_spec_decode_counters_become_acceptance_rate_and_mean_accepted_length():
     after = parse_metrics(SPEC_METRICS % (50, 100, 72, 38, 34))
     s = summarize_series([{"t": 0.0, **before}, {"t": 1.0, **after}])
     # 40 drafts of 80 tokens, 60 accepted: 75 %, 1 + 60 / 40 = 2.5 tokens per verifying step
-    assert s["spec_decode_num_drafts"] == 40 and s["spec_decode_num_draft_tokens"] == 80
-    assert s["spec_decode_acceptance_rate"] == pytest.approx(0.75)
-    assert s["spec_decode_mean_accepted_length"] == pytest.approx(2.5)
-    assert s["spec_decode_acceptance_per_position"] == pytest.approx([0.75, 0.75])
-    run = {"label": "c=1", "summary": {"completed": 1, "failed": 0, "output_throughput": 10.0,
-                                       "request_throughput": 1.0, "ttft_ms": {"p95": 5.0}, "e2e_ms": {"p95": 9.0},
-                                       "errors_by_kind": {}},
-           "server": s}
+    sd = s.spec_decode
+    assert sd.num_drafts == 40 and sd.num_draft_tokens == 80
+    assert sd.acceptance_rate == pytest.approx(0.75)
+    assert sd.mean_accepted_length == pytest.approx(2.5)
+    assert sd.acceptance_per_position == pytest.approx([0.75, 0.75])
+    run = _run("c=1", s)                                   # 1 request, 10 output tokens/s
     rows = {r[0]: r[1] for r in table_rows([("c=1", run)])}
     assert rows["Spec decode acceptance rate (%)"] == "75.0" and rows["Spec decode mean accepted length"] == "2.50"
-    text = " ".join(findings({"kind": "bench", "runs": [run]}))
+    text = " ".join(findings(_bench([run])))
     assert "acceptance rate 75.0%, mean accepted length 2.50" in text and "draft position 1: 75.0%, 2: 75.0%" in text
     # the counters unchanged over a run (speculation disabled by batch size): no rate, a finding that says so
     idle = summarize_series([{"t": 0.0, **after}, {"t": 1.0, **after}])
-    assert idle["spec_decode_num_drafts"] == 0 and idle["spec_decode_acceptance_rate"] is None
-    assert "no drafts" in " ".join(findings({"kind": "bench", "runs": [{**run, "server": idle}]}))
+    assert idle.spec_decode.num_drafts == 0 and idle.spec_decode.acceptance_rate is None
+    assert "no drafts" in " ".join(findings(_bench([_run("c=1", idle)])))
     # a server without speculation: no rows
-    assert not any(r[0].startswith("Spec decode") for r in table_rows([("c=1", {**run, "server": {}})]))
+    plain = summarize_series([{"t": 0.0, "running": 1.0}, {"t": 1.0, "running": 0.0}])
+    assert not any(r[0].startswith("Spec decode") for r in table_rows([("c=1", _run("c=1", plain))]))
 
 
 def test_quote_workload_is_seeded_distinct_passages_to_copy(tmp_path):
@@ -251,3 +282,82 @@ def test_sweep_parsing():
     for bad in ("concurrency=0", "concurrency=1.5", "qps=1", "concurrency="):
         with pytest.raises(ValueError):
             parse_sweep(bad)
+
+
+def test_a_result_round_trips_through_its_json():
+    # records as results.json keeps them (token times to the microsecond), as a result read back has them
+    recs = [r.as_saved() for r in [_rec(0, 0.0, 0.1, 1.0, 10, 5), _rec(1, 0.5, 0.3, 1.5, 10, 7),
+                                   _rec(2, 0.2, None, 0.01, 0, 9, success=False, kind="http_400")]]
+    recs[0].output_text = "ten tokens"
+    series = [{"t": 0.0, "running": 2.0, **parse_metrics(SPEC_METRICS % (10, 20, 12, 8, 4))},
+              {"t": 1.0, "running": 0.0, **parse_metrics(SPEC_METRICS % (50, 100, 72, 38, 34))}]
+    runs = [_run("rate=2.0", summarize_series(series), recs, rate=2.0, series=series, keep_text=True,
+                 slo={"ttft": 0.2}, cost=3.6),
+            _run("rate=inf", summarize_series([], available=False, error="HTTP 404"), recs[1:2])]
+    bench = _bench(runs)
+    document = bench.to_json()
+    assert document["runs"][1]["load"]["request_rate"] == "inf" and document["meta"]["sweep"]["values"] == [2.0, "inf"]
+    assert "output_text" in document["runs"][0]["records"][0] and "output_text" not in document["runs"][1]["records"][0]
+    assert list(document["runs"][0]["summary"])[-5:] == ["slo", "goodput", "good_requests", "good_fraction", "cost"]
+    text = json.dumps(document, allow_nan=False)              # the file has no infinity
+    assert BenchResult.from_json(json.loads(text)) == bench
+    assert result_from_json(json.loads(text)) == bench
+
+    ran = VariantResult(name="max-num-seqs=8", settings={"max-num-seqs": "8"}, command="kvflow serve --max-num-seqs 8",
+                        log="server-0.log", result=bench, startup_seconds=2.5, exit_code=0)
+    broke = VariantResult(name="max-num-seqs=32", settings={"max-num-seqs": "32"},
+                          command="kvflow serve --max-num-seqs 32", log="server-1.log",
+                          error="RuntimeError: the server exited", exit_code=1)
+    experiment = ExperimentResult(meta=ExperimentMeta(common=_meta(base_url=None), launch="kvflow serve",
+                                                      varied=["max-num-seqs=8,32"]), variants=[ran, broke])
+    none_ran = ExperimentResult(
+        meta=ExperimentMeta(common=CommandSettings(command="kvflow bench --launch x", seed=0, model=None, api="chat",
+                                                   workload=WorkloadInfo("haiku", {"num_requests": 2}),
+                                                   started_at="2026-01-01T00:00:00+00:00",
+                                                   finished_at="2026-01-01T00:00:01+00:00"),
+                            launch="x", varied=["max-num-seqs=32"]), variants=[broke])
+    # the meta's keys: a variant's (base_url in its place) then launch, varied; when none ran, the command line's
+    meta_keys = [[*_meta().to_json(), "launch", "varied"],
+                 ["command", "seed", "model", "api", "workload", "started_at", "finished_at", "launch", "base_url",
+                  "varied"]]
+    for exp, keys in zip((experiment, none_ran), meta_keys):
+        document = json.loads(json.dumps(exp.to_json(), allow_nan=False))
+        assert list(document["meta"]) == keys and document["meta"]["base_url"] is None
+        assert ExperimentResult.from_json(document) == exp and result_from_json(document) == exp
+
+
+DATA = Path(__file__).parent / "data" / "bench"
+
+
+def _records_tpot(document) -> list:
+    """Every record's tpot in a results document, in order."""
+    if isinstance(document, dict):
+        own = [document["tpot"]] if "token_times" in document else []
+        return own + [t for k, v in document.items() for t in _records_tpot(v)]
+    if isinstance(document, list):
+        return [t for v in document for t in _records_tpot(v)]
+    return []
+
+
+def _without_records_tpot(document):
+    if isinstance(document, dict):
+        return {k: _without_records_tpot(v) for k, v in document.items()
+                if not (k == "tpot" and "token_times" in document)}
+    if isinstance(document, list):
+        return [_without_records_tpot(v) for v in document]
+    return document
+
+
+@pytest.mark.parametrize("name", ["stub-rate-sweep", "stub-errors-no-metrics", "kvflow-spec-decode",
+                                  "experiment-two-variants", "experiment-no-variant-ran"])
+def test_saved_results_read_back_render_their_report_and_write_the_same_json(name):
+    """Results files kvflow bench wrote (tests/data/bench), each with the Markdown report it wrote from them."""
+    text = (DATA / f"{name}.json").read_text()
+    result = load_result(DATA / f"{name}.json")
+    assert markdown_report(result) == (DATA / f"{name}.md").read_text()
+    assert type(result).from_json(result.to_json()) == result
+    saved, written = json.loads(text), json.loads(json.dumps(result.to_json(), indent=1, allow_nan=False))
+    # the same keys in the same order with the same values, but for each record's tpot: written from the measured
+    # token times, recomputed here from the file's (rounded to the microsecond)
+    assert json.dumps(_without_records_tpot(written)) == json.dumps(_without_records_tpot(saved))
+    assert _records_tpot(written) == pytest.approx(_records_tpot(saved), abs=1e-6)

@@ -9,6 +9,10 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # the bench modules load on use, so that `kvflow --help` starts fast
+    from kvflow.bench.result import Result
 
 DESCRIPTION = """Benchmark an OpenAI-compatible server (kvflow, vLLM, llama.cpp's llama-server, SGLang) with
 streamed requests and write results.json (every request), report.md and report.html (plots) to --output-dir.
@@ -212,18 +216,18 @@ def run_bench(args) -> int:
         print(f"{kind}: {path}")
     from kvflow.bench.report import columns_of
     cols = columns_of(result)
-    return 0 if cols and any(run["summary"]["completed"] for _, run in cols) else 1
+    return 0 if cols and any(run.summary.completed for _, run in cols) else 1
 
 
-def _print_summary(result: dict) -> None:
+def _print_summary(result: Result) -> None:
     from kvflow.bench.report import columns_of, fmt
 
     for label, run in columns_of(result):
-        s = run["summary"]
-        print(f"{label}: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.2f} s | "
-              f"{fmt(s['request_throughput'], '{:.2f}')} req/s, {fmt(s['output_throughput'], '{:.1f}')} out tok/s | "
-              f"TTFT p50/p95 {fmt(s['ttft_ms']['p50'], '{:.0f}')}/{fmt(s['ttft_ms']['p95'], '{:.0f}')} ms | "
-              f"TPOT p50 {fmt(s['tpot_ms']['p50'], '{:.1f}')} ms | E2E p95 {fmt(s['e2e_ms']['p95'], '{:.0f}')} ms")
+        s = run.summary
+        print(f"{label}: {s.completed} ok, {s.failed} failed in {s.duration_s:.2f} s | "
+              f"{fmt(s.request_throughput, '{:.2f}')} req/s, {fmt(s.output_throughput, '{:.1f}')} out tok/s | "
+              f"TTFT p50/p95 {fmt(s.ttft_ms.p50, '{:.0f}')}/{fmt(s.ttft_ms.p95, '{:.0f}')} ms | "
+              f"TPOT p50 {fmt(s.tpot_ms.p50, '{:.1f}')} ms | E2E p95 {fmt(s.e2e_ms.p95, '{:.0f}')} ms")
 
 
 def run_compare(args) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 
@@ -57,10 +57,14 @@ class RequestRecord:
         t = self.token_times
         return [b - a for a, b in zip(t, t[1:])]
 
+    def as_saved(self) -> RequestRecord:
+        """This record as results.json keeps it (token times to the microsecond): what a record read back has."""
+        return replace(self, token_times=[round(x, 6) for x in self.token_times])
+
     def to_json(self, keep_text: bool = False) -> dict:
         d = asdict(self)
-        d["token_times"] = [round(x, 6) for x in self.token_times]
-        d["tpot"] = self.tpot
+        d["token_times"] = self.as_saved().token_times
+        d["tpot"] = self.tpot                # from the measured token times
         if not keep_text:
             d.pop("output_text")
         return d

@@ -17,7 +17,10 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-# vLLM's names first (kvflow, vLLM, SGLang's vLLM-compatible set), then llama.cpp's llama-server (--metrics)
+from kvflow.bench.summary import EngineBusy, GaugeStats, PrefixCacheStats, ServerSummary, SpecDecodeStats
+
+# vLLM's names first (kvflow, vLLM, SGLang's vLLM-compatible set), then llama.cpp's llama-server (--metrics);
+# each gauge is summed up as a field of summary.ServerSummary of the same name
 GAUGES = {
     "running": ("vllm:num_requests_running", "llamacpp:requests_processing"),
     "waiting": ("vllm:num_requests_waiting", "llamacpp:requests_deferred"),
@@ -117,7 +120,7 @@ class MetricsSampler:
         if self._client is not None:
             await self._client.aclose()
 
-    def summary(self) -> dict:
+    def summary(self) -> ServerSummary:
         return summarize_series(self.series, self.available, self.error)
 
 
@@ -126,50 +129,48 @@ def _delta(series: list[dict], key: str) -> float | None:
     return vals[-1] - vals[0] if len(vals) >= 2 else None
 
 
-def summarize_series(series: list[dict], available: bool | None = True, error: str | None = None) -> dict:
+def _gauge(series: list[dict], key: str) -> GaugeStats | None:
+    vals = [p[key] for p in series if key in p]
+    return GaugeStats(mean=sum(vals) / len(vals), max=max(vals)) if vals else None
+
+
+def summarize_series(series: list[dict], available: bool | None = True, error: str | None = None) -> ServerSummary:
     if not available or not series:
-        return {"available": False, "error": error}
-    out: dict = {"available": True, "samples": len(series)}
-    for key in GAUGES:
-        vals = [p[key] for p in series if key in p]
-        if vals:
-            out[f"{key}_mean"] = sum(vals) / len(vals)
-            out[f"{key}_max"] = max(vals)
+        return ServerSummary(available=False, error=error)
+    prefix = None
     q, h = _delta(series, "prefix_cache_queries"), _delta(series, "prefix_cache_hits")
     if q is not None and h is not None:
-        out["prefix_cache_queries"] = q
-        out["prefix_cache_hits"] = h
-        out["prefix_cache_hit_rate"] = h / q if q > 0 else None
-    p = _delta(series, "preemptions")
-    if p is not None:
-        out["preemptions"] = p
-    out.update(_spec_decode(series))
+        prefix = PrefixCacheStats(queries=q, hits=h, hit_rate=h / q if q > 0 else None)
+    busy = None
     wall = series[-1]["t"] - series[0]["t"]
-    busy = _delta(series, "step_seconds")
-    if busy is not None and wall > 0:
-        out["engine_busy_fraction"] = min(busy / wall, 1.0)
-        out["engine_busy_source"] = "kvflow:step_duration_seconds"
+    step_seconds = _delta(series, "step_seconds")
+    if step_seconds is not None and wall > 0:
+        busy = EngineBusy(fraction=min(step_seconds / wall, 1.0), source="kvflow:step_duration_seconds")
     else:
         running = [p["running"] for p in series if "running" in p]
         if running:
-            out["engine_busy_fraction"] = sum(1 for r in running if r > 0) / len(running)
-            out["engine_busy_source"] = "samples with running > 0"
-    return out
+            busy = EngineBusy(fraction=sum(1 for r in running if r > 0) / len(running),
+                              source="samples with running > 0")
+    return ServerSummary(available=True, samples=len(series), running=_gauge(series, "running"),
+                         waiting=_gauge(series, "waiting"), kv_cache_usage=_gauge(series, "kv_cache_usage"),
+                         resident_memory_bytes=_gauge(series, "resident_memory_bytes"), prefix_cache=prefix,
+                         preemptions=_delta(series, "preemptions"), spec_decode=_spec_decode(series),
+                         engine_busy=busy)
 
 
-def _spec_decode(series: list[dict]) -> dict:
-    """The run's speculative decoding figures from vLLM's spec_decode counters; {} when the server has none."""
+def _spec_decode(series: list[dict]) -> SpecDecodeStats | None:
+    """The run's speculative decoding figures from vLLM's spec_decode counters; None when the server has none."""
     drafts, tokens = _delta(series, "spec_drafts"), _delta(series, "spec_draft_tokens")
     accepted = _delta(series, "spec_accepted_tokens")
     if drafts is None or tokens is None or accepted is None:
-        return {}
-    out = {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": tokens,
-           "spec_decode_num_accepted_tokens": accepted,
-           "spec_decode_acceptance_rate": accepted / tokens if tokens > 0 else None,
-           "spec_decode_mean_accepted_length": 1.0 + accepted / drafts if drafts > 0 else None}
+        return None
+    per_position = None
     positions = sorted({int(k.rsplit("_", 1)[1]) for p in series for k in p
                         if k.startswith("spec_accepted_pos_") and k.rsplit("_", 1)[1].isdigit()})
     if positions and drafts > 0:
         per_pos = [_delta(series, f"spec_accepted_pos_{j}") for j in positions]
-        out["spec_decode_acceptance_per_position"] = [None if a is None else a / drafts for a in per_pos]
-    return out
+        per_position = [None if a is None else a / drafts for a in per_pos]
+    return SpecDecodeStats(num_drafts=drafts, num_draft_tokens=tokens, num_accepted_tokens=accepted,
+                           acceptance_rate=accepted / tokens if tokens > 0 else None,
+                           mean_accepted_length=1.0 + accepted / drafts if drafts > 0 else None,
+                           acceptance_per_position=per_position)

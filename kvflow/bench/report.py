@@ -1,4 +1,5 @@
-"""Reports from a result dict: the metric table, plain-language findings, Markdown, self-contained HTML, JSON."""
+"""Reports from a typed result (result.BenchResult or ExperimentResult): the metric table, plain-language findings,
+Markdown, self-contained HTML, JSON."""
 from __future__ import annotations
 
 import base64
@@ -6,54 +7,74 @@ import html
 import json
 import math
 from pathlib import Path
+from typing import Callable
 
 from kvflow.bench import plots
+from kvflow.bench.result import (BenchMeta, CommandSettings, ExperimentResult, Result, RunResult, VariantResult,
+                                 result_from_json)
+from kvflow.bench.summary import Distribution
 
-# (row name, path into a run, format, better): better is "higher", "lower" or None (no ratio meaning)
-DIST_ROWS = [(f"{name} {stat} (ms)", (key, stat), "{:.1f}", "lower")
-             for name, key in [("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")]
-             for stat in ("mean", "p50", "p90", "p95", "p99")]
-METRIC_ROWS = [
-    ("Completed requests", ("summary", "completed"), "{:d}", "higher"),
-    ("Failed requests", ("summary", "failed"), "{:d}", "lower"),
-    ("Duration (s)", ("summary", "duration_s"), "{:.2f}", None),
-    ("Request throughput (req/s)", ("summary", "request_throughput"), "{:.2f}", "higher"),
-    ("Input token throughput (tok/s)", ("summary", "input_throughput"), "{:.1f}", "higher"),
-    ("Output token throughput (tok/s)", ("summary", "output_throughput"), "{:.1f}", "higher"),
-    ("Total token throughput (tok/s)", ("summary", "total_token_throughput"), "{:.1f}", "higher"),
-    ("Goodput (req/s)", ("summary", "goodput"), "{:.2f}", "higher"),
-    ("Requests meeting the SLO (%)", ("summary", "good_fraction"), "pct", "higher"),
-    ("Mean input tokens", ("summary", "mean_input_tokens"), "{:.1f}", None),
-    ("Mean output tokens", ("summary", "mean_output_tokens"), "{:.1f}", None),
-    *[(n, ("summary",) + p, f, b) for n, p, f, b in DIST_ROWS],
-    ("Running requests, mean", ("server", "running_mean"), "{:.1f}", None),
-    ("Running requests, max", ("server", "running_max"), "{:.0f}", None),
-    ("Waiting requests, mean", ("server", "waiting_mean"), "{:.1f}", "lower"),
-    ("Waiting requests, max", ("server", "waiting_max"), "{:.0f}", "lower"),
-    ("KV-cache usage, mean (%)", ("server", "kv_cache_usage_mean"), "pct", None),
-    ("KV-cache usage, max (%)", ("server", "kv_cache_usage_max"), "pct", None),
-    ("Prefix-cache hit rate (%)", ("server", "prefix_cache_hit_rate"), "pct", "higher"),
-    ("Preemptions", ("server", "preemptions"), "{:.0f}", "lower"),
-    ("Spec decode acceptance rate (%)", ("server", "spec_decode_acceptance_rate"), "pct", "higher"),
-    ("Spec decode mean accepted length", ("server", "spec_decode_mean_accepted_length"), "{:.2f}", "higher"),
-    ("Spec decode drafts", ("server", "spec_decode_num_drafts"), "{:.0f}", None),
-    ("Spec decode draft tokens", ("server", "spec_decode_num_draft_tokens"), "{:.0f}", None),
-    ("Spec decode accepted tokens", ("server", "spec_decode_num_accepted_tokens"), "{:.0f}", "higher"),
-    ("Server resident memory, max (MiB)", ("server", "resident_memory_bytes_max"), "mib", "lower"),
-    ("Engine busy (%)", ("server", "engine_busy_fraction"), "pct", None),
-    ("Client CPU (% of one core)", ("client", "cpu_fraction"), "pct", None),
-    ("Cost per million output tokens ($)", ("summary", "cost", "per_million_output_tokens"), "{:.4f}", "lower"),
-    ("Cost per successful request ($)", ("summary", "cost", "per_successful_request"), "{:.6f}", "lower"),
+Getter = Callable[[RunResult], float | None]
+
+
+def _part(part: Callable, value: Callable) -> Getter:
+    """value(part(run)), or None where the run lacks that part (no SLO or price given, a metric the server does not
+    export)."""
+    def get(run: RunResult):
+        p = part(run)
+        return None if p is None else value(p)
+    return get
+
+
+_DISTRIBUTIONS: list[tuple[str, Callable[[RunResult], Distribution]]] = [
+    ("TTFT", lambda r: r.summary.ttft_ms), ("TPOT", lambda r: r.summary.tpot_ms),
+    ("ITL", lambda r: r.summary.itl_ms), ("E2E", lambda r: r.summary.e2e_ms)]
+_STATS: list[tuple[str, Callable[[Distribution], float | None]]] = [
+    ("mean", lambda d: d.mean), ("p50", lambda d: d.p50), ("p90", lambda d: d.p90), ("p95", lambda d: d.p95),
+    ("p99", lambda d: d.p99)]
+
+# (row name, the value of a run, format, better): better is "higher", "lower" or None (no ratio meaning)
+DIST_ROWS = [(f"{name} {stat} (ms)", _part(dist, value), "{:.1f}", "lower")
+             for name, dist in _DISTRIBUTIONS for stat, value in _STATS]
+METRIC_ROWS: list[tuple[str, Getter, str, str | None]] = [
+    ("Completed requests", lambda r: r.summary.completed, "{:d}", "higher"),
+    ("Failed requests", lambda r: r.summary.failed, "{:d}", "lower"),
+    ("Duration (s)", lambda r: r.summary.duration_s, "{:.2f}", None),
+    ("Request throughput (req/s)", lambda r: r.summary.request_throughput, "{:.2f}", "higher"),
+    ("Input token throughput (tok/s)", lambda r: r.summary.input_throughput, "{:.1f}", "higher"),
+    ("Output token throughput (tok/s)", lambda r: r.summary.output_throughput, "{:.1f}", "higher"),
+    ("Total token throughput (tok/s)", lambda r: r.summary.total_token_throughput, "{:.1f}", "higher"),
+    ("Goodput (req/s)", _part(lambda r: r.summary.slo, lambda o: o.goodput), "{:.2f}", "higher"),
+    ("Requests meeting the SLO (%)", _part(lambda r: r.summary.slo, lambda o: o.good_fraction), "pct", "higher"),
+    ("Mean input tokens", lambda r: r.summary.mean_input_tokens, "{:.1f}", None),
+    ("Mean output tokens", lambda r: r.summary.mean_output_tokens, "{:.1f}", None),
+    *DIST_ROWS,
+    ("Running requests, mean", _part(lambda r: r.server.running, lambda g: g.mean), "{:.1f}", None),
+    ("Running requests, max", _part(lambda r: r.server.running, lambda g: g.max), "{:.0f}", None),
+    ("Waiting requests, mean", _part(lambda r: r.server.waiting, lambda g: g.mean), "{:.1f}", "lower"),
+    ("Waiting requests, max", _part(lambda r: r.server.waiting, lambda g: g.max), "{:.0f}", "lower"),
+    ("KV-cache usage, mean (%)", _part(lambda r: r.server.kv_cache_usage, lambda g: g.mean), "pct", None),
+    ("KV-cache usage, max (%)", _part(lambda r: r.server.kv_cache_usage, lambda g: g.max), "pct", None),
+    ("Prefix-cache hit rate (%)", _part(lambda r: r.server.prefix_cache, lambda c: c.hit_rate), "pct", "higher"),
+    ("Preemptions", lambda r: r.server.preemptions, "{:.0f}", "lower"),
+    ("Spec decode acceptance rate (%)", _part(lambda r: r.server.spec_decode, lambda s: s.acceptance_rate), "pct",
+     "higher"),
+    ("Spec decode mean accepted length", _part(lambda r: r.server.spec_decode, lambda s: s.mean_accepted_length),
+     "{:.2f}", "higher"),
+    ("Spec decode drafts", _part(lambda r: r.server.spec_decode, lambda s: s.num_drafts), "{:.0f}", None),
+    ("Spec decode draft tokens", _part(lambda r: r.server.spec_decode, lambda s: s.num_draft_tokens), "{:.0f}",
+     None),
+    ("Spec decode accepted tokens", _part(lambda r: r.server.spec_decode, lambda s: s.num_accepted_tokens),
+     "{:.0f}", "higher"),
+    ("Server resident memory, max (MiB)", _part(lambda r: r.server.resident_memory_bytes, lambda g: g.max), "mib",
+     "lower"),
+    ("Engine busy (%)", _part(lambda r: r.server.engine_busy, lambda b: b.fraction), "pct", None),
+    ("Client CPU (% of one core)", lambda r: r.client.cpu_fraction, "pct", None),
+    ("Cost per million output tokens ($)", _part(lambda r: r.summary.cost, lambda c: c.per_million_output_tokens),
+     "{:.4f}", "lower"),
+    ("Cost per successful request ($)", _part(lambda r: r.summary.cost, lambda c: c.per_successful_request),
+     "{:.6f}", "lower"),
 ]
-
-
-def get_path(run: dict, path: tuple) -> float | None:
-    cur = run
-    for p in path:
-        if not isinstance(cur, dict) or p not in cur:
-            return None
-        cur = cur[p]
-    return cur if isinstance(cur, (int, float)) and not isinstance(cur, bool) else None
 
 
 def fmt(value, spec: str) -> str:
@@ -68,28 +89,27 @@ def fmt(value, spec: str) -> str:
     return spec.format(value)
 
 
-def columns_of(result: dict) -> list[tuple[str, dict]]:
+def columns_of(result: Result) -> list[tuple[str, RunResult]]:
     """(label, run) for every run of a bench result, or of every variant of an experiment."""
-    if result.get("kind") == "experiment":
+    if isinstance(result, ExperimentResult):
         cols = []
-        for v in result["variants"]:
-            runs = v["result"]["runs"] if v.get("result") else []
+        for v in result.variants:
+            runs = v.result.runs if v.result is not None else []
             for run in runs:
-                cols.append((v["name"] if len(runs) == 1 else f"{v['name']} {run['label']}", run))
+                cols.append((v.name if len(runs) == 1 else f"{v.name} {run.label}", run))
         return cols
-    return [(run["label"], run) for run in result["runs"]]
+    return [(run.label, run) for run in result.runs]
 
 
-def table_rows(columns: list[tuple[str, dict]]) -> list[list[str]]:
+def table_rows(columns: list[tuple[str, RunResult]]) -> list[list[str]]:
     """Header row then one row per metric that at least one column has."""
     rows = [["Metric"] + [c for c, _ in columns]]
-    for name, path, spec, _ in METRIC_ROWS:
-        vals = [get_path(run, path) for _, run in columns]
+    for name, value, spec, _ in METRIC_ROWS:
+        vals = [value(run) for _, run in columns]
         if all(v is None for v in vals):
             continue
         rows.append([name] + [fmt(v, spec) for v in vals])
-    errors = [", ".join(f"{k}: {n}" for k, n in run["summary"].get("errors_by_kind", {}).items()) or "none"
-              for _, run in columns]
+    errors = [", ".join(f"{k}: {n}" for k, n in run.summary.errors_by_kind.items()) or "none" for _, run in columns]
     rows.append(["Errors by kind"] + errors)
     return rows
 
@@ -100,15 +120,15 @@ def _ratio(a, b) -> str:
     return f"{b / a:.2f}×"
 
 
-def compare_rows(columns: list[tuple[str, dict]]) -> list[list[str]]:
+def compare_rows(columns: list[tuple[str, RunResult]]) -> list[list[str]]:
     """Like table_rows, with a ratio column (to the first column) after every other column."""
     base_label = columns[0][0]
     header = ["Metric", base_label]
     for label, _ in columns[1:]:
         header += [label, f"÷ {base_label}"]
     rows = [header]
-    for name, path, spec, _ in METRIC_ROWS:
-        vals = [get_path(run, path) for _, run in columns]
+    for name, value, spec, _ in METRIC_ROWS:
+        vals = [value(run) for _, run in columns]
         if all(v is None for v in vals):
             continue
         row = [name, fmt(vals[0], spec)]
@@ -132,75 +152,82 @@ def html_table(rows: list[list[str]]) -> str:
 
 # ---- findings --------------------------------------------------------------------------------------------------
 
-def _g(run, *path):
-    return get_path(run, path)
+def _ttft_p95(run: RunResult) -> float | None:
+    return run.summary.ttft_ms.p95
 
 
-def findings(result: dict) -> list[str]:
+def _e2e_p95(run: RunResult) -> float | None:
+    return run.summary.e2e_ms.p95
+
+
+_goodput = _part(lambda r: r.summary.slo, lambda o: o.goodput)
+_cost_per_million = _part(lambda r: r.summary.cost, lambda c: c.per_million_output_tokens)
+
+
+def findings(result: Result) -> list[str]:
     """Plain-language conclusions, each backed by the numbers."""
     cols = columns_of(result)
     out: list[str] = []
     if not cols:
         return ["No run completed."]
     for label, run in cols:
-        cpu = _g(run, "client", "cpu_fraction")
+        cpu = run.client.cpu_fraction
         if cpu is not None and cpu > 0.8:
             out.append(f"Warning: the client used {cpu:.0%} of a CPU core in `{label}`: it may have limited the "
                        "load it could offer; the numbers there are a lower bound on the server's capacity.")
-    failed = [(label, run["summary"]) for label, run in cols if run["summary"]["failed"]]
+    failed = [(label, run.summary) for label, run in cols if run.summary.failed]
     for label, s in failed:
-        kinds = ", ".join(f"{k} ×{n}" for k, n in s["errors_by_kind"].items())
-        out.append(f"`{label}`: {s['failed']} of {s['num_requests']} requests failed ({kinds}).")
-    ok = [(label, run) for label, run in cols if _g(run, "summary", "output_throughput")]
+        kinds = ", ".join(f"{k} ×{n}" for k, n in s.errors_by_kind.items())
+        out.append(f"`{label}`: {s.failed} of {s.num_requests} requests failed ({kinds}).")
+    ok = [(label, run) for label, run in cols if run.summary.output_throughput]
     if not ok:
         out.append("No run produced output tokens.")
         return out
     if len(ok) == 1:
         label, run = ok[0]
-        s = run["summary"]
-        out.append(f"`{label}`: {s['output_throughput']:.1f} output tokens/s, {s['request_throughput']:.2f} "
-                   f"requests/s, p95 TTFT {fmt(s['ttft_ms']['p95'], '{:.0f}')} ms, p95 E2E "
-                   f"{fmt(s['e2e_ms']['p95'], '{:.0f}')} ms.")
+        s = run.summary
+        out.append(f"`{label}`: {s.output_throughput:.1f} output tokens/s, {s.request_throughput:.2f} "
+                   f"requests/s, p95 TTFT {fmt(s.ttft_ms.p95, '{:.0f}')} ms, p95 E2E "
+                   f"{fmt(s.e2e_ms.p95, '{:.0f}')} ms.")
         return out + _spec_findings(cols)
 
-    by_tput = sorted(ok, key=lambda c: -_g(c[1], "summary", "output_throughput"))
+    by_tput = sorted(ok, key=lambda c: -c[1].summary.output_throughput)
     (bl, br), (wl, wr) = by_tput[0], by_tput[-1]
-    bt, wt = _g(br, "summary", "output_throughput"), _g(wr, "summary", "output_throughput")
+    bt, wt = br.summary.output_throughput, wr.summary.output_throughput
     out.append(f"Highest throughput: `{bl}` with {bt:.1f} output tokens/s, {bt / wt:.2f}× the lowest, "
                f"`{wl}` ({wt:.1f} tokens/s).")
-    with_ttft = [c for c in ok if _g(c[1], "summary", "ttft_ms", "p95") is not None]
+    with_ttft = [c for c in ok if _ttft_p95(c[1]) is not None]
     best_ttft = None
     if len(with_ttft) >= 2:
-        by_ttft = sorted(with_ttft, key=lambda c: _g(c[1], "summary", "ttft_ms", "p95"))
+        by_ttft = sorted(with_ttft, key=lambda c: _ttft_p95(c[1]))
         (tl, tr), (sl, sr) = by_ttft[0], by_ttft[-1]
-        a, b = _g(tr, "summary", "ttft_ms", "p95"), _g(sr, "summary", "ttft_ms", "p95")
+        a, b = _ttft_p95(tr), _ttft_p95(sr)
         best_ttft = tl
         ratio = f", {b / a:.2f}× lower than" if a > 0 else ", versus"
         out.append(f"Lowest p95 time to first token: `{tl}` at {a:.0f} ms{ratio} `{sl}` ({b:.0f} ms).")
-    with_e2e = [c for c in ok if _g(c[1], "summary", "e2e_ms", "p95") is not None]
+    with_e2e = [c for c in ok if _e2e_p95(c[1]) is not None]
     if len(with_e2e) >= 2:
-        el, er = min(with_e2e, key=lambda c: _g(c[1], "summary", "e2e_ms", "p95"))
-        out.append(f"Lowest p95 end-to-end latency: `{el}` at {_g(er, 'summary', 'e2e_ms', 'p95'):.0f} ms.")
+        el, er = min(with_e2e, key=lambda c: _e2e_p95(c[1]))
+        out.append(f"Lowest p95 end-to-end latency: `{el}` at {_e2e_p95(er):.0f} ms.")
     if best_ttft is not None:
         if best_ttft == bl:
             out.append(f"`{bl}` is best on both throughput and p95 TTFT.")
         else:
             out.append(f"No variant wins both: `{bl}` gives the most throughput, `{best_ttft}` the fastest first "
                        "token; pick by which one your users feel.")
-    good = [c for c in ok if _g(c[1], "summary", "goodput") is not None]
+    good = [c for c in ok if _goodput(c[1]) is not None]
     if good:
-        gl, gr = max(good, key=lambda c: _g(c[1], "summary", "goodput"))
-        out.append(f"Most goodput under the SLO: `{gl}` with {_g(gr, 'summary', 'goodput'):.2f} requests/s "
-                   f"({_g(gr, 'summary', 'good_fraction'):.0%} of its requests met it).")
-    costed = [c for c in ok if _g(c[1], "summary", "cost", "per_million_output_tokens") is not None]
+        gl, gr = max(good, key=lambda c: _goodput(c[1]))
+        out.append(f"Most goodput under the SLO: `{gl}` with {gr.summary.slo.goodput:.2f} requests/s "
+                   f"({gr.summary.slo.good_fraction:.0%} of its requests met it).")
+    costed = [c for c in ok if _cost_per_million(c[1]) is not None]
     if costed:
-        price = costed[0][1]["summary"]["cost"]["per_hour"]
-        parts = ", ".join(f"`{lab}` ${_g(r, 'summary', 'cost', 'per_million_output_tokens'):.3f}"
-                          for lab, r in sorted(costed, key=lambda c: _g(c[1], "summary", "cost",
-                                                                        "per_million_output_tokens")))
+        price = costed[0][1].summary.cost.per_hour
+        parts = ", ".join(f"`{lab}` ${_cost_per_million(r):.3f}"
+                          for lab, r in sorted(costed, key=lambda c: _cost_per_million(c[1])))
         out.append(f"Cost at ${price:g}/hour, per million output tokens: {parts}.")
     out += _spec_findings(cols)
-    pre = [(lab, _g(r, "server", "preemptions")) for lab, r in cols if _g(r, "server", "preemptions")]
+    pre = [(lab, r.server.preemptions) for lab, r in cols if r.server.preemptions]
     if pre:
         out.append("Preemptions (KV cache full, requests recomputed): "
                    + ", ".join(f"`{lab}` {n:.0f}" for lab, n in pre) + ".")
@@ -209,75 +236,82 @@ def findings(result: dict) -> list[str]:
     return out
 
 
-def _spec_findings(cols) -> list[str]:
+def _spec_findings(cols: list[tuple[str, RunResult]]) -> list[str]:
     """One line per run whose server reports speculative decoding (vLLM's spec_decode counters)."""
     out = []
     for label, run in cols:
-        srv = run.get("server") or {}
-        if "spec_decode_num_drafts" not in srv:
+        sd = run.server.spec_decode
+        if sd is None:
             continue
-        if not srv["spec_decode_num_drafts"]:
+        if not sd.num_drafts:
             out.append(f"Speculative decoding in `{label}`: no drafts (nothing to propose, or every step above "
                        "disable_by_batch_size).")
             continue
-        per_pos = srv.get("spec_decode_acceptance_per_position") or []
+        per_pos = sd.acceptance_per_position or []
         pos = (" (accepted at draft position " + ", ".join(f"{j + 1}: {fmt(a, 'pct')}%" for j, a in enumerate(per_pos))
                + ")") if per_pos else ""
         out.append(f"Speculative decoding in `{label}`: acceptance rate "
-                   f"{fmt(srv['spec_decode_acceptance_rate'], 'pct')}%, mean accepted length "
-                   f"{fmt(srv['spec_decode_mean_accepted_length'], '{:.2f}')} tokens per verifying step, "
-                   f"{srv['spec_decode_num_drafts']:.0f} drafts of {srv['spec_decode_num_draft_tokens']:.0f} tokens"
+                   f"{fmt(sd.acceptance_rate, 'pct')}%, mean accepted length "
+                   f"{fmt(sd.mean_accepted_length, '{:.2f}')} tokens per verifying step, "
+                   f"{sd.num_drafts:.0f} drafts of {sd.num_draft_tokens:.0f} tokens"
                    f"{pos}.")
     return out
 
 
 # ---- documents -------------------------------------------------------------------------------------------------
 
-def _meta_lines(result: dict) -> list[tuple[str, str]]:
-    m = result["meta"]
-    wl = m.get("workload") or {}
-    lines = [("Command", f"`{m.get('command')}`"),
-             ("Model", str(m.get("model"))),
-             ("Server", f"{m.get('base_url') or m.get('launch')} (version {json.dumps(m.get('server_version'))})"),
-             ("API", str(m.get("api"))),
-             ("Workload", ", ".join(f"{k}={v}" for k, v in wl.items())),
-             ("Seed", str(m.get("seed"))),
-             ("ignore_eos", str(m.get("ignore_eos"))),
-             ("kvflow", str(m.get("kvflow_version"))),
-             ("Started / finished", f"{m.get('started_at')} / {m.get('finished_at')}")]
-    if m.get("slo"):
-        lines.append(("SLO", ", ".join(f"{k} ≤ {v * 1000:g} ms" for k, v in m["slo"].items())))
-    if m.get("cost_per_hour") is not None:
-        lines.append(("Machine price", f"${m['cost_per_hour']:g}/hour"))
+def _settings_of(result: Result) -> BenchMeta | CommandSettings:
+    return result.meta.common if isinstance(result, ExperimentResult) else result.meta
+
+
+def _meta_lines(result: Result) -> list[tuple[str, str]]:
+    m = _settings_of(result)
+    server = result.meta.launch if isinstance(result, ExperimentResult) else result.meta.base_url
+    bench = m if isinstance(m, BenchMeta) else None      # None: no variant of the experiment ran
+    lines = [("Command", f"`{m.command}`"),
+             ("Model", str(m.model)),
+             ("Server", f"{server} (version {json.dumps(bench.server_version if bench else None)})"),
+             ("API", str(m.api)),
+             ("Workload", ", ".join(f"{k}={v}" for k, v in [("name", m.workload.name), *m.workload.params.items()])),
+             ("Seed", str(m.seed)),
+             ("ignore_eos", str(bench.ignore_eos if bench else None)),
+             ("kvflow", str(bench.kvflow_version if bench else None)),
+             ("Started / finished", f"{m.started_at} / {m.finished_at}")]
+    if bench and bench.slo:
+        lines.append(("SLO", ", ".join(f"{k} ≤ {v * 1000:g} ms" for k, v in bench.slo.items())))
+    if bench and bench.cost_per_hour is not None:
+        lines.append(("Machine price", f"${bench.cost_per_hour:g}/hour"))
     return lines
 
 
-def _server_notes(cols) -> list[str]:
+def _server_notes(cols: list[tuple[str, RunResult]]) -> list[str]:
     notes = []
     for label, run in cols:
-        srv = run.get("server") or {}
-        if not srv.get("available"):
-            notes.append(f"`{label}`: no server metrics ({srv.get('error') or 'no /metrics'}).")
+        if not run.server.available:
+            notes.append(f"`{label}`: no server metrics ({run.server.error or 'no /metrics'}).")
     return notes
 
 
-def title_of(result: dict) -> str:
-    if result.get("kind") == "experiment":
-        flags = ", ".join(result["meta"].get("varied") or [])
+def title_of(result: Result) -> str:
+    if isinstance(result, ExperimentResult):
+        flags = ", ".join(result.meta.varied)
         return f"kvflow bench: optimization experiment ({flags})"
     return "kvflow bench report"
 
 
-def markdown_report(result: dict) -> str:
+def _variant_state(v: VariantResult) -> str:
+    return "ok" if v.result is not None else f"failed: {v.error}"
+
+
+def markdown_report(result: Result) -> str:
     cols = columns_of(result)
     parts = [f"# {title_of(result)}", ""]
     parts += [f"- **{k}**: {v}" for k, v in _meta_lines(result)]
-    if result.get("kind") == "experiment":
+    if isinstance(result, ExperimentResult):
         parts += ["", "## Variants", ""]
-        for v in result["variants"]:
-            state = "ok" if v.get("result") else f"failed: {v.get('error')}"
-            parts.append(f"- `{v['name']}`: `{v['command']}` (startup {fmt(v.get('startup_seconds'), '{:.1f}')} s,"
-                         f" {state})")
+        for v in result.variants:
+            parts.append(f"- `{v.name}`: `{v.command}` (startup {fmt(v.startup_seconds, '{:.1f}')} s,"
+                         f" {_variant_state(v)})")
     parts += ["", "## Results", "", markdown_table(table_rows(cols)) if cols else "_no run completed_"]
     notes = _server_notes(cols)
     if notes:
@@ -298,21 +332,22 @@ def _md_inline(text: str) -> str:
     return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
 
 
-def figures(result: dict) -> list[tuple[str, bytes]]:
+def figures(result: Result) -> list[tuple[str, bytes]]:
     cols = columns_of(result)
     out = []
-    if result.get("kind") == "experiment":
-        groups = [(v["name"], v["result"]["runs"]) for v in result["variants"] if v.get("result")]
+    if isinstance(result, ExperimentResult):
+        groups = [(v.name, v.result.runs) for v in result.variants if v.result is not None]
         png = plots.variant_bars(cols)
         if png:
             out.append(("Variants side by side", png))
     else:
-        groups = [("runs", result["runs"])]
-    sweep = result["meta"].get("sweep")
+        groups = [("runs", result.runs)]
+    settings = _settings_of(result)
+    sweep = settings.sweep if isinstance(settings, BenchMeta) else None
     if sweep:
-        png = plots.sweep_curves(groups, sweep["over"])
+        png = plots.sweep_curves(groups, sweep.over)
         if png:
-            out.append((f"Throughput and p95 latency against {sweep['over']}", png))
+            out.append((f"Throughput and p95 latency against {sweep.over}", png))
     png = plots.latency_cdfs(cols)
     if png:
         out.append(("Latency CDFs", png))
@@ -322,19 +357,17 @@ def figures(result: dict) -> list[tuple[str, bytes]]:
     return out
 
 
-def html_report(result: dict) -> str:
+def html_report(result: Result) -> str:
     cols = columns_of(result)
     title = title_of(result)
     body = [f"<h1>{html.escape(title)}</h1>", "<ul>"]
     body += [f"<li><b>{html.escape(k)}</b>: {_md_inline(v)}</li>" for k, v in _meta_lines(result)]
     body.append("</ul>")
-    if result.get("kind") == "experiment":
+    if isinstance(result, ExperimentResult):
         body.append("<h2>Variants</h2><ul>")
-        for v in result["variants"]:
-            state = "ok" if v.get("result") else f"failed: {v.get('error')}"
-            name = html.escape(v["name"])
-            body.append(f"<li><code>{name}</code>: <code>{html.escape(v['command'])}</code> "
-                        f"({html.escape(state)})</li>")
+        for v in result.variants:
+            body.append(f"<li><code>{html.escape(v.name)}</code>: <code>{html.escape(v.command)}</code> "
+                        f"({html.escape(_variant_state(v))})</li>")
         body.append("</ul>")
     body.append("<h2>Findings</h2><ul>")
     body += [f"<li>{_md_inline(f)}</li>" for f in findings(result)]
@@ -351,13 +384,13 @@ def html_report(result: dict) -> str:
             f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def write_reports(result: dict, output_dir: Path) -> dict[str, Path]:
+def write_reports(result: Result, output_dir: Path) -> dict[str, Path]:
     """results.json (every record), report.md, report.html in output_dir."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": output_dir / "results.json", "markdown": output_dir / "report.md",
              "html": output_dir / "report.html"}
-    paths["json"].write_text(json.dumps(result, indent=1, allow_nan=False, default=_json_default))
+    paths["json"].write_text(json.dumps(result.to_json(), indent=1, allow_nan=False, default=_json_default))
     paths["markdown"].write_text(markdown_report(result))
     paths["html"].write_text(html_report(result))
     return paths
@@ -367,23 +400,24 @@ def _json_default(o):
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-def load_result(path: str | Path) -> dict:
+def load_result(path: str | Path) -> Result:
+    """A results.json file (or the folder that holds one), read into its typed result."""
     path = Path(path)
     if path.is_dir():
         path = path / "results.json"
     if not path.is_file():
         raise FileNotFoundError(f"no such results file: {path}")
-    result = json.loads(path.read_text())
-    if not isinstance(result, dict) or "kind" not in result:
+    document = json.loads(path.read_text())
+    if not isinstance(document, dict) or "kind" not in document:
         raise ValueError(f"{path} is not a kvflow bench results file")
-    return result
+    return result_from_json(document)
 
 
 def compare_report(paths: list[str | Path]) -> str:
     """Side-by-side Markdown table of several results files, with ratios to the first."""
     if len(paths) < 2:
         raise ValueError("compare needs at least two results files")
-    cols: list[tuple[str, dict]] = []
+    cols: list[tuple[str, RunResult]] = []
     for p in paths:
         result = load_result(p)
         stem = Path(p).parent.name if Path(p).name == "results.json" else Path(p).stem

@@ -1,5 +1,5 @@
 """Drive the load: warm-up, then requests at a closed-loop concurrency and/or Poisson arrival rate, for a number
-of requests or a duration; /metrics sampled alongside; one result dict per load point of a sweep."""
+of requests or a duration; /metrics sampled alongside; one RunResult per load point of a sweep."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +16,8 @@ import httpx
 
 from kvflow.bench.client import CONNECT_ERROR, RequestRecord, build_body, send_request
 from kvflow.bench.metrics_sampler import MetricsSampler
+from kvflow.bench.result import (BenchMeta, BenchResult, ClientHost, ClientStats, Load, RunResult, Sweep, Warmup,
+                                 WorkloadInfo, rate_to_json)
 from kvflow.bench.stats import summarize
 from kvflow.bench.workloads import Workload
 
@@ -62,16 +64,12 @@ class BenchConfig:
             raise ValueError(f"--timeout must be > 0, got {self.timeout}")
 
 
-def rate_json(rate: float) -> float | str:
-    return "inf" if math.isinf(rate) else rate
-
-
 def load_label(concurrency: int | None, rate: float) -> str:
     parts = []
     if concurrency is not None:
         parts.append(f"concurrency={concurrency}")
     if not math.isinf(rate) or concurrency is None:
-        parts.append(f"rate={rate_json(rate)}")
+        parts.append(f"rate={rate_to_json(rate)}")
     return ",".join(parts)
 
 
@@ -92,9 +90,16 @@ def _headers(cfg: BenchConfig) -> dict:
     return {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
 
 
-async def probe_server(cfg: BenchConfig) -> dict:
+@dataclass
+class ServerInfo:
+    """What the server says about itself before the load, and the model to request."""
+    models: list[str]                # what /v1/models lists
+    server_version: dict | None      # its /version answer; None without one
+    model: str
+
+
+async def probe_server(cfg: BenchConfig) -> ServerInfo:
     """The server's /version and model list; the model to use. Raises ConnectionError when unreachable."""
-    info: dict = {"base_url": cfg.base_url}
     async with httpx.AsyncClient(timeout=10.0, trust_env=False, headers=_headers(cfg)) as c:
         try:
             r = await c.get(cfg.base_url.rstrip("/") + "/models")
@@ -106,23 +111,19 @@ async def probe_server(cfg: BenchConfig) -> dict:
                 models = [m.get("id") for m in r.json().get("data", [])]
             except (ValueError, AttributeError):
                 models = []
-        info["models"] = models
         try:
             v = await c.get(root_url(cfg.base_url) + "/version")
-            info["server_version"] = v.json() if v.status_code == 200 else None
+            server_version = v.json() if v.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
-            info["server_version"] = None
-    if cfg.model is None:
-        if not models:
-            raise ValueError(f"--model not given and {cfg.base_url}/models lists no model")
-        info["model"] = models[0]
-    else:
-        info["model"] = cfg.model
-    return info
+            server_version = None
+    if cfg.model is None and not models:
+        raise ValueError(f"--model not given and {cfg.base_url}/models lists no model")
+    return ServerInfo(models=models, server_version=server_version,
+                      model=models[0] if cfg.model is None else cfg.model)
 
 
 async def _run_load(cfg: BenchConfig, workload: Workload, model: str, concurrency: int | None, rate: float,
-                    label: str) -> dict:
+                    label: str) -> RunResult:
     url = cfg.base_url.rstrip("/") + ("/chat/completions" if cfg.api == "chat" else "/completions")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.timeout, connect=min(cfg.timeout, 30.0))
@@ -195,25 +196,20 @@ async def _run_load(cfg: BenchConfig, workload: Workload, model: str, concurrenc
         await sampler.stop()
 
     records.sort(key=lambda r: r.index)
-    summary = summarize(records, cfg.slo, cfg.cost_per_hour)
-    return {
-        "label": label,
-        "load": {"concurrency": concurrency, "request_rate": rate_json(rate), "num_requests": n,
-                 "duration_limit_s": cfg.duration},
-        "started_at": started_at,
-        "finished_at": finished_at,
-        "summary": summary,
-        "server": sampler.summary(),
-        "server_series": sampler.series,
-        "client": {
-            "cpu_seconds": cpu,
-            "wall_seconds": wall,
-            "cpu_fraction": cpu / wall if wall > 0 else None,    # of one core; near 1.0 = the client is the limit
-            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        },
-        "warmup": {"requests": len(warm_records), "failed": sum(not r.success for r in warm_records)},
-        "records": [r.to_json(cfg.keep_text) for r in records],
-    }
+    return RunResult(
+        label=label,
+        load=Load(concurrency=concurrency, request_rate=rate, num_requests=n, duration_limit_s=cfg.duration),
+        started_at=started_at,
+        finished_at=finished_at,
+        summary=summarize(records, cfg.slo, cfg.cost_per_hour),
+        server=sampler.summary(),
+        server_series=sampler.series,
+        client=ClientStats(cpu_seconds=cpu, wall_seconds=wall, cpu_fraction=cpu / wall if wall > 0 else None,
+                           max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+        warmup=Warmup(requests=len(warm_records), failed=sum(not r.success for r in warm_records)),
+        records=records,
+        keep_text=cfg.keep_text,
+    )
 
 
 class _Progress:
@@ -254,8 +250,8 @@ def sweep_points(cfg: BenchConfig, sweep: tuple[str, list[float]] | None) -> lis
 
 
 def run_benchmark(cfg: BenchConfig, workload: Workload, sweep: tuple[str, list[float]] | None = None,
-                  command: str | None = None) -> dict:
-    """The whole benchmark against one server: {"meta": ..., "runs": [...]}."""
+                  command: str | None = None) -> BenchResult:
+    """The whole benchmark against one server: its meta and one run per load point."""
     cfg.validate()
     import kvflow
 
@@ -265,30 +261,30 @@ def run_benchmark(cfg: BenchConfig, workload: Workload, sweep: tuple[str, list[f
         info = await probe_server(cfg)
         runs = []
         for conc, rate in sweep_points(cfg, sweep):
-            runs.append(await _run_load(cfg, workload, info["model"], conc, rate, load_label(conc, rate)))
+            runs.append(await _run_load(cfg, workload, info.model, conc, rate, load_label(conc, rate)))
         return info, runs
 
     info, runs = asyncio.run(main())
-    meta = {
-        "command": command if command is not None else " ".join(sys.argv),
-        "kvflow_version": kvflow.__version__,
-        "started_at": started,
-        "finished_at": now_iso(),
-        "base_url": cfg.base_url,
-        "api": cfg.api,
-        "model": info["model"],
-        "server_models": info.get("models"),
-        "server_version": info.get("server_version"),
-        "seed": cfg.seed,
-        "workload": {"name": workload.name, **workload.params},
-        "ignore_eos": cfg.ignore_eos,
-        "temperature": cfg.temperature,
-        "warmup": cfg.warmup,
-        "timeout_s": cfg.timeout,
-        "slo": cfg.slo,
-        "cost_per_hour": cfg.cost_per_hour,
-        "sweep": {"over": sweep[0], "values": [rate_json(float(v)) for v in sweep[1]]} if sweep else None,
-        "client_host": {"python": platform.python_version(), "platform": platform.platform(),
-                        "machine": platform.machine()},
-    }
-    return {"format": "kvflow-bench/1", "kind": "bench", "meta": meta, "runs": runs}
+    meta = BenchMeta(
+        command=command if command is not None else " ".join(sys.argv),
+        kvflow_version=kvflow.__version__,
+        started_at=started,
+        finished_at=now_iso(),
+        base_url=cfg.base_url,
+        api=cfg.api,
+        model=info.model,
+        server_models=info.models,
+        server_version=info.server_version,
+        seed=cfg.seed,
+        workload=WorkloadInfo(workload.name, dict(workload.params)),
+        ignore_eos=cfg.ignore_eos,
+        temperature=cfg.temperature,
+        warmup=cfg.warmup,
+        timeout_s=cfg.timeout,
+        slo=cfg.slo,
+        cost_per_hour=cfg.cost_per_hour,
+        sweep=Sweep(over=sweep[0], values=[float(v) for v in sweep[1]]) if sweep else None,
+        client_host=ClientHost(python=platform.python_version(), platform=platform.platform(),
+                               machine=platform.machine()),
+    )
+    return BenchResult(meta=meta, runs=runs)

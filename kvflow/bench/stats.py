@@ -17,8 +17,8 @@ import re
 from collections import Counter
 
 from kvflow.bench.client import RequestRecord
+from kvflow.bench.summary import Cost, Distribution, RunSummary, SloOutcome
 
-PERCENTILES = (50, 90, 95, 99)
 SLO_KEYS = ("ttft", "tpot", "itl", "e2e")
 
 
@@ -32,16 +32,12 @@ def percentile(values: list[float], p: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def distribution(values_s: list[float]) -> dict:
+def distribution(values_s: list[float]) -> Distribution:
     """mean / p50 / p90 / p95 / p99 / min / max in milliseconds (None when there are no values)."""
-    out: dict = {"count": len(values_s)}
     ms = [v * 1000.0 for v in values_s]
-    out["mean"] = sum(ms) / len(ms) if ms else None
-    for p in PERCENTILES:
-        out[f"p{p}"] = percentile(ms, p)
-    out["min"] = min(ms) if ms else None
-    out["max"] = max(ms) if ms else None
-    return out
+    return Distribution(count=len(values_s), mean=sum(ms) / len(ms) if ms else None,
+                        p50=percentile(ms, 50), p90=percentile(ms, 90), p95=percentile(ms, 95), p99=percentile(ms, 99),
+                        min=min(ms) if ms else None, max=max(ms) if ms else None)
 
 
 def parse_slo(text: str | None) -> dict[str, float]:
@@ -85,7 +81,7 @@ def run_duration(records: list[RequestRecord]) -> float:
 
 
 def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None,
-              cost_per_hour: float | None = None, duration: float | None = None) -> dict:
+              cost_per_hour: float | None = None, duration: float | None = None) -> RunSummary:
     slo = slo or {}
     ok = [r for r in records if r.success]
     failed = [r for r in records if not r.success]
@@ -93,37 +89,35 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None,
     rate = (lambda x: x / dur) if dur > 0 else (lambda x: None)
     in_tok = sum(r.prompt_tokens or 0 for r in ok)
     out_tok = sum(r.output_tokens for r in ok)
-    s: dict = {
-        "num_requests": len(records),
-        "completed": len(ok),
-        "failed": len(failed),
-        "errors_by_kind": dict(sorted(Counter(r.error_kind for r in failed).items())),
-        "duration_s": dur,
-        "total_input_tokens": in_tok,
-        "total_output_tokens": out_tok,
-        "request_throughput": rate(len(ok)),
-        "input_throughput": rate(in_tok),
-        "output_throughput": rate(out_tok),
-        "total_token_throughput": rate(in_tok + out_tok),
-        "ttft_ms": distribution([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_ms": distribution([r.tpot for r in ok if r.tpot is not None]),
-        "itl_ms": distribution([x for r in ok for x in r.itls]),
-        "e2e_ms": distribution([r.e2e for r in ok if r.e2e is not None]),
-        "mean_output_tokens": out_tok / len(ok) if ok else None,
-        "mean_input_tokens": in_tok / len(ok) if ok else None,
-    }
+    outcome = None
     if slo:
         good = sum(meets_slo(r, slo) for r in records)
-        s["slo"] = dict(slo)
-        s["goodput"] = rate(good)
-        s["good_requests"] = good
-        s["good_fraction"] = good / len(records) if records else None
+        outcome = SloOutcome(limits=dict(slo), goodput=rate(good), good_requests=good,
+                             good_fraction=good / len(records) if records else None)
+    cost = None
     if cost_per_hour is not None and dur > 0:
         dollars = cost_per_hour * dur / 3600.0
-        s["cost"] = {
-            "per_hour": cost_per_hour,
-            "run_dollars": dollars,
-            "per_million_output_tokens": dollars / out_tok * 1e6 if out_tok else None,
-            "per_successful_request": dollars / len(ok) if ok else None,
-        }
-    return s
+        cost = Cost(per_hour=cost_per_hour, run_dollars=dollars,
+                    per_million_output_tokens=dollars / out_tok * 1e6 if out_tok else None,
+                    per_successful_request=dollars / len(ok) if ok else None)
+    return RunSummary(
+        num_requests=len(records),
+        completed=len(ok),
+        failed=len(failed),
+        errors_by_kind=dict(sorted(Counter(r.error_kind for r in failed).items())),
+        duration_s=dur,
+        total_input_tokens=in_tok,
+        total_output_tokens=out_tok,
+        request_throughput=rate(len(ok)),
+        input_throughput=rate(in_tok),
+        output_throughput=rate(out_tok),
+        total_token_throughput=rate(in_tok + out_tok),
+        ttft_ms=distribution([r.ttft for r in ok if r.ttft is not None]),
+        tpot_ms=distribution([r.tpot for r in ok if r.tpot is not None]),
+        itl_ms=distribution([x for r in ok for x in r.itls]),
+        e2e_ms=distribution([r.e2e for r in ok if r.e2e is not None]),
+        mean_output_tokens=out_tok / len(ok) if ok else None,
+        mean_input_tokens=in_tok / len(ok) if ok else None,
+        slo=outcome,
+        cost=cost,
+    )
