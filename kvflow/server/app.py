@@ -69,7 +69,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                                max_concurrency=config.batch_max_concurrency or default_batch_concurrency(engine),
                                priority=config.batch_priority)
 
-    # the request log's and the traces' record of each generate request (server/request_record.py); the tracer and
+    # the request log's and the traces' record of each generate request (common/request_record.py); the tracer and
     # OpenTelemetry are imported only when traces are on
     sinks = []
     if engine.request_log is not None:
