@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import httpx
@@ -450,6 +451,75 @@ def test_logit_bias_reaches_the_engine(client):
     r = client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0,
                                   logit_bias={"42": 100, "7": -100})
     assert r.choices[0].finish_reason is not None
+
+
+def test_logit_bias_keys_that_are_not_token_ids_are_a_400_listing_each(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       logit_bias={"42": 1, "x": 1, "1.5": 2, "": 3})
+    err = e.value.body
+    assert err["param"] == "logit_bias" and all(repr(k) in err["message"] for k in ("x", "1.5", "")), err
+    assert "'42'" not in err["message"]
+
+
+def test_responses_carry_the_keys_openai_sends_as_null(client):
+    """Clients index these: `service_tier` on the response, `refusal`, `annotations`, `audio` and `function_call` on
+    the chat message, each present and null."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    body = raw.http_response.json()
+    assert body["service_tier"] is None
+    message = body["choices"][0]["message"]
+    assert all(key in message and message[key] is None for key in ("refusal", "annotations", "audio", "function_call"))
+    parsed = raw.parse()
+    assert parsed.service_tier is None and parsed.choices[0].message.refusal is None
+    completion = client.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=2)
+    assert "service_tier" in completion.http_response.json()
+
+
+def test_continuous_usage_stats_on_every_chunk_the_first_with_no_completion_tokens(client):
+    """vLLM's stream_options.continuous_usage_stats: usage on every chunk, the role chunk's with 0 completion tokens,
+    the counts never decreasing, the last one the final usage."""
+    for route in ("chat", "completions"):
+        kw = dict(model="tiny", max_tokens=5, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                  stream_options={"include_usage": True, "continuous_usage_stats": True})
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "x"}], **kw)
+                      if route == "chat" else client.completions.create(prompt="x", **kw))
+        assert all(c.usage is not None for c in chunks), route
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 5, (route, counts)
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1 and chunks[0].usage.prompt_tokens > 0
+        if route == "chat":
+            assert chunks[0].choices[0].delta.role == "assistant" and counts[0] == 0
+
+
+# text whose tokens end mid-character: emoji (4 bytes, some with joiners and modifiers), CJK, combining marks
+MULTIBYTE = ["🙂", "👩‍👩‍👧", "👍🏽", "漢字かな", "한국어", "é", "ñ", "Ω≈ç√", "🇫🇷", "ॐ", "𝔘𝔫𝔦"]
+
+
+def test_streamed_token_ids_are_the_whole_responses_and_the_text_their_decode(client, http):
+    """Random prompts of multi-byte text (seeded): greedy, streamed and not, the streamed token ids are the whole
+    response's, each once and in order, even where the detokenizer holds a token's text back, and the streamed text
+    equals the whole text and the decode of those ids."""
+    rng = random.Random(7)
+    for case in range(12):
+        prompt = "".join(rng.choice(MULTIBYTE + ["a", " ", "the "]) for _ in range(rng.randint(1, 12)))
+        route = ("chat", "completions")[case % 2]
+        kw = dict(model="tiny", max_tokens=24, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+        if route == "chat":
+            call = lambda **k: client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **k)
+        else:
+            call = lambda **k: client.completions.create(prompt=prompt, **k)
+        whole = call(**kw).choices[0]
+        text = whole.message.content if route == "chat" else whole.text
+        streamed_ids, streamed_text = [], ""
+        for chunk in call(stream=True, **kw):
+            for choice in chunk.choices:
+                streamed_ids += choice.model_extra.get("token_ids") or []
+                streamed_text += (choice.delta.content or "") if route == "chat" else choice.text
+        assert streamed_ids == whole.token_ids and len(streamed_ids) == 24, (prompt, route)
+        assert streamed_text == text, (prompt, route)
+        assert http.post("/detokenize", json={"model": "tiny", "tokens": streamed_ids}).json()["prompt"] == text
 
 
 def test_body_over_the_limit_is_413_before_parsing(http):

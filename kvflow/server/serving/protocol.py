@@ -154,11 +154,12 @@ class _SamplingRequest(OpenAIModel):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
-        try:
-            logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
-        except ValueError:
-            raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)",
-                                      param="logit_bias", code="invalid_value") from None
+        bad_keys = [k for k in self.logit_bias or {} if not _is_int(k)]
+        if bad_keys:       # each one named (the first 10)
+            named = ", ".join(map(repr, bad_keys[:10])) + (", ..." if len(bad_keys) > 10 else "")
+            raise InvalidRequestError(f"logit_bias keys must be token ids (integers as strings), not {named}",
+                                      param="logit_bias", code="invalid_value")
+        logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         try:
             return SamplingParams(
                 n=self.n,
@@ -262,6 +263,14 @@ class CompletionRequest(_SamplingRequest):
         return prompt_list(self.prompt, "prompt")
 
 
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
 def prompt_list(value: str | list, param: str) -> list[str | list[int]]:
     """OpenAI's prompt forms (a text, texts, token ids, lists of ids) as a list of prompts; empty is a 400."""
     if isinstance(value, str):
@@ -350,8 +359,15 @@ class ChatLogprobs(OpenAIModel):
 
 
 class ChatResponseMessage(OpenAIModel):
+    """OpenAI's message, every key it sends: `refusal`, `annotations`, `audio` and `function_call` are always null
+    here (no refusals, web search, audio output or legacy function calling), but present, as OpenAI and vLLM send
+    them, for clients that index them."""
     role: str = "assistant"
     content: str | None = None
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -411,6 +427,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    service_tier: str | None = None             # always null: one tier (a request's own is refused)
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None   # return_token_ids
@@ -441,6 +458,7 @@ class CompletionResponse(OpenAIModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    service_tier: str | None = None             # always null, as vLLM's
     system_fingerprint: str | None = None
 
 

@@ -452,16 +452,22 @@ class OpenAIServing:
         offsets = [0] * (len(gen.streams) * gen.n)        # completions' text_offset of the next token
         opened = [False] * len(offsets)                   # completions: the choice's first chunk went out
         streamers = [ToolCallStreamer(gen.tools) for _ in offsets] if gen.tools is not None else None
+        def running_usage(opening: bool = False) -> UsageInfo | None:
+            """continuous_usage_stats: usage on every chunk, as vLLM sends it; the chunks that open the stream count
+            no completion tokens (they go out before any, whatever the engine has produced meanwhile)."""
+            return self.usage(gen, completion=not opening) if gen.continuous_usage else None
+
         if gen.chat:
             for i in range(gen.n):
                 first = {"prompt_token_ids": list(gen.streams[0].prompt_token_ids)} if (
                     gen.return_token_ids and i == 0) else {}
                 yield self.chunk(gen, [ChatCompletionStreamChoice(
                     index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)],
-                    **first)
+                    running_usage(opening=True), **first)
             for i in range(gen.n if gen.echo else 0):
                 yield self.chunk(gen, [ChatCompletionStreamChoice(
-                    index=i, delta=DeltaMessage(content=gen.echo[0]), logprobs=None, finish_reason=None)])
+                    index=i, delta=DeltaMessage(content=gen.echo[0]), logprobs=None, finish_reason=None)],
+                    running_usage(opening=True))
         async for index, d in merge(gen.streams):
             tokens = list(zip(d.token_ids, d.logprobs or [None] * len(d.token_ids)))
             wants_logprobs = gen.num_logprobs is not None and bool(d.token_ids)
@@ -480,7 +486,9 @@ class OpenAIServing:
                 text += d.text
                 deltas, finish = ([text] if text else []), d.finish_reason
                 wants_logprobs = wants_logprobs or bool(prompt_tokens)
-            if not deltas and finish is None and not wants_logprobs and not opening:
+            # a token whose text the detokenizer holds back (an incomplete UTF-8 sequence) still sends its id
+            sends_ids = gen.return_token_ids and bool(d.token_ids)
+            if not deltas and finish is None and not wants_logprobs and not opening and not sends_ids:
                 continue
             logprobs, offsets[index] = self.logprobs(gen, tokens, offsets[index])
             deltas = deltas or [DeltaMessage() if gen.chat else ""]
@@ -495,7 +503,7 @@ class OpenAIServing:
                     choice = ChatCompletionStreamChoice(index=index, delta=delta, logprobs=lp, **end, **ids)
                 else:
                     choice = CompletionChoice(index=index, text=delta, logprobs=lp, **end, **ids)
-                yield self.chunk(gen, [choice], self.usage(gen) if gen.continuous_usage else None)
+                yield self.chunk(gen, [choice], running_usage())
         if gen.include_usage:
             yield self.chunk(gen, [], self.usage(gen))
 
@@ -544,9 +552,10 @@ class OpenAIServing:
         return res, offset
 
     @staticmethod
-    def usage(gen: Generation) -> UsageInfo:
+    def usage(gen: Generation, completion: bool = True) -> UsageInfo:
+        """The request's usage so far (`completion` False: before any completion token)."""
         prompt = sum(s.num_prompt_tokens for s in gen.streams)
-        completion = sum(s.num_completion_tokens for s in gen.streams)
+        completion = sum(s.num_completion_tokens for s in gen.streams) if completion else 0
         cached = sum(s.num_cached_tokens for s in gen.streams)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
