@@ -522,6 +522,19 @@ def test_streamed_token_ids_are_the_whole_responses_and_the_text_their_decode(cl
         assert http.post("/detokenize", json={"model": "tiny", "tokens": streamed_ids}).json()["prompt"] == text
 
 
+def test_echoed_prompt_logprobs_list_each_prompt_token_first(client):
+    """As vLLM: each position's top_logprobs starts with the token at that position (the prompt's under echo, then
+    the sampled ones), then the top candidates by rank; token_id:N keys keep every entry apart."""
+    r = client.completions.create(model="tiny", prompt="the cat sat on the mat again", echo=True, logprobs=2,
+                                  max_tokens=3, temperature=0, extra_body={"return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    assert lp.top_logprobs[0] is None                    # the prompt's first token has no logprob
+    for tok, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert next(iter(top)) == tok and top[tok] == value, (tok, top)
+        ranked = list(top.values())[1:]
+        assert ranked == sorted(ranked, reverse=True) and 2 <= len(top) <= 3
+
+
 def test_body_over_the_limit_is_413_before_parsing(http):
     big = b'{"prompt": "' + b"a" * (9 * 2 ** 20) + b'"}'
     err = assert_openai_error(http.post("/v1/completions", content=big,

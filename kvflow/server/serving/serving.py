@@ -545,8 +545,10 @@ class OpenAIServing:
             s = token(tid)
             res.tokens.append(s)
             res.token_logprobs.append(None if lps is None else finite(lps.get(tid, float("-inf"))))
-            # as vLLM: the top `logprobs` tokens and the chosen one (logprobs=0: the chosen one alone)
-            res.top_logprobs.append(None if lps is None else {token(t): finite(lp) for t, lp in top(lps, len(lps))})
+            # as vLLM: the token itself first (the sampled one, or the prompt's under echo), then the top `logprobs`
+            # tokens by rank (logprobs=0: the token alone)
+            res.top_logprobs.append(None if lps is None else {
+                s: finite(lps.get(tid, float("-inf"))), **{token(t): finite(lp) for t, lp in top(lps, len(lps))}})
             res.text_offset.append(offset)
             offset += len(self.tokenizer.id_to_piece(tid))
         return res, offset
