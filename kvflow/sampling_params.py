@@ -57,6 +57,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None   # the only tokens that may be sampled
     # keep only the prompt's last k tokens (-1: the last max_model_len); applied by the frontend's validator
     truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"                # which end truncate_prompt_tokens cuts: "left" keeps the last k
     # vLLM's structured outputs: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} |
     # {"json_object": True}; the offline LLM compiles it into `structured`
     structured_outputs: dict | None = None
@@ -120,6 +121,8 @@ class SamplingParams:
         integer("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
         if self.truncate_prompt_tokens != -1:
             integer("truncate_prompt_tokens", 1, optional=True)
+        if self.truncation_side not in ("left", "right"):
+            bad("truncation_side", 'must be "left" or "right"', self.truncation_side)
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS:
                 bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} strings")
@@ -173,12 +176,15 @@ class SamplingParams:
         self.bad_words_token_ids = resolved
 
     def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt as `truncate_prompt_tokens` leaves it (its last k tokens; -1: the last max_model_len)."""
+        """The prompt as `truncate_prompt_tokens` leaves it: its last k tokens (-1: the last max_model_len), or its
+        first k with `truncation_side` "right"."""
         k = self.truncate_prompt_tokens
         if k is None:
             return prompt_token_ids
         k = max_model_len if k == -1 else k
-        return prompt_token_ids[-k:] if len(prompt_token_ids) > k else prompt_token_ids
+        if len(prompt_token_ids) <= k:
+            return prompt_token_ids
+        return prompt_token_ids[:k] if self.truncation_side == "right" else prompt_token_ids[-k:]
 
     def child_seed(self, index: int) -> int | None:
         """The seed of the index-th of n samples (seed + index, wrapped into the int64 range)."""

@@ -291,6 +291,17 @@ def test_usage_counts_every_input_and_truncate_prompt_tokens_keeps_the_last_toke
     assert cosine(truncated.data[0].embedding, reference(hf_hidden, ids[1], "last")) < 0.999
 
 
+
+@pytest.mark.slow
+def test_truncation_side_right_keeps_the_first_tokens(servers, hf_hidden):
+    server = servers["last"]
+    ids = token_ids(server, LONG)
+    for side, kept in (("right", ids[:5]), ("left", ids[-5:])):
+        r = client_of(server).embeddings.create(model="tiny", input=[LONG], encoding_format="float",
+                                                extra_body={"truncate_prompt_tokens": 5, "truncation_side": side})
+        assert r.usage.prompt_tokens == 5
+        assert cosine(r.data[0].embedding, reference(hf_hidden, kept, "last")) >= 0.999, side
+
 @pytest.mark.slow
 def test_dimensions_is_a_400_naming_it(servers):
     with pytest.raises(openai.BadRequestError) as e:

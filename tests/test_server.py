@@ -535,6 +535,24 @@ def test_echoed_prompt_logprobs_list_each_prompt_token_first(client):
         assert ranked == sorted(ranked, reverse=True) and 2 <= len(top) <= 3
 
 
+def test_truncation_side_picks_which_end_truncate_prompt_tokens_keeps(client, http):
+    """vLLM's truncation_side: "left" (the default) keeps the prompt's last k tokens, "right" its first k."""
+    text = "one two three four five six seven eight nine ten"
+    ids = http.post("/tokenize", json={"model": "tiny", "prompt": text}).json()["tokens"]
+    messages = [{"role": "user", "content": text}]
+    chat_ids = http.post("/tokenize", json={"model": "tiny", "messages": messages}).json()["tokens"]
+    for side, kept, kept_chat in ((None, ids[-4:], chat_ids[-4:]), ("left", ids[-4:], chat_ids[-4:]),
+                                  ("right", ids[:4], chat_ids[:4])):
+        extra = {"truncate_prompt_tokens": 4, "return_token_ids": True, **({"truncation_side": side} if side else {})}
+        r = client.completions.create(model="tiny", prompt=text, max_tokens=1, extra_body=extra)
+        assert r.usage.prompt_tokens == 4 and r.choices[0].prompt_token_ids == kept, side
+        c = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, extra_body=extra)
+        assert c.usage.prompt_tokens == 4 and c.prompt_token_ids == kept_chat, side
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=text, max_tokens=1, extra_body={"truncation_side": "middle"})
+    assert e.value.body["param"] == "truncation_side"
+
+
 def test_body_over_the_limit_is_413_before_parsing(http):
     big = b'{"prompt": "' + b"a" * (9 * 2 ** 20) + b'"}'
     err = assert_openai_error(http.post("/v1/completions", content=big,

@@ -29,6 +29,7 @@ class EmbeddingRequest(OpenAIModel):
     # vLLM's extras
     truncate_prompt_tokens: int | None = documented(minimum=-1, description="keep each input's last k tokens "
                                                     "(-1: the last max_model_len)")
+    truncation_side: Literal["left", "right"] | None = None     # "right": keep each input's first k tokens
     add_special_tokens: bool = True      # the tokenizer's BOS etc. when encoding a text input
     normalize: bool | None = None        # L2-normalise the vector; None: yes, as vLLM's embedding runners
     use_activation: bool | None = None   # vLLM's later name for normalize (the embedding pooler's activation)
@@ -61,7 +62,8 @@ class EmbeddingRequest(OpenAIModel):
     def sampling_params(self) -> SamplingParams:
         """What the validator reads of an embedding request: its prompt truncation (nothing is sampled)."""
         try:
-            return SamplingParams(truncate_prompt_tokens=self.truncate_prompt_tokens)
+            return SamplingParams(truncate_prompt_tokens=self.truncate_prompt_tokens,
+                                  truncation_side=self.truncation_side or "left")
         except InvalidRequestError as e:
             raise APIError.bad_request(e, self.PARAM_NAMES) from None
 

@@ -115,6 +115,7 @@ class _SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = documented(minimum=-1, description="keep the prompt's last k tokens "
                                                     "(-1: the last max_model_len)")
+    truncation_side: Literal["left", "right"] | None = None     # "right": keep the first k tokens instead
     prompt_logprobs: int | None = documented(minimum=0, maximum=limits.MAX_LOGPROBS)
     allowed_token_ids: list[int] | None = documented(items={"minimum": 0})
     bad_words: list[Text] | None = documented(maxItems=limits.MAX_BAD_WORDS)
@@ -184,6 +185,7 @@ class _SamplingRequest(OpenAIModel):
                 bad_words=self.bad_words or None,
                 allowed_token_ids=self.allowed_token_ids,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
+                truncation_side=self.truncation_side or "left",
             )
         except InvalidRequestError as e:
             raise APIError.bad_request(e, self.PARAM_NAMES) from None

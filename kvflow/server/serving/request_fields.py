@@ -19,8 +19,8 @@ VLLM_FIELDS = {
         "parallel_tool_calls", "user",
         "best_of", "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
         "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
-        "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
-        "bad_words",
+        "spaces_between_special_tokens", "truncate_prompt_tokens", "truncation_side", "prompt_logprobs",
+        "allowed_token_ids", "bad_words",
         "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents",
         "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "structured_outputs", "guided_json",
         "guided_regex", "guided_choice", "guided_grammar", "structural_tag", "guided_decoding_backend",
@@ -31,7 +31,8 @@ VLLM_FIELDS = {
         "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user",
         "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
         "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
-        "spaces_between_special_tokens", "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs",
+        "spaces_between_special_tokens", "truncate_prompt_tokens", "truncation_side", "allowed_token_ids",
+        "prompt_logprobs",
         "add_special_tokens", "response_format", "structured_outputs", "guided_json", "guided_regex",
         "guided_choice", "guided_grammar", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern",
         "priority", "request_id", "logits_processors", "return_tokens_as_token_ids", "return_token_ids",
@@ -80,11 +81,11 @@ VLLM_FIELDS["embeddings"] = (
     "add_special_tokens", "normalize", "use_activation", "embed_dtype", "endianness", "additional_data",
     "mm_processor_kwargs", "cache_salt", "padding", "truncation_side", "messages")
 # Why each is refused: dimensions: no matryoshka representation (cutting a vector that was not trained for it gives
-# worse vectors, vLLM refuses it too); embed_dtype other than float32: base64 carries float32, as OpenAI; padding,
-# truncation_side: kvflow neither pads nor truncates but from the left (truncate_prompt_tokens keeps the last
-# tokens); messages: the chat form is not built; additional_data, cache_salt, mm_processor_kwargs: as on chat.
+# worse vectors, vLLM refuses it too); embed_dtype other than float32: base64 carries float32, as OpenAI; padding:
+# kvflow never pads (each input is its own engine request); messages: the chat form is not built; additional_data,
+# cache_salt, mm_processor_kwargs: as on chat.
 REFUSED["embeddings"] = {
-    "dimensions": None, "embed_dtype": "float32", "padding": None, "truncation_side": None, "messages": None,
+    "dimensions": None, "embed_dtype": "float32", "padding": None, "messages": None,
     "additional_data": None, "cache_salt": None, "mm_processor_kwargs": None,
 }
 
