@@ -52,3 +52,30 @@ def test_health_is_readiness_and_live_is_liveness(tmp_path):
         assert got["lines"][-1] == "data: [DONE]" and len(got["lines"]) > 100    # the stream finished whole
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_load_counts_the_requests_in_flight_only_when_tracking_is_on(tmp_path):
+    """vLLM's GET /load: with --enable-server-load-tracking, the generate requests in flight (a stream until it
+    ends); without it, 0."""
+    import openai
+
+    model = make_tiny_hf_model(tmp_path / "tiny", family="llama", seed=5)
+    config = EngineConfig(model=str(model), dtype="float32", max_model_len=256, kv_cache_memory="8MiB",
+                          enforce_eager=True, served_model_name="tiny")
+    for tracking in (True, False):
+        with ServerThread(config, enable_server_load_tracking=tracking) as server:
+            assert httpx.get(server.url + "/load").json() == {"server_load": 0}
+            client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+            stream = client.completions.create(model="tiny", prompt="x", max_tokens=200, stream=True,
+                                               extra_body={"ignore_eos": True})
+            next(iter(stream))                      # the stream is open: its request is in flight
+            assert httpx.get(server.url + "/load").json() == {"server_load": int(tracking)}
+            for _ in stream:
+                pass
+            deadline = time.monotonic() + 10
+            while httpx.get(server.url + "/load").json()["server_load"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert httpx.get(server.url + "/load").json() == {"server_load": 0}
+            client.completions.create(model="tiny", prompt="x", max_tokens=2)
+            assert httpx.get(server.url + "/load").json() == {"server_load": 0}

@@ -28,8 +28,8 @@ from kvflow.server.batch.store import StoreHandle
 from kvflow.server.batch.worker import BatchWorker
 from kvflow.server.common.config import ServerConfig
 from kvflow.server.common.errors import APIError, error_response, validation_error
-from kvflow.server.common.middleware import AuthAndArrival, BodySizeLimit
-from kvflow.server.common.request_record import OpenRecords, RequestObserver
+from kvflow.server.common.middleware import AuthAndArrival, BodySizeLimit, LoadCount, ServerLoad
+from kvflow.server.common.request_record import GENERATE_PATHS, OpenRecords, RequestObserver
 from kvflow.server.embeddings.protocol import EmbeddingRequest
 from kvflow.server.embeddings.routes import EmbeddingsServing, embeddings_router
 from kvflow.server.messages import routes as messages
@@ -132,7 +132,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.include_router(messages.messages_router(serving))   # Anthropic's Messages API: errors in its own shape
     app.include_router(files_router(batch_store, config))                  # OpenAI's Files API, for batches
     app.include_router(batches_router(batch_store, batch_worker, config))  # OpenAI's Batch API
-    app.include_router(health_router(engine))               # /health, /ping, /version, /metrics
+    app.state.server_load = LoadCount()
+    app.include_router(health_router(engine, app.state.server_load))   # /health, /ping, /load, /version, /metrics
     if dashboard is not None:
         app.include_router(dashboard_router(dashboard))    # the live view of the batch: /dashboard
 
@@ -141,6 +142,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_size,
                        uploads={"/v1/files": (config.max_batch_file_size + MULTIPART_SLACK, "--max-batch-file-size")},
                        error_shapes=error_shapes)
+    if config.enable_server_load_tracking:     # inside the key check: a 401 is no load
+        app.add_middleware(ServerLoad, paths=GENERATE_PATHS, load=app.state.server_load)
     app.add_middleware(AuthAndArrival, api_key=config.api_key, error_shapes=error_shapes)
     if sinks:       # added last: runs first, so a 401 or a 413 gets its line too
         app.add_middleware(RequestObserver, sinks=sinks, log_prompts=config.request_log_prompts,

@@ -65,6 +65,8 @@ class ServerConfig:
                                                        "code the server runs); off: such a request is a 400")
     return_tokens_as_token_ids: bool = _option(False, "logprobs' tokens as 'token_id:N' unless a request says "
                                                       "otherwise (its return_tokens_as_token_ids)")
+    enable_server_load_tracking: bool = _option(False, "count the requests in flight on the routes that run the "
+                                                       "model, for GET /load (vLLM's; off: it says 0)")
     enable_tokenizer_info_endpoint: bool = _option(False, "serve GET /tokenizer_info: the tokenizer's configuration "
                                                           "(its tokenizer_config.json and chat template)")
     lora_modules: tuple[str, ...] | None = _option(None, "LoRA adapters to serve from the start (needs --enable-lora): "

@@ -83,6 +83,29 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
 
+class ServerLoad:
+    """vLLM's server load (--enable-server-load-tracking): the requests in flight on the routes that run the model,
+    each counted from its arrival until its response (a stream to its end) is sent or the client goes away."""
+
+    def __init__(self, app, paths: frozenset[str], load: "LoadCount") -> None:
+        self.app = app
+        self.paths = paths
+        self.load = load
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope["path"] not in self.paths:
+            return await self.app(scope, receive, send)
+        self.load.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.count -= 1
+
+
+class LoadCount:
+    count: int = 0          # read by GET /load; only the event loop changes it
+
+
 def error_body(scope, err: APIError, shapes: ErrorShapes) -> dict:
     """The error in the shape of the API the path belongs to (`shapes`), else OpenAI's."""
     for prefix, render in shapes.items():

@@ -1,6 +1,7 @@
 """The operator's routes: /health (readiness: 200 only while the engine is alive and accepting, 503 `draining`
 during a shutdown or `engine_dead` after a death: what a load balancer or vllm-router needs), /health/live
-(liveness: alive, draining included), SageMaker's /ping (= /health), /version and /metrics (Prometheus text)."""
+(liveness: alive, draining included), SageMaker's /ping (= /health), /load (vLLM's server load), /version and
+/metrics (Prometheus text)."""
 from __future__ import annotations
 
 from fastapi import APIRouter
@@ -10,6 +11,7 @@ from kvflow import __version__
 from kvflow.async_engine import AsyncEngine
 from kvflow.metrics import CONTENT_TYPE_LATEST
 from kvflow.server.common.errors import APIError, error_response, error_responses
+from kvflow.server.common.middleware import LoadCount
 
 HEALTH_RESPONSES = {200: {"description": "the server can serve (empty body)", "content": None},
                     **error_responses(503)}
@@ -19,7 +21,8 @@ class PrometheusText(PlainTextResponse):
     media_type = CONTENT_TYPE_LATEST
 
 
-def health_router(engine: AsyncEngine) -> APIRouter:
+def health_router(engine: AsyncEngine, load: LoadCount) -> APIRouter:
+    """`load`: the server load /load reports (counted by the ServerLoad middleware when it is on)."""
     router = APIRouter()
 
     def health_response(live: bool = False) -> Response:
@@ -48,6 +51,11 @@ def health_router(engine: AsyncEngine) -> APIRouter:
     @router.post("/ping", response_class=Response, responses=HEALTH_RESPONSES, operation_id="ping_post")
     async def ping():
         return health_response()
+
+    @router.get("/load")
+    async def server_load() -> dict[str, int]:
+        """vLLM's: the requests in flight on the routes that run the model (0 without --enable-server-load-tracking)."""
+        return {"server_load": load.count}
 
     @router.get("/version")
     async def version() -> dict[str, str]:
