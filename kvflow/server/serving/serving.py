@@ -452,10 +452,11 @@ class OpenAIServing:
         offsets = [0] * (len(gen.streams) * gen.n)        # completions' text_offset of the next token
         opened = [False] * len(offsets)                   # completions: the choice's first chunk went out
         streamers = [ToolCallStreamer(gen.tools) for _ in offsets] if gen.tools is not None else None
+
         def running_usage(opening: bool = False) -> UsageInfo | None:
             """continuous_usage_stats: usage on every chunk, as vLLM sends it; the chunks that open the stream count
             no completion tokens (they go out before any, whatever the engine has produced meanwhile)."""
-            return self.usage(gen, completion=not opening) if gen.continuous_usage else None
+            return self.usage(gen, before_completion=opening) if gen.continuous_usage else None
 
         if gen.chat:
             for i in range(gen.n):
@@ -554,10 +555,10 @@ class OpenAIServing:
         return res, offset
 
     @staticmethod
-    def usage(gen: Generation, completion: bool = True) -> UsageInfo:
-        """The request's usage so far (`completion` False: before any completion token)."""
+    def usage(gen: Generation, before_completion: bool = False) -> UsageInfo:
+        """The request's usage so far (`before_completion`: as it stood before any completion token)."""
         prompt = sum(s.num_prompt_tokens for s in gen.streams)
-        completion = sum(s.num_completion_tokens for s in gen.streams) if completion else 0
+        completion = 0 if before_completion else sum(s.num_completion_tokens for s in gen.streams)
         cached = sum(s.num_cached_tokens for s in gen.streams)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
