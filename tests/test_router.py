@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -87,23 +86,31 @@ def test_shared_prefixes_land_on_the_replica_that_holds_them(tmp_path):
         def ask(role: str, i: int):
             r = client.chat.completions.create(model="tiny", max_tokens=3, messages=[
                 {"role": "system", "content": SYSTEM[role]}, {"role": "user", "content": f"question {i}"}])
-            return role, r
+            return role, r.id, r
 
-        with ThreadPoolExecutor(2) as pool:           # the two prefixes arrive together: one replica each
-            answers = list(pool.map(ask, SYSTEM, (0, 0)))
+        # a prefix the router has not seen goes to the replica with the fewest requests in flight: the auditor's first
+        # request is sent while the pirate's first is still streaming, so the two land on different replicas (sent
+        # together, the pirate's could finish before the auditor's was routed on a loaded machine)
+        stream = iter(client.chat.completions.create(
+            model="tiny", max_tokens=300, stream=True, extra_body={"ignore_eos": True}, messages=[
+                {"role": "system", "content": SYSTEM["pirate"]}, {"role": "user", "content": "question 0"}]))
+        pirate_id = next(stream).id
+        answers = [ask("auditor", 0)]
+        assert sum(1 for _ in stream) > 0            # the pirate's stream went on past the auditor's answer
+        answers.insert(0, ("pirate", pirate_id, None))
         for i in range(1, 4):
             answers += [ask(role, i) for role in SYSTEM]
         # each replica's log writer is a thread behind a queue: wait until every answer's line is on disk (a fixed
         # sleep lost the last lines on a loaded machine)
-        served = served_by_replica(tmp_path, {r.id for _, r in answers})
-        where = {role: {served[r.id][0] for rr, r in answers if rr == role} for role in SYSTEM}
+        served = served_by_replica(tmp_path, {rid for _, rid, _ in answers})
+        where = {role: {served[rid][0] for rr, rid, _ in answers if rr == role} for role in SYSTEM}
         assert all(len(w) == 1 for w in where.values()), where       # each prefix stayed on one replica
         assert where["pirate"] != where["auditor"], where               # and the two went to different ones
         for role in SYSTEM:
-            first, *rest = [r for rr, r in answers if rr == role]
-            assert served[first.id][1] == 0
-            for r in rest:        # every later request hit its replica's cache for the whole system prompt
-                assert r.usage.prompt_tokens_details.cached_tokens == served[r.id][1] >= 0.8 * r.usage.prompt_tokens
+            (first, _), *rest = [(rid, r) for rr, rid, r in answers if rr == role]
+            assert served[first][1] == 0
+            for rid, r in rest:   # every later request hit its replica's cache for the whole system prompt
+                assert r.usage.prompt_tokens_details.cached_tokens == served[rid][1] >= 0.8 * r.usage.prompt_tokens
         for k, url in enumerate(replicas):
             mine = sum(cached for rep, cached in served.values() if rep == k)
             assert prefix_cache_hits(url) - hits_before[k] == mine > 0
