@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
+from kvflow.core.kv_cache_capacity import kv_cache_capacity
 from kvflow.core.outputs import StepStats
 from kvflow.request_log import RequestLog
 
@@ -123,6 +124,7 @@ class EngineMetrics:
     def __init__(self, model_name: str, max_model_len: int = 4096, max_num_seqs: int = 128,
                  request_log: RequestLog | str | None = None, log_stats_interval: float = 5.0) -> None:
         self.model_name = model_name
+        self.max_model_len = max_model_len
         # as vLLM does: no `*_created` series beside every counter and histogram (prometheus-client's switch)
         disable_created_metrics()
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -252,14 +254,18 @@ class EngineMetrics:
     def record_cache_config(self, config, num_gpu_blocks: int, num_engines: int = 1) -> None:
         """vllm:cache_config_info, once the engines are loaded: one series per engine, labelled with the fields of
         vLLM's CacheConfig that kvflow has, as vLLM writes them (str() of the value); no model_name label, as
-        vLLM's. KV cache tokens per engine = num_gpu_blocks x block_size."""
+        vLLM's. kv_cache_size_tokens and kv_cache_max_concurrency are one engine's, as vLLM computes them
+        (core/kv_cache_capacity.py): the concurrency a float's str(), not rounded (only vLLM's log line rounds it)."""
+        size_tokens, max_concurrency = kv_cache_capacity(num_gpu_blocks, config.block_size, self.max_model_len)
         labels = {
             "block_size": str(config.block_size),
             "cache_dtype": str(config.kv_cache_dtype),
             "cpu_offload_gb": "0",                    # kvflow offloads no weights
             "enable_prefix_caching": str(config.enable_prefix_caching),
             "gpu_memory_utilization": str(config.gpu_memory_utilization),
+            "kv_cache_max_concurrency": str(max_concurrency),
             "kv_cache_memory_bytes": str(config.kv_cache_memory),
+            "kv_cache_size_tokens": str(size_tokens),
             "num_cpu_blocks": "0",                    # no CPU swap space (as vLLM v1)
             "num_gpu_blocks": str(num_gpu_blocks),    # the device's blocks: RAM on CPU
             "num_gpu_blocks_override": "None",

@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.config import EngineConfig
@@ -99,6 +100,28 @@ def test_cache_config_info_says_the_kv_cache(server):
     num_gpu_blocks = int(labels["num_gpu_blocks"])
     assert num_gpu_blocks == 32 * 2 ** 20 // (16 * 512)
     assert scrape(server)[("kvflow:kv_cache_bytes", ())] == num_gpu_blocks * 16 * 512
+    # vLLM's capacity labels: max_model_len (the model card's 512) is 32 whole blocks, so the size in tokens is
+    # every block's tokens and the concurrency that over max_model_len, written as str() of a float
+    (card,) = httpx.get(server.base_url + "/models").json()["data"]
+    assert card["max_model_len"] == 512
+    assert labels["kv_cache_size_tokens"] == str(num_gpu_blocks * 16) == "65536"
+    assert labels["kv_cache_max_concurrency"] == str(num_gpu_blocks * 16 / 512) == "128.0"
+
+
+@pytest.mark.parametrize("num_blocks, max_model_len, size_tokens, max_concurrency", [
+    (100, 512, "1600", "3.125"),        # 32 blocks a request: every block's tokens
+    (100, 500, "1562", "3.125"),        # still 32 blocks (the last part full): 3.125 x 500 tokens, truncated
+    (7, 4096, "112", "0.02734375"),     # not one request of max_model_len fits: vLLM says so, it does not round
+])
+def test_cache_config_info_capacity_is_vllms_arithmetic(num_blocks, max_model_len, size_tokens, max_concurrency):
+    """vLLM's get_kv_cache_capacity: concurrency = blocks / cdiv(max_model_len, block_size), size in tokens =
+    int(concurrency x max_model_len); the labels are their str(), per engine."""
+    metrics = EngineMetrics("tiny", max_model_len=max_model_len)
+    metrics.record_cache_config(EngineConfig(model="unused", block_size=16), num_blocks, num_engines=2)
+    text = generate_latest(metrics.registry).decode()
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "vllm:cache_config_info")
+    assert [(s.labels["engine"], s.labels["kv_cache_size_tokens"], s.labels["kv_cache_max_concurrency"])
+            for s in family.samples] == [("0", size_tokens, max_concurrency), ("1", size_tokens, max_concurrency)]
 
 
 def completion_deltas(server, **request) -> tuple[object, callable]:

@@ -9,6 +9,7 @@ import time
 from typing import Iterable
 
 from kvflow.config import EngineConfig
+from kvflow.core.kv_cache_capacity import kv_cache_capacity
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.lora_slots import LoRASlots
 from kvflow.core.outputs import EngineOutput, ScheduledRequest, StepStats
@@ -61,7 +62,7 @@ class EngineCore:
 
     def _log_boot(self) -> None:
         r = self.runner
-        tokens = r.num_blocks * self.config.block_size
+        tokens, max_concurrency = kv_cache_capacity(r.num_blocks, self.config.block_size, self.max_model_len)
         log.info("model %s (%s) on %s, %s", self.model_path, self.model_config.family, r.device,
                  str(r.dtype).removeprefix("torch."))
         log.info("weights loaded in %.1f s (%.0f MiB, %s)", r.load_seconds, r.weights_bytes / 2**20,
@@ -70,9 +71,10 @@ class EngineCore:
             log.info("tensor parallel: %d ranks; rank 0 holds %d of %d KV heads and %d of %d vocabulary rows "
                      "(sizes below are rank 0's)", self.config.tensor_parallel_size, r.model.sizes.num_kv_heads,
                      self.model_config.num_key_value_heads, r.model.sizes.vocab_size, self.model_config.vocab_size)
-        log.info("KV cache %.2f GiB (%s) = %d blocks = %d tokens; maximum concurrency at max_model_len=%d: %.1fx",
-                 r.kv_cache_bytes / 2**30, str(r.kv_dtype).removeprefix("torch."), r.num_blocks, tokens,
-                 self.max_model_len, tokens / self.max_model_len)
+        # vLLM's figures (its "GPU KV cache size" line), which vllm:cache_config_info's labels repeat
+        log.info("KV cache %.2f GiB (%s) = %d blocks of %d tokens; KV cache size: %s tokens, maximum concurrency "
+                 "for %s tokens per request: %.2fx", r.kv_cache_bytes / 2**30, str(r.kv_dtype).removeprefix("torch."),
+                 r.num_blocks, self.config.block_size, f"{tokens:,}", f"{self.max_model_len:,}", max_concurrency)
 
     def _read_adapter(self, lora: LoRARequest):
         from kvflow.models.lora_adapter import load_adapter
