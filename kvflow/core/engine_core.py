@@ -73,8 +73,9 @@ class EngineCore:
                      self.model_config.num_key_value_heads, r.model.sizes.vocab_size, self.model_config.vocab_size)
         # vLLM's figures (its "GPU KV cache size" line), which vllm:cache_config_info's labels repeat
         log.info("KV cache %.2f GiB (%s) = %d blocks of %d tokens; KV cache size: %s tokens, maximum concurrency "
-                 "for %s tokens per request: %.2fx", r.kv_cache_bytes / 2**30, str(r.kv_dtype).removeprefix("torch."),
-                 r.num_blocks, self.config.block_size, f"{tokens:,}", f"{self.max_model_len:,}", max_concurrency)
+                 "for max_model_len=%s tokens per request: %.2fx", r.kv_cache_bytes / 2**30,
+                 str(r.kv_dtype).removeprefix("torch."), r.num_blocks, self.config.block_size, f"{tokens:,}",
+                 f"{self.max_model_len:,}", max_concurrency)
 
     def _read_adapter(self, lora: LoRARequest):
         from kvflow.models.lora_adapter import load_adapter
