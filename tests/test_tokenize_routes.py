@@ -1,6 +1,7 @@
 """The tokenizer and housekeeping routes through the real server, with vLLM's shapes: /tokenize (token_strs, the
-chat form with its template options and tools: the very ids /v1/chat/completions runs), /tokenizer_info behind
-its flag, SageMaker's /ping and /invocations, and the /v1/models cards.
+chat form with its template options and tools: the very ids /v1/chat/completions runs), the /render routes (vLLM's
+GenerateRequest for a chat or completion body: the very prompt the route runs, the route's own 400s), /tokenizer_info
+behind its flag, SageMaker's /ping and /invocations, and the /v1/models cards.
 
 The tiny model's tokenizer is the embedded SmolLM2's with a post-processor that adds BOS, so that whether special
 tokens are added shows in the ids."""
@@ -12,6 +13,7 @@ import logging
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.config import EngineConfig
 from kvflow.server.serving.protocol import DetokenizeRequest, TokenizeRequest
@@ -208,6 +210,142 @@ def test_chat_form_fields_beside_a_prompt_are_refused(http):
     assert ok(http.post("/tokenize", json={"prompt": "hi", "add_generation_prompt": True, "tools": []}))["count"]
     assert error_param(http.post("/tokenize", json={"prompt": "hi", "messages": CHATS["plain"]})) == "prompt"
     assert error_param(http.post("/tokenize", json={"model": "other", "prompt": "hi"}), 404) == "model"
+
+
+# ---- /v1/chat/completions/render and /v1/completions/render ------------------------------------------------------
+GENERATE_REQUEST_FIELDS = {"request_id", "token_ids", "features", "sampling_params", "model", "stream",
+                           "stream_options", "cache_salt", "priority", "kv_transfer_params"}     # vLLM's
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=60)
+
+
+def render(client, route: str, body: dict):
+    """A render route through the official client (it has no method for them): the JSON it answers."""
+    return client.post(f"/{route}/render", body=body, cast_to=object)
+
+
+def prompt_tokens_run(server) -> float:
+    """vllm:prompt_tokens_total: the prompt tokens of every request the engine has run."""
+    text = httpx.get(server.url + "/metrics").text
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "vllm:prompt_tokens")
+    return sum(s.value for s in family.samples if s.name == "vllm:prompt_tokens_total")
+
+
+def refusal(call) -> tuple[int, str | None]:
+    with pytest.raises(openai.APIStatusError) as e:
+        call()
+    return e.value.status_code, e.value.body["param"]
+
+
+@pytest.mark.parametrize("chat, tool_choice", [
+    ("plain", None), ("tool turn", "auto"),
+    pytest.param("tool turn", "required", marks=pytest.mark.slow),     # builds the grammar compiler
+])
+def test_chat_render_is_the_prompt_the_chat_route_runs(client, chat, tool_choice):
+    body = {"model": "tiny", "messages": CHATS[chat], "max_tokens": 1}
+    if chat == "tool turn":
+        body.update(tools=[WEATHER], tool_choice=tool_choice)
+    rendered = render(client, "chat/completions", body)
+    assert set(rendered) == GENERATE_REQUEST_FIELDS and rendered["request_id"].startswith("chatcmpl-")
+    ran = client.chat.completions.create(**body, extra_body={"return_token_ids": True})
+    assert rendered["token_ids"] == ran.model_extra["prompt_token_ids"]
+    assert len(rendered["token_ids"]) == ran.usage.prompt_tokens
+    if tool_choice == "required":         # the forced call's grammar, as vLLM's structured_outputs
+        schema = rendered["sampling_params"]["structured_outputs"]["json"]
+        assert "get_weather" in json.dumps(schema)
+        rendered = render(client, "chat/completions", {"messages": CHATS["plain"], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}})
+        assert rendered["sampling_params"]["structured_outputs"] == {"json": {"type": "object"}}
+
+
+def test_completions_render_is_one_request_per_prompt_as_the_route_runs_them(client, http):
+    prompts = ["The capital of France is", "Hello there, my good friend"]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 2, "truncate_prompt_tokens": 3,
+            "truncation_side": "right", "request_id": "abc"}
+    rendered = render(client, "completions", body)
+    assert [r["request_id"] for r in rendered] == ["cmpl-abc-p0", "cmpl-abc-p1"]      # the engine's ids
+    ran = client.completions.create(model="tiny", prompt=prompts, max_tokens=2, extra_body={
+        "truncate_prompt_tokens": 3, "truncation_side": "right", "return_token_ids": True})
+    assert [r["token_ids"] for r in rendered] == [c.model_extra["prompt_token_ids"] for c in ran.choices]
+    for r, prompt in zip(rendered, prompts):        # truncated as the route truncates: the first 3 tokens
+        assert r["token_ids"] == ok(http.post("/tokenize", json={"prompt": prompt}))["tokens"][:3]
+    assert sum(len(r["token_ids"]) for r in rendered) == ran.usage.prompt_tokens == 6
+    ids = render(client, "completions", {"prompt": [BOS, 400, 401]})       # token ids are the prompt as given
+    assert [r["token_ids"] for r in ids] == [[BOS, 400, 401]] and ids[0]["request_id"].startswith("cmpl-")
+
+
+def test_render_answers_vllms_sampling_params_and_runs_nothing(server, client):
+    before = prompt_tokens_run(server)
+    rendered = render(client, "chat/completions", {
+        "messages": CHATS["plain"], "temperature": 0.123, "top_p": 0.456, "frequency_penalty": 1.1, "n": 2,
+        "stop": ["\n"], "seed": 7, "bad_words": ["cat"], "logit_bias": {"5": -1.5}, "truncate_prompt_tokens": 500,
+        "stream": True, "stream_options": {"include_usage": True}})
+    params = rendered["sampling_params"]
+    # vLLM's omit-defaults form: what the request set, max_tokens resolved (the rest of the context), nothing the
+    # engine works out for itself (the bad words' ids) or already applied to token_ids (the truncation)
+    assert params == {"temperature": 0.123, "top_p": 0.456, "frequency_penalty": 1.1, "n": 2, "stop": ["\n"],
+                      "seed": 7, "bad_words": ["cat"], "logit_bias": {"5": -1.5},
+                      "max_tokens": 512 - len(rendered["token_ids"])}
+    assert rendered["stream"] is True and rendered["stream_options"]["include_usage"] is True
+    assert rendered["model"] is None and rendered["priority"] == 0 and rendered["features"] is None
+    plain = render(client, "chat/completions", {"model": "tiny", "messages": CHATS["plain"], "max_tokens": 9})
+    assert plain["sampling_params"] == {"max_tokens": 9} and plain["stream"] is False
+    assert plain["stream_options"] is None and plain["model"] == "tiny"
+    assert plain["token_ids"] == rendered["token_ids"]
+    assert prompt_tokens_run(server) == before
+
+
+@pytest.mark.parametrize("route, body", [
+    ("chat/completions", {"model": "other", "messages": CHATS["plain"]}),                          # 404 model
+    ("chat/completions", {"messages": CHATS["plain"], "temperature": "hot"}),                      # its type
+    ("chat/completions", {"messages": CHATS["plain"], "temperature": 500}),                        # its value
+    ("chat/completions", {"messages": CHATS["plain"], "max_tokens": 600}),                         # the context
+    ("chat/completions", {"messages": CHATS["plain"], "cache_salt": "s"}),                         # a refused field
+    ("chat/completions", {"messages": CHATS["plain"], "priority": 3}),                             # no policy
+    ("chat/completions", {"messages": CHATS["plain"], "n": 1000}),                                 # --max-n
+    ("chat/completions", {"messages": CHATS["plain"], "stream_options": {"include_usage": True}}), # without stream
+    ("chat/completions", {"messages": CHATS["plain"], "continue_final_message": True}),            # the template
+    ("chat/completions", {"messages": CHATS["plain"], "tools": [WEATHER], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}),                                       # no such tool
+    ("chat/completions", {"messages": CHATS["plain"], "response_format": {"type": "xml"}}),        # constraint
+    ("completions", {"prompt": [], "max_tokens": 1}),
+    ("completions", {"prompt": [[1, 2], [10**6]], "max_tokens": 1}),                               # vocabulary
+    ("completions", {"prompt": "hi", "suffix": "x"}),
+    ("completions", {"prompt": "hi", "truncate_prompt_tokens": 513}),
+])
+def test_render_refuses_what_the_route_refuses(client, route, body):
+    run = client.chat.completions.create if route == "chat/completions" else client.completions.create
+    body = {"model": "tiny", **body}
+    expected = refusal(lambda: run(**{k: v for k, v in body.items() if k in ("model", "messages", "prompt")},
+                                   extra_body={k: v for k, v in body.items()
+                                               if k not in ("model", "messages", "prompt")}))
+    assert expected[0] in (400, 404) and expected[1] is not None
+    assert refusal(lambda: render(client, route, body)) == expected
+
+
+def test_render_is_behind_the_api_key(plain_server):
+    body = {"messages": CHATS["plain"]}
+    assert httpx.post(plain_server.base_url + "/chat/completions/render", json=body).status_code == 401
+    keyed = openai.OpenAI(base_url=plain_server.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+    assert render(keyed, "chat/completions", body)["token_ids"]
+    assert render(keyed, "completions", {"prompt": "hi"})[0]["token_ids"] == [BOS, 6004]
+
+
+def test_the_render_routes_are_in_the_openapi_document(http):
+    paths = http.get("/openapi.json").json()["paths"]
+    for route, request in (("/v1/chat/completions/render", "ChatCompletionRequest"),
+                           ("/v1/completions/render", "CompletionRequest")):
+        op = paths[route]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + request)
+        assert {"400", "401", "404"} <= set(op["responses"])
+    answers = {route: paths[route]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+               for route in ("/v1/chat/completions/render", "/v1/completions/render")}
+    assert answers["/v1/chat/completions/render"]["$ref"].endswith("/RenderedRequest")     # one, as vLLM's
+    assert answers["/v1/completions/render"]["type"] == "array"                            # one per prompt
+    assert answers["/v1/completions/render"]["items"]["$ref"].endswith("/RenderedRequest")
 
 
 # ---- the field rule on the tokenizer routes -------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """OpenAI's chat and completions surface, with vLLM's extra routes around it: /v1/models, /v1/chat/completions,
-/v1/completions, SageMaker's /invocations, /tokenize, /detokenize, /tokenizer_info (only with
---enable-tokenizer-info-endpoint, else 404 as vLLM) and the run-time LoRA routes (only with --enable-lora and
-VLLM_ALLOW_RUNTIME_LORA_UPDATING). Each route is a method of OpenAIServing, the one serving seam."""
+/v1/completions, their /render routes (what the engine would be given, nothing run: render.py), SageMaker's
+/invocations, /tokenize, /detokenize, /tokenizer_info (only with --enable-tokenizer-info-endpoint, else 404 as vLLM)
+and the run-time LoRA routes (only with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING). Each route is a method
+of OpenAIServing, the one serving seam, or an adapter over it."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvflow.server.common.config import ServerConfig
 from kvflow.server.common.errors import GENERATE_ERRORS, APIError, error_responses, streamed_or
+from kvflow.server.openai.render import RenderedRequest, render_chat, render_completions
 from kvflow.server.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                             CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelList,
                                             TokenizeRequest, TokenizeResponse, TokenizerInfoResponse)
@@ -42,6 +44,17 @@ def openai_router(serving: OpenAIServing, config: ServerConfig) -> APIRouter:
                  responses={**streamed_or(CompletionResponse), **GENERATE_ERRORS})
     async def create_completion(req: CompletionRequest, raw: Request):
         return await serving.completions(req, raw)
+
+    # ---- vLLM's render routes: the engine's input for the same body, nothing run (render.py) ----------------------
+    @router.post("/v1/chat/completions/render", response_model=None,
+                 responses={200: {"model": RenderedRequest}, **error_responses(400, 401, 404, 413)})
+    async def render_chat_completion(req: ChatCompletionRequest):
+        return await render_chat(serving, req)
+
+    @router.post("/v1/completions/render", response_model=None,
+                 responses={200: {"model": list[RenderedRequest]}, **error_responses(400, 401, 404, 413)})
+    async def render_completion(req: CompletionRequest):
+        return await render_completions(serving, req)
 
     # ---- SageMaker's inference route, as vLLM serves it ----------------------------------------------------------
     @router.post("/invocations", response_model=None, openapi_extra=INVOCATION_BODY,

@@ -76,6 +76,28 @@ class Generation:
 
 
 @dataclass
+class PreparedRequest:
+    """A chat or completion request, checked, as the engine is to be given it: what /v1/chat/completions and
+    /v1/completions submit, and what their /render routes show."""
+    request_id: str
+    model: str                          # the served name (or LoRA adapter) it runs under
+    params: SamplingParams              # n, the output constraint compiled; max_tokens as asked
+    prompt_ids: list[list[int]]         # one per prompt, as encoded (truncate_prompt_tokens not applied yet)
+    priority: int                       # the scheduler's
+    messages: list[dict] | None = None  # chat: the messages the template rendered
+    tools: ToolRequest | None = None    # chat: the tools and tool_choice
+    prompts: list[str | list[int]] | None = None   # completions: the prompts as given
+
+    def engine_request_id(self, index: int) -> str:
+        return engine_request_id(self.request_id, index, len(self.prompt_ids))
+
+
+def engine_request_id(request_id: str, index: int, num_prompts: int) -> str:
+    """The engine's id of prompt `index` of a request (OpenAIServing.submit: one engine request per prompt)."""
+    return request_id if num_prompts == 1 else f"{request_id}-p{index}"
+
+
+@dataclass
 class ChoiceResult:
     """A collected choice."""
     text: str = ""
@@ -132,6 +154,37 @@ class OpenAIServing:
         """A chat request submitted: its Generation, to respond with (or for another API's adapter to read through
         `collect` or `chunks`). `priority`: the base the request's own priority adds to (see `priority`)."""
         arrival = arrival_time(raw)
+        p = await self.prepare_chat(req, priority=priority)
+        streams = self.submit(p.request_id, p.prompt_ids, p.params, arrival, req.PARAM_NAMES, priority=p.priority,
+                              model=p.model)
+        # vLLM's echo: the reply starts with the last message when that is the assistant's (a prefill to continue)
+        echo = [p.messages[-1]["content"]] if req.echo and req.messages[-1].role == "assistant" else None
+        tools = p.tools if p.tools is not None and p.tools.mode != "none" else None     # calls to parse back
+        gen = Generation(p.request_id, p.model, True, streams, req.num_logprobs, req.include_usage,
+                         req.continuous_usage, tools=tools, echo=echo, return_token_ids=bool(req.return_token_ids),
+                         tokens_as_ids=self.tokens_as_ids(req))
+        return gen
+
+    async def start_completions(self, req: CompletionRequest, raw: Request | None = None, *,
+                                priority: int = 0) -> Generation:
+        arrival = arrival_time(raw)
+        p = await self.prepare_completions(req, priority=priority)
+        prompts, prompt_ids = p.prompts, p.prompt_ids
+        streams = self.submit(p.request_id, prompt_ids, p.params, arrival, req.PARAM_NAMES, priority=p.priority,
+                              model=p.model)
+        # echo: the prompt as given, or as the engine runs it when that is token ids or truncated
+        echo = [p if isinstance(p, str) and len(s.prompt_token_ids) == len(ids)
+                else self.tokenizer.decode(s.prompt_token_ids, False)
+                for p, ids, s in zip(prompts, prompt_ids, streams)] if req.echo else None
+        gen = Generation(p.request_id, p.model, False, streams, req.num_logprobs, req.include_usage,
+                         req.continuous_usage, echo=echo, return_token_ids=bool(req.return_token_ids),
+                         tokens_as_ids=self.tokens_as_ids(req))
+        return gen
+
+    # ---- request -> prompt: the one path of the generate routes and their /render routes ------------------------
+    async def prepare_chat(self, req: ChatCompletionRequest, *, priority: int = 0) -> PreparedRequest:
+        """A chat request checked and turned into the engine's inputs, short of submitting it: the model, the
+        sampling parameters (the output constraint compiled), the template's prompt ids. 400 / 404 as the route."""
         model = self.check_model(req.model)
         params = self.sampling_params(req, num_prompts=1)
         tools = parse_tool_request(req.tools, req.tool_choice, tool_parser=self.tool_call_parser,
@@ -143,18 +196,11 @@ class OpenAIServing:
         request_id = f"chatcmpl-{req.request_id}" if req.request_id else random_id("chatcmpl")
         if (record := current_record()) is not None:      # the request log's and the trace's record
             record.note_request(req, request_id, lambda: [m.model_dump(exclude_none=True) for m in req.messages])
-        streams = self.submit(request_id, [prompt_ids], params, arrival, req.PARAM_NAMES,
-                              priority=self.priority(req, priority), model=model)
-        # vLLM's echo: the reply starts with the last message when that is the assistant's (a prefill to continue)
-        echo = [messages[-1]["content"]] if req.echo and req.messages[-1].role == "assistant" else None
-        gen = Generation(request_id, model, True, streams, req.num_logprobs, req.include_usage, req.continuous_usage,
-                         tools=tools if tools is not None and tools.mode != "none" else None, echo=echo,
-                         return_token_ids=bool(req.return_token_ids), tokens_as_ids=self.tokens_as_ids(req))
-        return gen
+        return PreparedRequest(request_id, model, params, [prompt_ids], self.priority(req, priority),
+                               messages=messages, tools=tools)
 
-    async def start_completions(self, req: CompletionRequest, raw: Request | None = None, *,
-                                priority: int = 0) -> Generation:
-        arrival = arrival_time(raw)
+    async def prepare_completions(self, req: CompletionRequest, *, priority: int = 0) -> PreparedRequest:
+        """A completion request checked and encoded, one prompt's ids per prompt, short of submitting it."""
         model = self.check_model(req.model)
         prompts = req.prompts()
         params = self.sampling_params(req, num_prompts=len(prompts))
@@ -165,16 +211,17 @@ class OpenAIServing:
         request_id = f"cmpl-{req.request_id}" if req.request_id else random_id("cmpl")
         if (record := current_record()) is not None:      # the request log's and the trace's record
             record.note_request(req, request_id, req.prompt)
-        streams = self.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES,
-                              priority=self.priority(req, priority), model=model)
-        # echo: the prompt as given, or as the engine runs it when that is token ids or truncated
-        echo = [p if isinstance(p, str) and len(s.prompt_token_ids) == len(ids)
-                else self.tokenizer.decode(s.prompt_token_ids, False)
-                for p, ids, s in zip(prompts, prompt_ids, streams)] if req.echo else None
-        gen = Generation(request_id, model, False, streams, req.num_logprobs, req.include_usage,
-                         req.continuous_usage, echo=echo, return_token_ids=bool(req.return_token_ids),
-                         tokens_as_ids=self.tokens_as_ids(req))
-        return gen
+        return PreparedRequest(request_id, model, params, prompt_ids, self.priority(req, priority), prompts=prompts)
+
+    def admit(self, prompt_ids: list[int], params: SamplingParams,
+              param_names: dict[str, str]) -> tuple[list[int], int]:
+        """The engine's own check of one prompt (AsyncEngine.submit makes it too), without submitting anything: the
+        prompt as the engine runs it (truncate_prompt_tokens applied) and max_tokens resolved; a 400 naming the
+        route's field otherwise."""
+        try:
+            return self.engine.validator.admit(prompt_ids, params)
+        except ValueError as e:
+            raise APIError.bad_request(e, param_names) from None
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         """vLLM's /tokenize: a prompt's ids, or a chat's, the very ids /v1/chat/completions would run."""
@@ -329,9 +376,8 @@ class OpenAIServing:
         extra = {"lora": lora} if lora is not None else {}      # `model`: a LoRA adapter's name selects it
         try:
             for k, ids in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-p{k}"
-                streams.append(self.engine.submit(rid, ids, params, arrival_time=arrival, pooling=pooling,
-                                                  priority=priority, **extra))
+                streams.append(self.engine.submit(engine_request_id(request_id, k, len(prompts)), ids, params,
+                                                  arrival_time=arrival, pooling=pooling, priority=priority, **extra))
         except BaseException as e:
             for s in streams:
                 s.close()
