@@ -154,13 +154,14 @@ class OpenAIServing:
         """A chat request submitted: its Generation, to respond with (or for another API's adapter to read through
         `collect` or `chunks`). `priority`: the base the request's own priority adds to (see `priority`)."""
         arrival = arrival_time(raw)
-        p = await self.prepare_chat(req, priority=priority)
-        streams = self.submit(p.request_id, p.prompt_ids, p.params, arrival, req.PARAM_NAMES, priority=p.priority,
-                              model=p.model)
+        prepared = await self.prepare_chat(req, priority=priority)
+        streams = self.submit(prepared.request_id, prepared.prompt_ids, prepared.params, arrival, req.PARAM_NAMES,
+                              priority=prepared.priority, model=prepared.model)
         # vLLM's echo: the reply starts with the last message when that is the assistant's (a prefill to continue)
-        echo = [p.messages[-1]["content"]] if req.echo and req.messages[-1].role == "assistant" else None
-        tools = p.tools if p.tools is not None and p.tools.mode != "none" else None     # calls to parse back
-        gen = Generation(p.request_id, p.model, True, streams, req.num_logprobs, req.include_usage,
+        echo = [prepared.messages[-1]["content"]] if req.echo and req.messages[-1].role == "assistant" else None
+        # the tools whose calls are parsed back out of the text (tool_choice "none": no calls to parse)
+        tools = prepared.tools if prepared.tools is not None and prepared.tools.mode != "none" else None
+        gen = Generation(prepared.request_id, prepared.model, True, streams, req.num_logprobs, req.include_usage,
                          req.continuous_usage, tools=tools, echo=echo, return_token_ids=bool(req.return_token_ids),
                          tokens_as_ids=self.tokens_as_ids(req))
         return gen
@@ -168,15 +169,15 @@ class OpenAIServing:
     async def start_completions(self, req: CompletionRequest, raw: Request | None = None, *,
                                 priority: int = 0) -> Generation:
         arrival = arrival_time(raw)
-        p = await self.prepare_completions(req, priority=priority)
-        prompts, prompt_ids = p.prompts, p.prompt_ids
-        streams = self.submit(p.request_id, prompt_ids, p.params, arrival, req.PARAM_NAMES, priority=p.priority,
-                              model=p.model)
+        prepared = await self.prepare_completions(req, priority=priority)
+        prompts, prompt_ids = prepared.prompts, prepared.prompt_ids
+        streams = self.submit(prepared.request_id, prompt_ids, prepared.params, arrival, req.PARAM_NAMES,
+                              priority=prepared.priority, model=prepared.model)
         # echo: the prompt as given, or as the engine runs it when that is token ids or truncated
         echo = [p if isinstance(p, str) and len(s.prompt_token_ids) == len(ids)
                 else self.tokenizer.decode(s.prompt_token_ids, False)
                 for p, ids, s in zip(prompts, prompt_ids, streams)] if req.echo else None
-        gen = Generation(p.request_id, p.model, False, streams, req.num_logprobs, req.include_usage,
+        gen = Generation(prepared.request_id, prepared.model, False, streams, req.num_logprobs, req.include_usage,
                          req.continuous_usage, echo=echo, return_token_ids=bool(req.return_token_ids),
                          tokens_as_ids=self.tokens_as_ids(req))
         return gen
