@@ -33,7 +33,8 @@ from kvflow.pooling_params import PoolingParams
 from kvflow.request_log import RequestLog
 from kvflow.sampling_params import SamplingParams
 
-__all__ = ["AsyncEngine", "RequestStream", "BeamSearchStream", "CompletionDelta", "RequestFailedError", "EngineDeadError",
+__all__ = ["AsyncEngine", "RequestStream", "BeamSearchStream", "CompletionDelta", "RequestFailedError",
+           "EngineDeadError",
            "EngineOverloadedError", "EngineShutdownError", "AddRequest", "AbortRequests", "StepResult"]
 
 logger = logging.getLogger("kvflow.async_engine")

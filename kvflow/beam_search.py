@@ -52,9 +52,9 @@ class BeamSearchParams:
         w = self.beam_width
         if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_BEAM_WIDTH:
             raise InvalidRequestError(
-                f"the beam width (beam_width; n on the server) must be an integer in [1, {MAX_BEAM_WIDTH}] (each step "
-                f"asks for 2 * beam_width log-probabilities per beam, at most {MAX_LOGPROBS}), got {w!r}", param="beam_width",
-                code="invalid_value")
+                f"the beam width (beam_width; n on the server) must be an integer in [1, {MAX_BEAM_WIDTH}] (each "
+                f"step asks for 2 * beam_width log-probabilities per beam, at most {MAX_LOGPROBS}), got {w!r}",
+                param="beam_width", code="invalid_value")
         m = self.max_tokens
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {m!r}", param="max_tokens",

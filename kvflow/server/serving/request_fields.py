@@ -59,8 +59,8 @@ _MISSING = object()
 
 # name -> the value that means "not asked for" (vLLM's default); anything else is refused
 # Why each is refused: best_of (chat): no best-of search (vLLM v1 has none either); early_stopping: see
-# VLLM_FORMER_FIELDS; spaces_between_special_tokens=false: kvflow writes special tokens as the fast tokenizer decodes them, as vLLM's
-# fast detokenizer does, and has no slow path that inserts or removes spaces; structural_tag,
+# VLLM_FORMER_FIELDS; spaces_between_special_tokens=false: kvflow writes special tokens as the fast tokenizer decodes
+# them, as vLLM's fast detokenizer does, and has no slow path that inserts or removes spaces; structural_tag,
 # guided_decoding_backend, guided_whitespace_pattern: one grammar backend (llguidance), JSON without free
 # whitespace; logits_processors: no user code in the engine; cache_salt,
 # kv_transfer_params, vllm_xargs, prompt_embeds, mm_processor_kwargs: not built; include_reasoning: no reasoning
@@ -93,10 +93,29 @@ _BEAM_SEARCH_COMMON = {
     "logit_bias": ({},), "min_tokens": (0,), "bad_words": ([],), "allowed_token_ids": (), "prompt_logprobs": (),
     "response_format": ({"type": "text"},), "structured_outputs": (), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "guided_json_object": (False,),
+    "stream_options": (),                    # needs stream
+    "return_tokens_as_token_ids": (False,),  # shapes logprobs, which beam search does not return
 }
 BEAM_SEARCH_REFUSED = {
     "chat": {**_BEAM_SEARCH_COMMON, "logprobs": (False,), "top_logprobs": (0,)},
     "completions": {**_BEAM_SEARCH_COMMON, "logprobs": ()},
+}
+
+
+# ... and the fields it reads: the beam search's own (above), the prompt's (text, template, truncation, special tokens),
+# how the answer is shown (echo, return_token_ids; chat tools without a forced tool_choice, parsed out of each beam's
+# text), who asks (model, user, request_id, priority); best_of only equal to n and suffix never, as without beam search.
+# Every field of the routes' models is in one of the two tables (tests/test_request_fields.py).
+BEAM_SEARCH_READS = {
+    "chat": ("use_beam_search", "n", "max_tokens", "max_completion_tokens", "ignore_eos", "temperature",
+             "length_penalty", "include_stop_str_in_output", "skip_special_tokens", "messages", "add_generation_prompt",
+             "continue_final_message", "add_special_tokens", "chat_template", "chat_template_kwargs", "documents",
+             "reasoning_effort", "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids", "tools",
+             "tool_choice", "parallel_tool_calls", "model", "user", "request_id", "priority"),
+    "completions": ("use_beam_search", "n", "max_tokens", "ignore_eos", "temperature", "length_penalty",
+                    "include_stop_str_in_output", "skip_special_tokens", "prompt", "add_special_tokens",
+                    "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids", "model", "user",
+                    "request_id", "priority", "best_of", "suffix"),
 }
 
 
