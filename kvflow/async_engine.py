@@ -34,8 +34,8 @@ from kvflow.request_log import RequestLog
 from kvflow.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "RequestStream", "BeamSearchStream", "CompletionDelta", "RequestFailedError",
-           "EngineDeadError",
-           "EngineOverloadedError", "EngineShutdownError", "AddRequest", "AbortRequests", "StepResult"]
+           "EngineDeadError", "EngineOverloadedError", "EngineShutdownError", "AddRequest", "AbortRequests",
+           "StepResult"]
 
 logger = logging.getLogger("kvflow.async_engine")
 

@@ -331,6 +331,28 @@ def test_chat_beam_search_over_http_equals_llm_beam_search(server, client, eos_l
     server.core("check")
 
 
+def test_streamed_chat_beam_search_sends_each_finished_beam_whole(server, client):
+    """vLLM's chat streams a beam search: the roles first, then each beam's text in one chunk once the search is done
+    (completions refuse stream, as vLLM's)."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Name a color."}], n=3, max_tokens=6, temperature=0,
+              extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    whole = client.chat.completions.create(**kw)
+    texts, finishes, roles = ["", "", ""], [None] * 3, 0
+    usage = None
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            roles += c.delta.role == "assistant"
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+    assert roles == 3
+    assert texts == [c.message.content for c in whole.choices]
+    assert finishes == [c.finish_reason for c in whole.choices]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+    server.wait_idle()
+    server.core("check")
+
+
 def test_beam_search_steps_share_the_prompt_on_the_server(server, client):
     """The server runs without --enable-prefix-caching; a width-3 search over a long prompt still computes the prompt
     once (its steps take the prefix cache), not once per beam and step."""

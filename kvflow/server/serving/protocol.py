@@ -122,9 +122,9 @@ class _SamplingRequest(OpenAIModel):
     bad_words: list[Text] | None = documented(maxItems=limits.MAX_BAD_WORDS)
     request_id: Text | None = documented(description="the response's id is built from it (cmpl-/chatcmpl-ID)")
     priority: int = PRIORITY_FIELD
-    # vLLM's beam search (kvflow/beam_search.py): n is the beam width; no stream; request_fields.BEAM_SEARCH_REFUSED
+    # vLLM's beam search (kvflow/beam_search.py): n is the beam width; request_fields.BEAM_SEARCH_REFUSED
     use_beam_search: bool = documented(False, description=f"vLLM's beam search, n the beam width (at most "
-                                                          f"{MAX_BEAM_WIDTH}); not streamed")
+                                                          f"{MAX_BEAM_WIDTH}); completions: not streamed")
     length_penalty: float = documented(1.0, description="beam search: score = cumulative logprob / "
                                                         "(prompt + output tokens) ** length_penalty")
     return_token_ids: bool | None = None             # prompt_token_ids and each choice's token_ids
@@ -171,7 +171,7 @@ class _SamplingRequest(OpenAIModel):
                                param="length_penalty")
             return self
         name = beam_search_refused(self.ROUTE, {f: getattr(self, f) for f in type(self).model_fields})
-        if name == "stream":
+        if name == "stream":        # completions (vLLM's answer); chat streams the finished beams
             raise APIError(400, "streaming is not supported with beam search (use_beam_search)", param="stream")
         if name is not None:
             raise APIError(400, f"{name} is not supported with use_beam_search: vLLM's beam search does not read "

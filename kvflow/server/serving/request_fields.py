@@ -81,37 +81,39 @@ REFUSED = {
 # ---- beam search (use_beam_search) -------------------------------------------------------------------------------
 # vLLM's beam search reads n (the beam width), max_tokens / max_completion_tokens, ignore_eos, temperature,
 # length_penalty, include_stop_str_in_output and skip_special_tokens (BeamSearchParams, `to_beam_search_params` in
-# vLLM's protocol), and the prompt's fields; it refuses stream ("Streaming is not currently supported with beam
-# search"). The sampling fields below it drops: set beside use_beam_search to anything but these values (unset, or
+# vLLM's protocol), and the prompt's fields; completions refuse stream ("Streaming is not currently supported with
+# beam search"), chat streams the finished beams (each choice's text in one chunk). The sampling fields below it drops: set beside use_beam_search to anything but these values (unset, or
 # what asks for nothing), each is a 400 naming it. Why, where vLLM reads one after all: logprobs / top_logprobs (vLLM
 # shows each beam step's 2 * n candidates, cut at the API's count, and fails with echo), structured outputs (vLLM's
 # newer beam search constrains with them; kvflow's does not yet). A forced tool_choice is refused by the server (it is a
 # grammar too), a length_penalty without use_beam_search by the request model (nothing reads it there).
 _BEAM_SEARCH_COMMON = {
-    "stream": (False,), "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "seed": (), "stop": ([], ""),
+    "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "seed": (), "stop": ([], ""),
     "stop_token_ids": ([],), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
     "logit_bias": ({},), "min_tokens": (0,), "bad_words": ([],), "allowed_token_ids": (), "prompt_logprobs": (),
     "response_format": ({"type": "text"},), "structured_outputs": (), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "guided_json_object": (False,),
-    "stream_options": (),                    # needs stream
     "return_tokens_as_token_ids": (False,),  # shapes logprobs, which beam search does not return
 }
 BEAM_SEARCH_REFUSED = {
     "chat": {**_BEAM_SEARCH_COMMON, "logprobs": (False,), "top_logprobs": (0,)},
-    "completions": {**_BEAM_SEARCH_COMMON, "logprobs": ()},
+    "completions": {**_BEAM_SEARCH_COMMON, "logprobs": (), "stream": (False,),
+                    "stream_options": ()},        # stream_options needs stream
 }
 
 
 # ... and the fields it reads: the beam search's own (above), the prompt's (text, template, truncation, special tokens),
 # how the answer is shown (echo, return_token_ids; chat tools without a forced tool_choice, parsed out of each beam's
-# text), who asks (model, user, request_id, priority); best_of only equal to n and suffix never, as without beam search.
+# text; chat's stream and stream_options), who asks (model, user, request_id, priority); best_of only equal to n and
+# suffix never, as without beam search.
 # Every field of the routes' models is in one of the two tables (tests/test_request_fields.py).
 BEAM_SEARCH_READS = {
     "chat": ("use_beam_search", "n", "max_tokens", "max_completion_tokens", "ignore_eos", "temperature",
              "length_penalty", "include_stop_str_in_output", "skip_special_tokens", "messages", "add_generation_prompt",
              "continue_final_message", "add_special_tokens", "chat_template", "chat_template_kwargs", "documents",
              "reasoning_effort", "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids", "tools",
-             "tool_choice", "parallel_tool_calls", "model", "user", "request_id", "priority"),
+             "tool_choice", "parallel_tool_calls", "stream", "stream_options", "model", "user", "request_id",
+             "priority"),
     "completions": ("use_beam_search", "n", "max_tokens", "ignore_eos", "temperature", "length_penalty",
                     "include_stop_str_in_output", "skip_special_tokens", "prompt", "add_special_tokens",
                     "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids", "model", "user",

@@ -6,8 +6,9 @@ error handling. Tokenization and chat templating run in a worker thread, so a hu
 event loop (the Rust tokenizer releases the GIL) and other streams and /health keep going.
 
 Beam search (`use_beam_search`, vLLM's) takes the same path: each prompt's `AsyncEngine.beam_search` stream stands
-where a request's stream would (it yields its n beams whole, best first, once the search is done); it is never
-streamed, and the fields it does not read are 400s (request_fields.BEAM_SEARCH_REFUSED).
+where a request's stream would (it yields its n beams whole, best first, once the search is done: a streamed chat
+gets each beam's text in one chunk, as vLLM's; completions refuse stream, as vLLM's), and the fields it does not read
+are 400s (request_fields.BEAM_SEARCH_REFUSED).
 
 Structured outputs and forced tool calls are compiled here, on the grammar compiler's threads (one compiler
 per server, built on first use), before the request reaches the engine: a new schema never stalls the step
