@@ -96,9 +96,12 @@ def beam_search_score(tokens: list[int], cum_logprob: float, eos_token_ids: Coll
                       length_penalty: float = 1.0) -> float:
     """vLLM's get_beam_search_score: cum_logprob / len ** length_penalty, len counting the prompt, less one for a
     final EOS."""
-    seq_len = len(tokens)
-    if tokens[-1] in eos_token_ids:
-        seq_len -= 1
+    return _score(len(tokens), tokens[-1], cum_logprob, eos_token_ids, length_penalty)
+
+
+def _score(num_tokens: int, last_token: int, cum_logprob: float, eos_token_ids: Collection[int],
+           length_penalty: float) -> float:
+    seq_len = num_tokens - 1 if last_token in eos_token_ids else num_tokens
     return cum_logprob / (seq_len ** length_penalty)
 
 
@@ -136,21 +139,23 @@ class BeamSearch:
         None when that request ended without one (the beam is dropped, as vLLM drops it)."""
         if len(step_logprobs) != len(self.beams):
             raise ValueError(f"{len(step_logprobs)} step results for {len(self.beams)} beams")
-        live = []
+        live = []          # (score, beam, token, its step's logprobs, cum_logprob): only the kept become beams
         stops = not self.params.ignore_eos
+        eos, length_penalty = self.eos_token_ids, self.params.length_penalty
         for beam, logprobs in zip(self.beams, step_logprobs):
             if logprobs is None:
                 continue
+            num_tokens = len(beam.tokens) + 1
             for token, logprob in logprobs.items():
-                new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [logprobs],
-                                         beam.cum_logprob + logprob)
-                if stops and token in self.eos_token_ids:
-                    new.finish_reason, new.stop_reason = "stop", token
-                    self.completed.append(new)
+                cum = beam.cum_logprob + logprob
+                if stops and token in eos:
+                    self.completed.append(BeamSearchSequence(beam.tokens + [token], beam.logprobs + [logprobs], cum,
+                                                             finish_reason="stop", stop_reason=token))
                 else:
-                    live.append(new)
-        live.sort(key=self.score, reverse=True)       # stable: ties keep beam order, then logprob order
-        self.beams = live[:self.params.beam_width]
+                    live.append((_score(num_tokens, token, cum, eos, length_penalty), beam, token, logprobs, cum))
+        live.sort(key=lambda c: c[0], reverse=True)     # stable: ties keep beam order, then logprob order
+        self.beams = [BeamSearchSequence(beam.tokens + [token], beam.logprobs + [logprobs], cum)
+                      for _, beam, token, logprobs, cum in live[:self.params.beam_width]]
         self.num_steps += 1
 
     def output(self, decode: Callable[[list[int], bool], str] | None = None) -> BeamSearchOutput:

@@ -2,7 +2,9 @@
 implement, as data: each is refused with a 400 naming it when a request sets it to anything but its default, never
 accepted and dropped (the field rule). The fields kvflow implements are its pydantic models' own
 (`server/protocol.py`); `tests/test_request_fields.py` checks that every field of vLLM's lists below is one or the
-other. A field that neither schema defines is ignored, as vLLM does, and logged once per name.
+other. A field that neither schema defines is ignored, as vLLM does, and logged once per name. Beside
+`use_beam_search`, each implemented field is one beam search reads (`BEAM_SEARCH_READS`) or a 400 naming it
+(`BEAM_SEARCH_REFUSED`).
 
 Sources: OpenAI's API reference (chat completions, completions) and vLLM's `entrypoints/openai/protocol.py`
 (`ChatCompletionRequest`, `CompletionRequest`) and `entrypoints/serve/tokenize/protocol.py`
