@@ -9,7 +9,8 @@ import importlib
 __version__ = "0.1.0"
 _LAZY = {"LLM": "kvflow.llm", "SamplingParams": "kvflow.sampling_params", "EngineConfig": "kvflow.config",
          "RequestOutput": "kvflow.outputs", "CompletionOutput": "kvflow.outputs",
-         "PoolingParams": "kvflow.pooling_params", "LoRARequest": "kvflow.lora_request"}
+         "PoolingParams": "kvflow.pooling_params", "LoRARequest": "kvflow.lora_request",
+         "BeamSearchParams": "kvflow.beam_search"}
 __all__ = [*_LAZY, "__version__"]
 
 

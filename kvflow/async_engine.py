@@ -5,6 +5,10 @@ Who owns what: the engine process owns the core and nothing else; everything per
 stop strings, timings, metrics) lives on the event loop, in the OutputProcessor. Only typed messages cross
 (`core/messages.py`): `AddRequest` / `AbortRequests` to the engine, one `StepResult` per turn of its loop back,
 handed from a reader thread to the event loop (`loop.call_soon_threadsafe`).
+
+Beam search (`beam_search`, vLLM's, kvflow/beam_search.py) runs here, in the frontend, as vLLM's server runs it: each
+step submits every live beam as a one-token request (`cache_prefix`: the beams share their prompt's KV blocks), the
+step's requests together so they batch; its `BeamSearchStream` reads like a RequestStream.
 """
 from __future__ import annotations
 
@@ -16,20 +20,22 @@ import os
 import time
 from typing import AsyncIterator
 
+from kvflow.beam_search import BeamSearch, BeamSearchParams
 from kvflow.core.messages import AbortRequests, AddRequest, EngineDead, EngineReady, StepResult
 from kvflow.core.request_validator import RequestValidator
 from kvflow.engine_process import EngineProcess
 from kvflow.engine_router import EngineRouter
 from kvflow.errors import InvalidRequestError
 from kvflow.lora_request import LoRARequest
-from kvflow.metrics import EngineMetrics, FinishedRequest
-from kvflow.output_processor import CompletionDelta, OutputProcessor, RequestState
+from kvflow.metrics import EngineMetrics, FinishedRequest, RequestTimings
+from kvflow.output_processor import ChoiceState, CompletionDelta, OutputProcessor, RequestState
 from kvflow.pooling_params import PoolingParams
 from kvflow.request_log import RequestLog
 from kvflow.sampling_params import SamplingParams
 
-__all__ = ["AsyncEngine", "RequestStream", "CompletionDelta", "RequestFailedError", "EngineDeadError",
-           "EngineOverloadedError", "EngineShutdownError", "AddRequest", "AbortRequests", "StepResult"]
+__all__ = ["AsyncEngine", "RequestStream", "BeamSearchStream", "CompletionDelta", "RequestFailedError",
+           "EngineDeadError", "EngineOverloadedError", "EngineShutdownError", "AddRequest", "AbortRequests",
+           "StepResult"]
 
 logger = logging.getLogger("kvflow.async_engine")
 
@@ -97,6 +103,104 @@ class RequestStream:
             self.engine._finish(self, "error" if self.error else "abort")
 
 
+class BeamSearchStream:
+    """One beam search on the event loop (`AsyncEngine.beam_search`), read as a RequestStream is read: iterating it
+    runs the search's steps (the first one is submitted already) and then yields one whole CompletionDelta per beam,
+    best first (choice i: the i-th best). `state` is a RequestState of beam_width choices, for usage and the request
+    log: the prompt, each beam's tokens once done, the prompt's cached tokens (its first step's). A step's request
+    that fails fails the search (RequestFailedError); closing the stream aborts the step in flight."""
+
+    def __init__(self, engine: "AsyncEngine", search: BeamSearch, state: RequestState, *, priority: int,
+                 lora: LoRARequest | None) -> None:
+        self.state = state
+        self.engine = engine
+        self.search = search
+        self.error: str | None = None
+        self.priority = priority
+        self.lora = lora
+        self.recorded = False
+        self.step_params = search.params.step_params()
+        self.steps: list[RequestStream] = []        # the step in flight: one request per live beam
+        self._closed = False
+
+    def __getattr__(self, name: str):
+        return getattr(self.state, name)
+
+    def __aiter__(self) -> AsyncIterator[CompletionDelta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[CompletionDelta]:
+        try:
+            try:
+                output = await self._run()
+            except RequestFailedError as e:
+                self.error = str(e)
+                raise
+            deltas = self._finish(output)
+            for delta in deltas:
+                yield delta
+        finally:
+            self.close()
+
+    async def _run(self):
+        search = self.search
+        while True:
+            tasks = [asyncio.ensure_future(_step_logprobs(s)) for s in self.steps]
+            try:
+                results = await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()          # the others, when one failed (no-op on the finished)
+            if search.num_steps == 0:    # the prompt's own request: its prefix-cache hits are the prompt's
+                self.state.num_cached_tokens = self.steps[0].num_cached_tokens
+                first = self.steps[0].state.choices[0].timings
+                for c in self.state.choices:
+                    c.timings.queued, c.timings.scheduled = first.queued, first.scheduled
+            self.steps = []
+            search.advance(results)
+            if search.done:
+                return search.output()
+            self.steps = self.engine._beam_step(self)
+
+    def _finish(self, output) -> list[CompletionDelta]:
+        """The beams as choices (vLLM's server: token ids without EOS unless include_stop_str_in_output, the text
+        without it ever), best first; recorded on the state."""
+        now = time.time()
+        skip = self.search.params.skip_special_tokens
+        deltas = []
+        for i, (beam, choice) in enumerate(zip(output.sequences, self.state.choices)):
+            token_ids, text_ids = self.search.completion(beam)
+            text = self.engine.tokenizer.decode(text_ids, skip)
+            choice.token_ids, choice.text = token_ids, text
+            choice.finish_reason, choice.stop_reason = beam.finish_reason, beam.stop_reason
+            t = choice.timings
+            t.first_token = t.last_token = t.finished = now    # no token is final before the search ends
+            t.token_times = [now] * len(token_ids)
+            deltas.append(CompletionDelta(i, text, token_ids, None, beam.finish_reason, beam.stop_reason))
+        return deltas
+
+    def close(self) -> None:
+        """Abort the step in flight, if any (the client went away, the consumer stopped)."""
+        if not self._closed:
+            self._closed = True
+            for s in self.steps:
+                s.close()
+            self.steps = []
+            self.engine._beam_searches.pop(self.state.request_id, None)
+            for c in self.state.choices:
+                if c.finish_reason is None:
+                    c.finish_reason = "error" if self.error else "abort"
+
+
+async def _step_logprobs(stream: RequestStream) -> dict[int, float] | None:
+    """A beam step's one token's logprobs (None when its request ended without a token)."""
+    logprobs = None
+    async for delta in stream:
+        if delta.logprobs:
+            logprobs = delta.logprobs[0]
+    return logprobs
+
+
 class AsyncEngine:
     """Serves asyncio callers (on one event loop) from one engine process, or several (data parallel: each
     request goes to one of them, `engine_router.py`)."""
@@ -138,6 +242,8 @@ class AsyncEngine:
         self._listening = False
         self._stopped = False
         self._streams: dict[str, RequestStream] = {}
+        self._beam_searches: dict[str, BeamSearchStream] = {}     # by request id, until each ends
+        self._failing: str | None = None    # shutdown failed what was left: beam searches submit no more steps
         self._pending_adds = 0      # sent to the engines, not yet taken by a core
         self._core_waiting = 0      # num_waiting of the engines' last steps
         self._engine_of: dict[str, int] = {}       # core id -> the engine running it
@@ -215,12 +321,13 @@ class AsyncEngine:
         """Stop accepting, let in-flight requests finish within `grace_period`, fail the rest, stop the engine."""
         self._accepting = False
         deadline = time.monotonic() + grace_period
-        while self._streams and self.is_alive and time.monotonic() < deadline:
+        while (self._streams or self._beam_searches) and self.is_alive and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        if self._streams:
+        if self._streams or self._beam_searches:
             logger.warning("shutdown: aborting %d request(s) still running after %.1fs",
-                           len(self._streams), grace_period)
-            self._fail_all("the server is shutting down")
+                           len(self._streams) + len(self._beam_searches), grace_period)
+            self._failing = "the server is shutting down"
+            self._fail_all(self._failing)
             await asyncio.sleep(0)
         await asyncio.get_running_loop().run_in_executor(None, self.stop)
 
@@ -276,27 +383,41 @@ class AsyncEngine:
         EngineOverloadedError (queue full), EngineShutdownError, EngineDeadError before anything runs. `pooling`:
         an embedding request, whose stream ends with one delta carrying the vector. `priority`: the scheduler's, a lower
         value first (interactive 0; the Batch API's lines higher)."""
+        self._check_accepting()
+        prompt_token_ids, max_tokens = self.validator.admit(prompt_token_ids, params, pooling)
+        if request_id in self._streams or request_id in self._beam_searches:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
+        self._check_queue(params.n, "n")
+        return self._enqueue(request_id, prompt_token_ids, params, max_tokens, arrival_time, pooling, priority, lora)
+
+    def _check_accepting(self) -> None:
         if self.death_reason is not None:
             raise EngineDeadError(f"the engine loop died: {self.death_reason}")
         if not self._accepting:
             raise EngineShutdownError("the server is shutting down")
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        prompt_token_ids, max_tokens = self.validator.admit(prompt_token_ids, params, pooling)
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
+
+    def _check_queue(self, n: int, param: str) -> None:
+        """--max-queue-len: `n` more core requests at once (`param` names what asks for them)."""
         limit = self.max_queue_len
-        if limit is not None:
-            if params.n > limit:
-                raise InvalidRequestError(f"n={params.n} is more than the server queues at once "
-                                          f"(--max-queue-len {limit})", param="n", code="invalid_value")
-            queued = self._core_waiting + self._pending_adds
-            if queued + params.n > limit:
-                raise EngineOverloadedError(f"the server is overloaded: {queued} requests are waiting "
-                                            f"(--max-queue-len {limit}); retry later")
+        if limit is None:
+            return
+        if n > limit:
+            raise InvalidRequestError(f"{param}={n} is more than the server queues at once "
+                                      f"(--max-queue-len {limit})", param=param, code="invalid_value")
+        queued = self._core_waiting + self._pending_adds
+        if queued + n > limit:
+            raise EngineOverloadedError(f"the server is overloaded: {queued} requests are waiting "
+                                        f"(--max-queue-len {limit}); retry later")
+
+    def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
+                 arrival_time: float | None, pooling: PoolingParams | None, priority: int, lora: LoRARequest | None,
+                 cache_prefix: bool = False) -> RequestStream:
+        """An admitted request (checked, max_tokens resolved) to its engine; its stream."""
         arrival = time.time() if arrival_time is None else arrival_time
         adds = self.processor.add_request(request_id, prompt_token_ids, params, arrival, max_tokens, pooling,
-                                          priority, lora)
+                                          priority, lora, cache_prefix)
         stream = RequestStream(self, self.processor.requests[request_id])
         stream.priority = priority
         self._streams[request_id] = stream
@@ -310,6 +431,59 @@ class AsyncEngine:
         except OSError:     # the engine is gone: its death is being reported, and fails this stream too
             pass
         return stream
+
+    def beam_search(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
+                    arrival_time: float | None = None, priority: int = 0, lora: LoRARequest | None = None,
+                    truncate_prompt_tokens: int | None = None, truncation_side: str = "left") -> BeamSearchStream:
+        """vLLM's beam search of one prompt (kvflow/beam_search.py); call from the event loop. Checks it and
+        submits its first step, raising as `submit` does before anything runs (InvalidRequestError names
+        `beam_width` where `submit` names `n`); iterate the stream for the beams. Each later step submits the live
+        beams as one-token requests that share the prompt's KV blocks; the search ends like a request (shutdown
+        lets it finish within the grace period)."""
+        self._check_accepting()
+        params.validate()
+        limits = SamplingParams(max_tokens=params.max_tokens, truncate_prompt_tokens=truncate_prompt_tokens,
+                                truncation_side=truncation_side)
+        prompt_token_ids, max_tokens = self.validator.admit(prompt_token_ids, limits)
+        if request_id in self._streams or request_id in self._beam_searches:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
+        self._check_queue(params.beam_width, "beam_width")
+        search = BeamSearch(prompt_token_ids, params, max_tokens, self.tokenizer.eos_token_ids)
+        arrival = time.time() if arrival_time is None else arrival_time
+        # what the request asks for, as usage and the request log read it: beam_width choices
+        summary = SamplingParams(n=params.beam_width, max_tokens=max_tokens, temperature=params.temperature,
+                                 ignore_eos=params.ignore_eos, skip_special_tokens=params.skip_special_tokens,
+                                 include_stop_str_in_output=params.include_stop_str_in_output,
+                                 truncate_prompt_tokens=truncate_prompt_tokens, truncation_side=truncation_side)
+        state = RequestState(request_id, prompt_token_ids, summary,
+                             [ChoiceState(i, f"{request_id}-beam-{i}", RequestTimings(arrival=arrival), None)
+                              for i in range(params.beam_width)])
+        stream = BeamSearchStream(self, search, state, priority=priority, lora=lora)
+        stream.steps = self._beam_step(stream)
+        self._beam_searches[request_id] = stream
+        return stream
+
+    def _beam_step(self, stream: BeamSearchStream) -> list[RequestStream]:
+        """Submit the live beams of `stream`'s search as one-token requests (all or none); their streams. A step
+        after the first belongs to an admitted request: neither shutdown nor the queue limit refuses it."""
+        if self.death_reason is not None:
+            raise EngineDeadError(f"the engine loop died: {self.death_reason}")
+        if self._failing is not None:
+            raise RequestFailedError(self._failing)
+        search = stream.search
+        steps: list[RequestStream] = []
+        try:
+            for i, tokens in enumerate(search.step_prompts()):
+                rid = f"{stream.state.request_id}-step{search.num_steps}-beam{i}"
+                step = self._enqueue(rid, tokens, stream.step_params, 1, None, None, stream.priority, stream.lora,
+                                     cache_prefix=True)
+                step.recorded = True        # the beam search is the request; its steps write no request-log lines
+                steps.append(step)
+        except BaseException:
+            for step in steps:
+                step.close()
+            raise
+        return steps
 
     def _abort(self, core_ids) -> None:
         """Tell each engine to stop its share of these core requests."""

@@ -1,6 +1,7 @@
 """LLM: the offline API. Encodes prompts, drives EngineCore in-process until all are done, decodes text
 through the same OutputProcessor the server uses. `SamplingParams(structured_outputs={"json": schema})` is
-compiled here, before the engine sees it (the grammar compiler is built on first use, ~0.5 s)."""
+compiled here, before the engine sees it (the grammar compiler is built on first use, ~0.5 s). `beam_search` is
+vLLM's: each step's beams run as one-token requests that share their prompt's KV blocks (kvflow/beam_search.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +10,7 @@ import time
 import weakref
 from typing import Sequence
 
+from kvflow.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
 from kvflow.lora_request import LoRARequest
@@ -87,6 +89,53 @@ class LLM:
                    for c in conversations]
         return self._run(encoded, sampling_params)
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: for each prompt (as `generate` takes them, or {"prompt": text}), its best
+        `params.beam_width` beams, best first, each with its tokens (the prompt's and its own), cumulative logprob and
+        text. Each step runs every live beam of every prompt as a one-token request, together in the continuous
+        batch; the beams share their prompt's KV blocks through the prefix cache, even with prefix caching off.
+        `concurrency_limit`: at most this many prompts searched at once (vLLM's). A bad prompt raises
+        InvalidRequestError before anything runs."""
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool)
+                                              or not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be a positive integer, got {concurrency_limit!r}")
+        params.validate()
+        encoded = [ids for _, ids in (self._encode(p) for p in self._prompt_list(prompts))]
+        loras = self._loras(lora_request, len(encoded))
+        # the prompt against the context, max_tokens resolved (None: what is left of it), before anything runs
+        limits = SamplingParams(max_tokens=params.max_tokens)
+        searches = [BeamSearch(ids, params, max_tokens, self.tokenizer.eos_token_ids)
+                    for ids, max_tokens in (self.engine.validator.admit(ids, limits) for ids in encoded)]
+        step = params.step_params()
+        limit = concurrency_limit or max(1, len(searches))
+        for start in range(0, len(searches), limit):
+            group = list(zip(searches[start:start + limit], loras[start:start + limit]))
+            while live := [(search, lora) for search, lora in group if not search.done]:
+                requests, request_loras = [], []
+                for search, lora in live:
+                    for tokens in search.step_prompts():    # each step's tokens fit: prompt + max_tokens <= context
+                        requests.append((tokens, step, 1, None))
+                        request_loras.append(lora)
+                # no detokenizer: a step's token is a candidate, not text yet
+                states = self._drive(OutputProcessor(None, keep_logprobs=True), requests, request_loras,
+                                     cache_prefix=True)
+                k = 0
+                for search, _ in live:
+                    n = len(search.beams)
+                    search.advance([self._step_logprobs(state) for state in states[k:k + n]])
+                    k += n
+        return [search.output(self.tokenizer.decode) for search in searches]
+
+    @staticmethod
+    def _step_logprobs(state: RequestState) -> dict[int, float] | None:
+        """A beam step's result: its one token's logprobs (None when it ended without a token)."""
+        choice = state.choices[0]
+        if choice.finish_reason == "error":
+            raise RuntimeError(f"beam search step {state.request_id} failed: {choice.stop_reason}")
+        return choice.logprobs[0] if choice.logprobs else None
+
     # ---- internals -----------------------------------------------------------------------------
     @staticmethod
     def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> Sequence[Prompt]:
@@ -99,6 +148,8 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:          # vLLM's TextPrompt: {"prompt": text}
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         return None, list(prompt)
 
@@ -157,19 +208,21 @@ class LLM:
 
     def _drive(self, processor: OutputProcessor,
                requests: list[tuple[list[int], SamplingParams, int, PoolingParams | None]],
-               loras: list[LoRARequest | None] | None = None) -> list[RequestState]:
+               loras: list[LoRARequest | None] | None = None, cache_prefix: bool = False) -> list[RequestState]:
         """Add the admitted requests (prompt ids, params, resolved max_tokens, pooling; `loras`: each one's adapter)
-        and step the engine until every one is done; their states, in order."""
+        and step the engine until every one is done; their states, in order. `cache_prefix`: they take the prefix
+        cache even when the engine's is off (beam search's steps)."""
         states: list[RequestState] = []
         added = []
         loras = loras or [None] * len(requests)
         try:
             for (ids, params, max_tokens, pooling), lora in zip(requests, loras):
                 rid = str(next(self._ids))
-                for core in processor.add_request(rid, ids, params, time.time(), max_tokens, pooling, lora=lora):
+                for core in processor.add_request(rid, ids, params, time.time(), max_tokens, pooling, lora=lora,
+                                                  cache_prefix=cache_prefix):
                     self.engine.add_request(core.request_id, core.prompt_token_ids, core.params,
                                             arrival_time=core.arrival_time, max_tokens=core.max_tokens,
-                                            pooling=core.pooling, lora=core.lora)
+                                            pooling=core.pooling, lora=core.lora, cache_prefix=core.cache_prefix)
                     added.append(core.request_id)
                 states.append(processor.requests[rid])
             while self.engine.has_unfinished_requests():

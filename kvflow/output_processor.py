@@ -101,8 +101,9 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float, max_tokens: int | None = None,
                     pooling: PoolingParams | None = None, priority: int = 0,
-                    lora: LoRARequest | None = None) -> list[AddRequest]:
-        """Register a request; returns the core requests to add, one per choice (an embedding request: one)."""
+                    lora: LoRARequest | None = None, cache_prefix: bool = False) -> list[AddRequest]:
+        """Register a request; returns the core requests to add, one per choice (an embedding request: one).
+        `cache_prefix`: prefix caching for its core requests even when the engine's is off (beam search's steps)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         state = RequestState(request_id, list(prompt_token_ids), params, [],
@@ -121,7 +122,7 @@ class OutputProcessor:
             state.choices.append(choice)
             self._choice_of[core_id] = (state, choice)
             core.append(AddRequest(core_id, state.prompt_token_ids, child, arrival_time, max_tokens, pooling,
-                                   priority, lora))
+                                   priority, lora, cache_prefix))
         self.requests[request_id] = state
         return core
 

@@ -39,7 +39,7 @@ FINISH_REASONS = {
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, arrival_time: float | None = None, pooling: PoolingParams | None = None,
-                 priority: int = 0, lora: LoRARequest | None = None):
+                 priority: int = 0, lora: LoRARequest | None = None, cache_prefix: bool = False):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)   # prompt + generated
@@ -47,6 +47,9 @@ class Request:
         self.max_tokens = max_tokens              # resolved: never None here
         self.priority = priority                  # vLLM's: a lower value is scheduled first (batch work: 10)
         self.lora = lora                          # the LoRA adapter it runs under (None: the base model)
+        # its full blocks join the prefix cache and it takes prefix-cache hits even when the engine's prefix caching
+        # is off (beam search's one-token steps: every beam shares its prompt's blocks, beam_search.py)
+        self.cache_prefix = cache_prefix
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0              # tokens whose KV is in the cache
         self.num_cached_tokens = 0                # prompt tokens that came from the prefix cache

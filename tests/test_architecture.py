@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kvflow"
 LAYERS = [
     # __init__: lazy re-exports
     {"__init__", "errors", "config", "platform", "sampling_params", "pooling_params", "structured_output",
-     "speculative_config", "lora_request"},
+     "speculative_config", "lora_request", "beam_search"},
     {"distributed", "request", "spec_decode"},
     {"layers", "models"},
     {"runner"},

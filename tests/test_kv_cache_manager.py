@@ -83,3 +83,40 @@ def test_prefix_caching_off_never_hits():
     kv.free(a)
     assert kv.get_computed_blocks(req("b", [1, 2, 3, 4, 5])) == ([], 0)
     kv.check()
+
+
+def test_with_prefix_caching_off_only_requests_that_ask_share_blocks():
+    """Request.cache_prefix (beam search's steps) turns prefix caching on for one request: its full blocks get keys
+    and it takes hits; every other request neither, and its freed blocks are reused first."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+
+    def beam_step(rid, tokens):
+        return Request(rid, tokens, SamplingParams(max_tokens=1), max_tokens=1, cache_prefix=True)
+
+    a = beam_step("a", list(range(10)))
+    assert kv.get_computed_blocks(a) == ([], 0)
+    kv.allocate_slots(a, 10)
+    a.num_computed_tokens = 10
+    kv.cache_full_blocks(a)
+    shared = kv.block_tables["a"][:2]
+    plain = req("p", list(range(10)) + [50])
+    assert kv.get_computed_blocks(plain) == ([], 0)        # the engine's setting: no hits for it
+    beams = [beam_step(f"b{i}", list(range(10)) + [60 + i]) for i in range(3)]
+    for b in beams:                                          # every beam hits the prompt's two full blocks
+        blocks, n = kv.get_computed_blocks(b)
+        assert (blocks, n) == (shared, 8)
+        b.num_computed_tokens = n
+        assert kv.allocate_slots(b, 3, blocks)
+    assert [kv.ref_cnt[x] for x in shared] == [4, 4]         # one copy, four holders
+    kv.allocate_slots(plain, 11)
+    plain.num_computed_tokens = 11
+    kv.cache_full_blocks(plain)
+    assert all(kv.block_key[x] is None for x in kv.block_tables["p"])
+    plain_blocks = kv.block_tables["p"]
+    kv.free(plain)
+    assert list(kv.free_queue)[:3] == plain_blocks              # uncached: reused first
+    for r in (a, *beams):
+        kv.free(r)
+    assert all(kv.block_key[x] is not None for x in shared)  # kept for the next step, evicted last
+    assert set(list(kv.free_queue)[-2:]) == set(shared)
+    kv.check()

@@ -326,6 +326,14 @@ def test_render_refuses_what_the_route_refuses(client, route, body):
     assert refusal(lambda: render(client, route, body)) == expected
 
 
+def test_render_refuses_beam_search_which_runs_as_many_requests(client):
+    """A beam search runs one one-token request per beam and step: there is no one request to render; the route
+    itself serves it."""
+    for route, body in (("chat/completions", {"messages": CHATS["plain"]}), ("completions", {"prompt": "hi"})):
+        body = {"model": "tiny", "n": 2, "use_beam_search": True, "temperature": 0, "max_tokens": 2, **body}
+        assert refusal(lambda: render(client, route, body)) == (400, "use_beam_search")
+
+
 def test_render_is_behind_the_api_key(plain_server):
     body = {"messages": CHATS["plain"]}
     assert httpx.post(plain_server.base_url + "/chat/completions/render", json=body).status_code == 401

@@ -90,12 +90,13 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, max_tokens: int | None = None,
                     pooling: PoolingParams | None = None, priority: int = 0,
-                    lora: LoRARequest | None = None) -> None:
+                    lora: LoRARequest | None = None, cache_prefix: bool = False) -> None:
         """`max_tokens`: resolved by the frontend's `RequestValidator.admit`, which checked the request (the
         frontends do: it is not checked twice). Without it the core checks the request itself and raises
         InvalidRequestError before anything is queued. `pooling`: an embedding request (prefill only). `priority`:
         the scheduler's, a lower value first (core/scheduler.py). `lora`: the adapter it runs under (enable_lora;
-        read from its path when it first needs a slot)."""
+        read from its path when it first needs a slot). `cache_prefix`: prefix caching for this request even when the
+        engine's is off (its full blocks are cached, it takes hits: beam search's steps share their prompt's KV)."""
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n != 1:
@@ -105,7 +106,8 @@ class EngineCore:
                              "(enable_lora)")
         if max_tokens is None:
             max_tokens = self.validator.validate(prompt_token_ids, params, pooling)
-        req = Request(request_id, prompt_token_ids, params, max_tokens, arrival_time, pooling, priority, lora)
+        req = Request(request_id, prompt_token_ids, params, max_tokens, arrival_time, pooling, priority, lora,
+                      cache_prefix)
         req.eos_token_ids = self.eos_token_ids
         self.scheduler.add_request(req)
 

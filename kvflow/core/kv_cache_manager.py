@@ -4,6 +4,11 @@ A block is identified by its index in the KV tensors. A full block whose KV has 
 chained on its parent's: (parent_hash, its token ids). Equal keys mean equal KV, so a new request can
 reuse the longest run of cached blocks at the start of its prompt. Freed blocks keep their key and stay
 in the free queue (least recently freed first); they are evicted only when a fresh block is needed.
+
+Whether a request takes part is decided per request (`caches`): every request when the engine's prefix caching is on,
+else only the requests that ask for it (`Request.cache_prefix`: beam search's one-token steps, whose beams share their
+prompt's blocks). With it off, only such requests' blocks ever get a key, so a block held by any other request has
+none.
 """
 from __future__ import annotations
 
@@ -44,6 +49,10 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache --------------------------------------------------------------------------
+    def caches(self, request: Request) -> bool:
+        """Whether this request takes prefix-cache hits and gives its full blocks keys."""
+        return self.enable_prefix_caching or request.cache_prefix
+
     def _keys(self, token_ids: list[int], num_full_blocks: int, parent: int = NO_PARENT, start: int = 0):
         bs = self.block_size
         for i in range(start, num_full_blocks):
@@ -61,7 +70,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest run of cached blocks at the start of the request's tokens, and how many tokens
         they hold. At least one token is always left to compute, so the step has logits to sample."""
-        if not self.enable_prefix_caching:
+        if not self.caches(request):
             return [], 0
         num_full = (request.num_tokens - 1) // self.block_size
         hits = []
@@ -76,7 +85,7 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Give keys to the request's blocks that became full of computed KV during this step."""
-        if not self.enable_prefix_caching:
+        if not self.caches(request):
             return
         table = self.block_tables[request.request_id]
         done = self.num_hashed_blocks.get(request.request_id, 0)
@@ -138,8 +147,8 @@ class KVCacheManager:
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
                 self.free_queue[b] = None
-                if self.block_key[b] is None or not self.enable_prefix_caching:
-                    self.free_queue.move_to_end(b, last=False)  # uncached: reuse it first
+                if self.block_key[b] is None:   # uncached (every block, prefix caching off, but beam steps')
+                    self.free_queue.move_to_end(b, last=False)  # reuse it first
 
     def reset_prefix_cache(self) -> None:
         for key, b in list(self.cached.items()):

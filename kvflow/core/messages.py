@@ -27,6 +27,7 @@ class AddRequest:
     pooling: PoolingParams | None = None   # an embedding request: pooled hidden states, no sampling
     priority: int = 0                 # the scheduler's: a lower value first (interactive 0, batch work higher)
     lora: LoRARequest | None = None   # the LoRA adapter it runs under (the engine reads it from its path when needed)
+    cache_prefix: bool = False        # prefix caching for this request even when the engine's is off (beam search)
 
 
 @dataclass(frozen=True)

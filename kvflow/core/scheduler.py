@@ -186,7 +186,7 @@ class Scheduler:
             room = budget if req.priority <= 0 else min(budget, background_tokens)
             if room <= 0:
                 break                                             # the rest wait in priority order: above 0 too
-            queried = self.kv.enable_prefix_caching and self._takes_prefix_hits(req)
+            queried = self.kv.caches(req) and self._takes_prefix_hits(req)
             computed_blocks, num_cached = self.kv.get_computed_blocks(req) if queried else ([], 0)
             remaining = req.num_tokens - num_cached
             num_new = min(remaining, room, prefill_budget)     # prefill_budget >= budget unless capped

@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import Field
 
 from kvflow.sampling_params import SamplingParams
+from kvflow.server.common.errors import APIError
 from kvflow.server.common.schema import OpenAIModel
 from kvflow.server.serving.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from kvflow.server.serving.serving import OpenAIServing, PreparedRequest
@@ -64,6 +65,9 @@ async def render_completions(serving: OpenAIServing, req: CompletionRequest) -> 
 def rendered(serving: OpenAIServing, req: ChatCompletionRequest | CompletionRequest, prepared: PreparedRequest,
              index: int) -> RenderedRequest:
     """Prompt `index` of a prepared request, admitted as the engine would admit it."""
+    if prepared.beam is not None:       # a search of many one-token requests: no one GenerateRequest to show
+        raise APIError(400, "the render routes do not render beam search requests", param="use_beam_search",
+                       code="invalid_value")
     token_ids, max_tokens = serving.admit(prepared.prompt_ids[index], prepared.params, req.PARAM_NAMES)
     return RenderedRequest(request_id=prepared.engine_request_id(index), token_ids=token_ids,
                            sampling_params=sampling_params_json(prepared.params, max_tokens), model=req.model,

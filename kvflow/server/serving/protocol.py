@@ -14,11 +14,12 @@ from typing import Any, ClassVar, Literal, Union
 from pydantic import ConfigDict, Field, model_validator
 
 from kvflow import sampling_params as limits
+from kvflow.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from kvflow.errors import InvalidRequestError
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.common.errors import APIError
 from kvflow.server.common.schema import OpenAIModel, Text, documented
-from kvflow.server.serving.request_fields import REFUSED, refused_field
+from kvflow.server.serving.request_fields import REFUSED, beam_search_refused, refused_field
 
 logger = logging.getLogger("kvflow.server")
 _IGNORED_LOGGED: set[str] = set()       # unknown field names already logged (once each)
@@ -121,6 +122,11 @@ class _SamplingRequest(OpenAIModel):
     bad_words: list[Text] | None = documented(maxItems=limits.MAX_BAD_WORDS)
     request_id: Text | None = documented(description="the response's id is built from it (cmpl-/chatcmpl-ID)")
     priority: int = PRIORITY_FIELD
+    # vLLM's beam search (kvflow/beam_search.py): n is the beam width; request_fields.BEAM_SEARCH_REFUSED
+    use_beam_search: bool = documented(False, description=f"vLLM's beam search, n the beam width (at most "
+                                                          f"{MAX_BEAM_WIDTH}); completions: not streamed")
+    length_penalty: float = documented(1.0, description="beam search: score = cumulative logprob / "
+                                                        "(prompt + output tokens) ** length_penalty")
     return_token_ids: bool | None = None             # prompt_token_ids and each choice's token_ids
     return_tokens_as_token_ids: bool | None = None   # logprobs' tokens as "token_id:N"
     # structured outputs (kvflow.structured_output.spec_from_request checks their shape and names the field)
@@ -152,6 +158,37 @@ class _SamplingRequest(OpenAIModel):
         if data.get("prompt_logprobs") is not None and data.get("stream"):       # as vLLM answers
             raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         return apply_field_rule(cls.ROUTE, data, cls.model_fields)
+
+    @model_validator(mode="after")
+    def _beam_search_fields(self):
+        """Beside use_beam_search, a sampling field vLLM's beam search drops is a 400 naming it (stream: vLLM's
+        own refusal); without it, length_penalty (nothing else reads it) is."""
+        if not self.ROUTE:
+            return self
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise APIError(400, "length_penalty applies to beam search only: set use_beam_search",
+                               param="length_penalty")
+            return self
+        name = beam_search_refused(self.ROUTE, {f: getattr(self, f) for f in type(self).model_fields})
+        if name == "stream":        # completions (vLLM's answer); chat streams the finished beams
+            raise APIError(400, "streaming is not supported with beam search (use_beam_search)", param="stream")
+        if name is not None:
+            raise APIError(400, f"{name} is not supported with use_beam_search: vLLM's beam search does not read "
+                                "it (leave it unset)", param=name)
+        return self
+
+    def to_beam_search_params(self, params: SamplingParams) -> BeamSearchParams:
+        """The beam search this request asks for, from its checked SamplingParams (`to_sampling_params`): n beams,
+        max_tokens, ignore_eos, temperature (unset: 1.0, as vLLM's default; > 0 lets each beam's sampled token join
+        its candidates), length_penalty, include_stop_str_in_output, skip_special_tokens."""
+        try:
+            return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                                    temperature=params.temperature, length_penalty=self.length_penalty,
+                                    include_stop_str_in_output=params.include_stop_str_in_output,
+                                    skip_special_tokens=params.skip_special_tokens)
+        except InvalidRequestError as e:
+            raise APIError.bad_request(e, {"beam_width": "n", **self.PARAM_NAMES}) from None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:

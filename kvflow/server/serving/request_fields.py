@@ -2,7 +2,9 @@
 implement, as data: each is refused with a 400 naming it when a request sets it to anything but its default, never
 accepted and dropped (the field rule). The fields kvflow implements are its pydantic models' own
 (`server/protocol.py`); `tests/test_request_fields.py` checks that every field of vLLM's lists below is one or the
-other. A field that neither schema defines is ignored, as vLLM does, and logged once per name.
+other. A field that neither schema defines is ignored, as vLLM does, and logged once per name. Beside
+`use_beam_search`, each implemented field is one beam search reads (`BEAM_SEARCH_READS`) or a 400 naming it
+(`BEAM_SEARCH_REFUSED`).
 
 Sources: OpenAI's API reference (chat completions, completions) and vLLM's `entrypoints/openai/protocol.py`
 (`ChatCompletionRequest`, `CompletionRequest`) and `entrypoints/serve/tokenize/protocol.py`
@@ -45,6 +47,12 @@ VLLM_FIELDS = {
     "detokenize": ("model", "tokens"),
 }
 
+# Fields vLLM's request models once defined and dropped, refused the same way when set (a client written for them hears
+# that kvflow does not do what they asked): early_stopping, the beam search stopping rule of vLLM's engine-side beam
+# search (until 0.6); vLLM's frontend beam search, which kvflow's mirrors, has none (it runs every beam to max_tokens
+# or EOS) and ignores the field
+VLLM_FORMER_FIELDS = {"chat": ("early_stopping",), "completions": ("early_stopping",)}
+
 # OpenAI fields vLLM does not define either (it ignores them with a warning); refused the same way when set
 OPENAI_ONLY = ("store", "metadata", "modalities", "audio", "prediction", "service_tier", "web_search_options",
                "functions", "function_call", "verbosity", "safety_identifier", "prompt_cache_key")
@@ -52,15 +60,15 @@ OPENAI_ONLY = ("store", "metadata", "modalities", "audio", "prediction", "servic
 _MISSING = object()
 
 # name -> the value that means "not asked for" (vLLM's default); anything else is refused
-# Why each is refused: use_beam_search / length_penalty / best_of (chat): no beam search (vLLM v1 has none either);
-# spaces_between_special_tokens=false: kvflow writes special tokens as the fast tokenizer decodes them, as vLLM's
-# fast detokenizer does, and has no slow path that inserts or removes spaces; structural_tag,
+# Why each is refused: best_of (chat): no best-of search (vLLM v1 has none either); early_stopping: see
+# VLLM_FORMER_FIELDS; spaces_between_special_tokens=false: kvflow writes special tokens as the fast tokenizer decodes
+# them, as vLLM's fast detokenizer does, and has no slow path that inserts or removes spaces; structural_tag,
 # guided_decoding_backend, guided_whitespace_pattern: one grammar backend (llguidance), JSON without free
 # whitespace; logits_processors: no user code in the engine; cache_salt,
 # kv_transfer_params, vllm_xargs, prompt_embeds, mm_processor_kwargs: not built; include_reasoning: no reasoning
 # parser.
 _COMMON = {
-    "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+    "early_stopping": None, "spaces_between_special_tokens": True,
     "structural_tag": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
     "logits_processors": None, "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None,
     **{name: None for name in OPENAI_ONLY},
@@ -71,6 +79,58 @@ REFUSED = {
     "tokenize": {"media_io_kwargs": None, "mm_processor_kwargs": None},     # text only: no media, no processor
     "detokenize": {},
 }
+
+# ---- beam search (use_beam_search) -------------------------------------------------------------------------------
+# vLLM's beam search reads n (the beam width), max_tokens / max_completion_tokens, ignore_eos, temperature,
+# length_penalty, include_stop_str_in_output and skip_special_tokens (BeamSearchParams, `to_beam_search_params` in
+# vLLM's protocol), and the prompt's fields; completions refuse stream ("Streaming is not currently supported with
+# beam search"), chat streams the finished beams (each choice's text in one chunk). The sampling fields below it drops: set beside use_beam_search to anything but these values (unset, or
+# what asks for nothing), each is a 400 naming it. Why, where vLLM reads one after all: logprobs / top_logprobs (vLLM
+# shows each beam step's 2 * n candidates, cut at the API's count, and fails with echo), structured outputs (vLLM's
+# newer beam search constrains with them; kvflow's does not yet). A forced tool_choice is refused by the server (it is a
+# grammar too), a length_penalty without use_beam_search by the request model (nothing reads it there).
+_BEAM_SEARCH_COMMON = {
+    "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "seed": (), "stop": ([], ""),
+    "stop_token_ids": ([],), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
+    "logit_bias": ({},), "min_tokens": (0,), "bad_words": ([],), "allowed_token_ids": (), "prompt_logprobs": (),
+    "response_format": ({"type": "text"},), "structured_outputs": (), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "guided_json_object": (False,),
+    "return_tokens_as_token_ids": (False,),  # shapes logprobs, which beam search does not return
+}
+BEAM_SEARCH_REFUSED = {
+    "chat": {**_BEAM_SEARCH_COMMON, "logprobs": (False,), "top_logprobs": (0,)},
+    "completions": {**_BEAM_SEARCH_COMMON, "logprobs": (), "stream": (False,),
+                    "stream_options": ()},        # stream_options needs stream
+}
+
+
+# ... and the fields it reads: the beam search's own (above), the prompt's (text, template, truncation, special tokens),
+# how the answer is shown (echo, return_token_ids; chat tools without a forced tool_choice, parsed out of each beam's
+# text; chat's stream and stream_options), who asks (model, user, request_id, priority); best_of only equal to n and
+# suffix never, as without beam search.
+# Every field of the routes' models is in one of the two tables (tests/test_request_fields.py).
+BEAM_SEARCH_READS = {
+    "chat": ("use_beam_search", "n", "max_tokens", "max_completion_tokens", "ignore_eos", "temperature",
+             "length_penalty", "include_stop_str_in_output", "skip_special_tokens", "messages", "add_generation_prompt",
+             "continue_final_message", "add_special_tokens", "chat_template", "chat_template_kwargs", "documents",
+             "reasoning_effort", "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids", "tools",
+             "tool_choice", "parallel_tool_calls", "stream", "stream_options", "model", "user", "request_id",
+             "priority"),
+    "completions": ("use_beam_search", "n", "max_tokens", "ignore_eos", "temperature", "length_penalty",
+                    "include_stop_str_in_output", "skip_special_tokens", "prompt", "add_special_tokens",
+                    "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids", "model", "user",
+                    "request_id", "priority", "best_of", "suffix"),
+}
+
+
+def beam_search_refused(route: str, values: dict) -> str | None:
+    """The first field of a beam search request (`values`: the request's fields, parsed) its beam search refuses."""
+    for name, neutral in BEAM_SEARCH_REFUSED[route].items():
+        value = values.get(name)
+        if value is not None and value not in neutral:
+            return name
+    return None
+
 
 # ---- /v1/embeddings (server/embeddings_api.py) -------------------------------------------------------------------
 # vLLM's EmbeddingCompletionRequest over its versions (the pooling mixins of `entrypoints/pooling/base/protocol.py`:

@@ -5,6 +5,11 @@ Chat and completions differ in how a request becomes prompt token ids and in the
 error handling. Tokenization and chat templating run in a worker thread, so a huge prompt never holds the
 event loop (the Rust tokenizer releases the GIL) and other streams and /health keep going.
 
+Beam search (`use_beam_search`, vLLM's) takes the same path: each prompt's `AsyncEngine.beam_search` stream stands
+where a request's stream would (it yields its n beams whole, best first, once the search is done: a streamed chat
+gets each beam's text in one chunk, as vLLM's; completions refuse stream, as vLLM's), and the fields it does not read
+are 400s (request_fields.BEAM_SEARCH_REFUSED).
+
 Structured outputs and forced tool calls are compiled here, on the grammar compiler's threads (one compiler
 per server, built on first use), before the request reaches the engine: a new schema never stalls the step
 loop, only its own request's TTFT. Tool calls are parsed back out of the text per choice, whole or streamed.
@@ -33,6 +38,7 @@ from kvflow.server.serving.protocol import (ChatCompletionChoice, ChatCompletion
                                             DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                             PromptLogprob, PromptTokensDetails, TokenizeRequest, TokenizeResponse,
                                             TokenLogprob, ToolCall, TopLogprob, UsageInfo, random_id)
+from kvflow.beam_search import BeamSearchParams
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.serving.chat_template import ChatTemplateOptions, template_variables
@@ -87,6 +93,7 @@ class PreparedRequest:
     messages: list[dict] | None = None  # chat: the messages the template rendered
     tools: ToolRequest | None = None    # chat: the tools and tool_choice
     prompts: list[str | list[int]] | None = None   # completions: the prompts as given
+    beam: BeamSearchParams | None = None   # use_beam_search: a beam search per prompt instead of `params`' sampling
 
     def engine_request_id(self, index: int) -> str:
         return engine_request_id(self.request_id, index, len(self.prompt_ids))
@@ -156,7 +163,7 @@ class OpenAIServing:
         arrival = arrival_time(raw)
         prepared = await self.prepare_chat(req, priority=priority)
         streams = self.submit(prepared.request_id, prepared.prompt_ids, prepared.params, arrival, req.PARAM_NAMES,
-                              priority=prepared.priority, model=prepared.model)
+                              priority=prepared.priority, model=prepared.model, beam=prepared.beam)
         # vLLM's echo: the reply starts with the last message when that is the assistant's (a prefill to continue)
         echo = [prepared.messages[-1]["content"]] if req.echo and req.messages[-1].role == "assistant" else None
         # the tools whose calls are parsed back out of the text (tool_choice "none": no calls to parse)
@@ -172,7 +179,7 @@ class OpenAIServing:
         prepared = await self.prepare_completions(req, priority=priority)
         prompts, prompt_ids = prepared.prompts, prepared.prompt_ids
         streams = self.submit(prepared.request_id, prompt_ids, prepared.params, arrival, req.PARAM_NAMES,
-                              priority=prepared.priority, model=prepared.model)
+                              priority=prepared.priority, model=prepared.model, beam=prepared.beam)
         # echo: the prompt as given, or as the engine runs it when that is token ids or truncated
         echo = [p if isinstance(p, str) and len(s.prompt_token_ids) == len(ids)
                 else self.tokenizer.decode(s.prompt_token_ids, False)
@@ -190,7 +197,9 @@ class OpenAIServing:
         params = self.sampling_params(req, num_prompts=1)
         tools = parse_tool_request(req.tools, req.tool_choice, tool_parser=self.tool_call_parser,
                                    parallel_tool_calls=req.parallel_tool_calls)
-        await self.constrain(params, req, tools)
+        beam = self.beam_search_params(req, params, tools)
+        if beam is None:
+            await self.constrain(params, req, tools)
         messages, render_args = self.chat_render_args(req, tools)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")   # text, flattened above
         prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, messages, **render_args)
@@ -198,21 +207,24 @@ class OpenAIServing:
         if (record := current_record()) is not None:      # the request log's and the trace's record
             record.note_request(req, request_id, lambda: [m.model_dump(exclude_none=True) for m in req.messages])
         return PreparedRequest(request_id, model, params, [prompt_ids], self.priority(req, priority),
-                               messages=messages, tools=tools)
+                               messages=messages, tools=tools, beam=beam)
 
     async def prepare_completions(self, req: CompletionRequest, *, priority: int = 0) -> PreparedRequest:
         """A completion request checked and encoded, one prompt's ids per prompt, short of submitting it."""
         model = self.check_model(req.model)
         prompts = req.prompts()
         params = self.sampling_params(req, num_prompts=len(prompts))
-        await self.constrain(params, req)
+        beam = self.beam_search_params(req, params)
+        if beam is None:
+            await self.constrain(params, req)
         # each prompt is its own request: the longest one decides
         self.check_prompt_chars(max((len(p) for p in prompts if isinstance(p, str)), default=0), "prompt")
         prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, prompts, req.add_special_tokens)
         request_id = f"cmpl-{req.request_id}" if req.request_id else random_id("cmpl")
         if (record := current_record()) is not None:      # the request log's and the trace's record
             record.note_request(req, request_id, req.prompt)
-        return PreparedRequest(request_id, model, params, prompt_ids, self.priority(req, priority), prompts=prompts)
+        return PreparedRequest(request_id, model, params, prompt_ids, self.priority(req, priority), prompts=prompts,
+                               beam=beam)
 
     def admit(self, prompt_ids: list[int], params: SamplingParams,
               param_names: dict[str, str]) -> tuple[list[int], int]:
@@ -279,6 +291,18 @@ class OpenAIServing:
             raise APIError(400, f"{what} asks for more than {self.max_n} sequences (--max-n)",
                            param="n" if params.n > self.max_n else "prompt", code="invalid_value")
         return params
+
+    @staticmethod
+    def beam_search_params(req: ChatCompletionRequest | CompletionRequest, params: SamplingParams,
+                           tools: ToolRequest | None = None) -> BeamSearchParams | None:
+        """The beam search a request asks for (use_beam_search), None when it asks for none. The request model has
+        refused the fields beam search does not read; a forced tool_choice, a grammar, is refused here."""
+        if not req.use_beam_search:
+            return None
+        if tools is not None and tools.spec() is not None:
+            raise APIError(400, f"tool_choice {req.tool_choice!r} constrains the output with a grammar, which beam "
+                                "search does not follow", param="tool_choice")
+        return req.to_beam_search_params(params)
 
     async def constrain(self, params: SamplingParams, req: ChatCompletionRequest | CompletionRequest,
                         tools: ToolRequest | None = None) -> None:
@@ -369,16 +393,27 @@ class OpenAIServing:
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, arrival: float,
                param_names: dict[str, str], pooling: PoolingParams | None = None,
-               priority: int = 0, model: str | None = None) -> list[RequestStream]:
+               priority: int = 0, model: str | None = None,
+               beam: BeamSearchParams | None = None) -> list[RequestStream]:
         """One engine request per prompt; all or none (the ones already submitted are closed on failure).
-        `pooling`: embedding requests (server/embeddings_api.py); `priority`: the scheduler's (lower first)."""
+        `pooling`: embedding requests (server/embeddings_api.py); `priority`: the scheduler's (lower first); `beam`:
+        a beam search per prompt instead (AsyncEngine.beam_search; `params` gives its prompt's truncation)."""
         streams: list[RequestStream] = []
         lora = self.lora_for(model) if model is not None else None
         extra = {"lora": lora} if lora is not None else {}      # `model`: a LoRA adapter's name selects it
+        if beam is not None:
+            param_names = {"beam_width": "n", **param_names}
         try:
             for k, ids in enumerate(prompts):
-                streams.append(self.engine.submit(engine_request_id(request_id, k, len(prompts)), ids, params,
-                                                  arrival_time=arrival, pooling=pooling, priority=priority, **extra))
+                rid = engine_request_id(request_id, k, len(prompts))
+                if beam is not None:
+                    streams.append(self.engine.beam_search(
+                        rid, ids, beam, arrival_time=arrival, priority=priority,
+                        truncate_prompt_tokens=params.truncate_prompt_tokens, truncation_side=params.truncation_side,
+                        **extra))
+                    continue
+                streams.append(self.engine.submit(rid, ids, params, arrival_time=arrival, pooling=pooling,
+                                                  priority=priority, **extra))
         except BaseException as e:
             for s in streams:
                 s.close()
