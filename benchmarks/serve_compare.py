@@ -56,6 +56,7 @@ import os
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -235,12 +236,12 @@ def llama_total_ctx(n_ctx: int, slots: int) -> int:
 
 
 def parse_kv_tokens(name: str, log: str) -> tuple[int | None, str | None]:
-    """The KV tokens (and dtype) a server reports at boot: kvflow 'KV cache 0.70 GiB (bfloat16) = 2048 blocks =
-    32768 tokens', llama-server 'n_slots = 32, n_ctx_slot = 1024' (its KV cache is f16 unless -ctk/-ctv say
+    """The KV tokens (and dtype) a server reports at boot: kvflow 'KV cache 0.70 GiB (bfloat16) = 2048 blocks of 16
+    tokens; KV cache size: 32,768 tokens, ...', llama-server 'n_slots = 32, n_ctx_slot = 1024' (its KV cache is f16 unless -ctk/-ctv say
     otherwise)."""
     if name == "kvflow":
-        found = re.findall(r"KV cache .*\((\w+)\) = \d+ blocks = (\d+) tokens", log)
-        return (int(found[-1][1]), found[-1][0]) if found else (None, None)
+        found = re.findall(r"KV cache .*\((\w+)\) = \d+ blocks of \d+ tokens; KV cache size: ([\d,]+) tokens", log)
+        return (int(found[-1][1].replace(",", "")), found[-1][0]) if found else (None, None)
     found = re.findall(r"n_slots = (\d+), n_ctx_slot = (\d+)", log)
     if found:
         return int(found[-1][0]) * int(found[-1][1]), None
