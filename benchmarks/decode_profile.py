@@ -1,6 +1,7 @@
 """Where a decode step's time goes, and how close the matmuls run to this machine's peak.
 
     python benchmarks/decode_profile.py [--batch 1 32] [--dtype float32 auto] [--steps 16] [--mode eager compiled]
+                                        [--small-step-threads 1 2]
 
 For each dtype setting and batch size: the embedded SmolLM2 decodes `--steps` tokens for `batch` requests
 under torch.profiler. A step's wall time is split into matrix multiplication (aten::mm / addmm / linear's
@@ -100,23 +101,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--mode", nargs="+", default=["eager", "compiled"],
                     help="eager (--enforce-eager), compiled (waits until every compiled decode bucket is ready)")
+    ap.add_argument("--small-step-threads", type=int, nargs="+", default=[0],
+                    help="EngineConfig.small_step_threads to compare, e.g. 1 2 (0: the engine's default)")
     args = ap.parse_args()
     print(f"peak (2048^3 F.linear, {torch.get_num_threads()} threads): float32 {peak_gflops(torch.float32):.0f} "
           f"GFLOP/s, bfloat16 {peak_gflops(torch.bfloat16):.0f} GFLOP/s")
-    for dtype in args.dtype:
-        for mode in args.mode:
-            llm = LLM(dtype=dtype, max_model_len=512, kv_cache_memory="256MiB", enforce_eager=mode == "eager",
-                      compile_batch_sizes=tuple(args.batch))
-            compiled = llm.engine.runner.compiled_decode
-            if compiled is not None:
-                compiled.wait()
-                print(f"compiled buckets {compiled.compile_seconds} (seconds), failed: {compiled.failed}")
-            for batch in args.batch:
-                r = profile_decode(llm, batch, args.steps)
-                parts = ", ".join(f"{k} {v:.1f} ms ({v / r['step_ms']:.0%})" for k, v in r["buckets"].items())
-                print(f"dtype={dtype} {mode} batch {batch}: {r['step_ms']:.1f} ms per decode step under the profiler ({r['plain_ms']:.1f} ms without); {parts}; "
-                      f"matmul {r['matmul_gflops']:.0f} GFLOP/s")
-            del llm
+    for dtype, mode, small in ((d, m, t) for d in args.dtype for m in args.mode for t in args.small_step_threads):
+        llm = LLM(dtype=dtype, max_model_len=512, kv_cache_memory="256MiB", enforce_eager=mode == "eager",
+                  compile_batch_sizes=tuple(args.batch), small_step_threads=small or None)
+        torch_threads, kernel_threads = llm.engine.runner.step_threads(1)
+        mode_name = f"{mode}, small steps: {torch_threads} torch / {kernel_threads} kernel threads"
+        compiled = llm.engine.runner.compiled_decode
+        if compiled is not None:
+            compiled.wait()
+            print(f"compiled buckets {compiled.compile_seconds} (seconds), failed: {compiled.failed}")
+        for batch in args.batch:
+            r = profile_decode(llm, batch, args.steps)
+            parts = ", ".join(f"{k} {v:.1f} ms ({v / r['step_ms']:.0%})" for k, v in r["buckets"].items())
+            print(f"dtype={dtype} {mode_name} batch {batch}: {r['step_ms']:.1f} ms per decode step under the profiler ({r['plain_ms']:.1f} ms without); {parts}; "
+                  f"matmul {r['matmul_gflops']:.0f} GFLOP/s")
+        del llm
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python benchmarks/serve_compare.py [--llama-server PATH] [--model GGUF [GGUF ...]] [--reps 3]
                                        [--concurrency 1 8 32 64] [--no-long] [--waves 1] [--kv-tokens 32768]
                                        [--kvflow-args "..."] [--llama-args "..."] [--vllm "LAUNCH COMMAND"]
+                                       [--co-tenant]
 
 Workloads (the performance issue's): streamed chat completions, temperature 0, ignore_eos, 64 output tokens,
 a ~60-token system prompt shared by every request plus a short question, at each concurrency; and a long one,
@@ -42,16 +43,20 @@ an interrupted run keeps what it measured). The servers' logs are kept beside it
 ../shared/reference/peers.md says how to install and start it). Its boot is minutes of torch.compile, so it is
 started once per repetition and serves every level of that repetition (after a warm-up request per level, as the
 others get); its memory is its process tree over the repetition. It is never a project dependency.
+`--co-tenant` keeps one core busy with a `while True: pass` process for the whole run (both servers alike): how
+each server's figures hold beside another process.
 Never run this while anything else loads the machine.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -231,12 +236,12 @@ def llama_total_ctx(n_ctx: int, slots: int) -> int:
 
 
 def parse_kv_tokens(name: str, log: str) -> tuple[int | None, str | None]:
-    """The KV tokens (and dtype) a server reports at boot: kvflow 'KV cache 0.70 GiB (bfloat16) = 2048 blocks =
-    32768 tokens', llama-server 'n_slots = 32, n_ctx_slot = 1024' (its KV cache is f16 unless -ctk/-ctv say
+    """The KV tokens (and dtype) a server reports at boot: kvflow 'KV cache 0.70 GiB (bfloat16) = 2048 blocks of 16
+    tokens; KV cache size: 32,768 tokens, ...', llama-server 'n_slots = 32, n_ctx_slot = 1024' (its KV cache is f16 unless -ctk/-ctv say
     otherwise)."""
     if name == "kvflow":
-        found = re.findall(r"KV cache .*\((\w+)\) = \d+ blocks = (\d+) tokens", log)
-        return (int(found[-1][1]), found[-1][0]) if found else (None, None)
+        found = re.findall(r"KV cache .*\((\w+)\) = \d+ blocks of \d+ tokens; KV cache size: ([\d,]+) tokens", log)
+        return (int(found[-1][1].replace(",", "")), found[-1][0]) if found else (None, None)
     found = re.findall(r"n_slots = (\d+), n_ctx_slot = (\d+)", log)
     if found:
         return int(found[-1][0]) * int(found[-1][1]), None
@@ -399,8 +404,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server -t")
     ap.add_argument("--compile-timeout", type=float, default=900.0,
                     help="seconds to wait for kvflow's background compile")
+    ap.add_argument("--co-tenant", action="store_true",
+                    help="keep one core busy (a `while True: pass` process) for the whole run, both servers alike")
     ap.add_argument("--output-dir", default=f"results/serve-compare-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args()
+    if args.co_tenant:
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        atexit.register(busy.kill)
 
     from kvflow.models.loader import default_model_path
     models = [str(Path(m).resolve()) for m in (args.model or [str(default_model_path())])]

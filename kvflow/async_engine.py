@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from typing import AsyncIterator
 
@@ -269,12 +268,6 @@ class AsyncEngine:
         from kvflow.tokenizer import Tokenizer
 
         t0 = time.perf_counter()
-        if config.small_step_threads is None and (os.cpu_count() or 1) > 1 and config.data_parallel_size == 1:
-            # The frontend's work shares the cores with the engine process. A step of a few rows is ~200 short
-            # parallel regions: with every core in them, one thread preempted by the frontend (or anything else)
-            # holds each barrier for a time slice. Measured on 2-core Zen 5, embedded model in Q4_0, one stream,
-            # eager: TPOT 13.0 ms on one thread, 12.3-85 ms on two, 375 ms on two beside a busy process.
-            config = dataclasses.replace(config, small_step_threads=(os.cpu_count() or 1) - 1)
         files = resolve_model_files(config.model, config.tokenizer)
         tokenizer = Tokenizer.from_files(files)
         processes = [EngineProcess(config, tokenizer.eos_token_ids) for _ in range(config.data_parallel_size)]

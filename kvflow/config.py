@@ -104,8 +104,11 @@ class EngineConfig:
                                   "decode-only steps on CPU in the background and serves eagerly until each batch "
                                   "size bucket is ready; environment KVFLOW_ENFORCE_EAGER=1 flips the default)")
     small_step_threads: int | None = _option(
-        None, "CPU threads for steps of <= 8 rows (unset: every thread, except in a server, which leaves one core "
-              "to its HTTP frontend: a small step's many short parallel regions otherwise wait on it)")
+        None, "CPU threads for steps of <= 8 rows. Where kvflow's kernels run the step (4-bit weights on CPU) they "
+              "take them on kvflow's thread pool (unset: every thread; a preempted thread delays nobody there) and "
+              "torch's few ops take one; elsewhere torch's kernels take them (unset: every thread, except in a "
+              "server, which leaves one core to its HTTP frontend: their many short parallel regions otherwise wait "
+              "on it)")
     enable_lora: bool = _option(False, "serve LoRA adapters (PEFT format) beside the base model: --lora-modules at "
                                        "start, /v1/load_lora_adapter at run time (with "
                                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); a request picks one by its model name")

@@ -303,6 +303,7 @@ def main(fd: int) -> int:
     from kvflow import platform
 
     platform.die_with_parent()
+    platform.frontend_shares_cores = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)

@@ -246,6 +246,9 @@ def test_default_engine_greedy_output_does_not_depend_on_what_shares_the_step():
     # where kvflow's kernels can run, the default engine runs them (on AVX-512 machines too: float32 compute)
     runner = llm.engine.runner
     assert runner.native_attention and runner.dtype == torch.float32
+    # and its small steps' kernels on kvflow's pool with every thread, torch's own ops on one (platform.step_threads)
+    assert runner.kernel_pool and runner.step_threads(1) == (1, runner.threads)
+    assert runner.step_threads(150) == (runner.threads, runner.threads)
     prompts = [f"Q{i}: tell me about {topic}, in detail." for i, topic in
                enumerate(["the sea", "a city at night", "prime numbers", "an old clock", "coffee", "the moon"] * 2)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -277,3 +280,36 @@ def test_paged_attention_reads_bfloat16_caches_as_the_floats_they_hold():
     assert torch.equal(native_kernels.paged_attention(q.bfloat16(), kb, vb, tables, rows, pos, scale),
                        native_kernels.paged_attention(q.bfloat16().float(), kb.float(), vb.float(), tables, rows, pos,
                                                       scale).bfloat16())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("stall_us", [0, 300])
+def test_small_calls_on_the_thread_pool_give_one_threads_bits_even_when_workers_stall(layout, stall_us):
+    """Calls of up to 8 rows run on kvflow's pool (thread_pool.c): on 1, 2 and 3 threads, and with workers that
+    sleep before committing each chunk (a preempted thread: the caller takes their chunks back), every output is the
+    one thread's bits; bigger calls (OpenMP) too."""
+    lib = native_kernels.library()
+    codes, scale, minimum, packed = q4_weights(1000, 576, layout)
+    codes8 = (codes.to(torch.int16) * 16 - 128).to(torch.int8)
+    packed8 = (native_kernels.pack_q8(codes8, layout), native_kernels.pack_scales(scale, layout))
+    codes5 = (codes.to(torch.int16) * 2 - 16).to(torch.int8)
+    packed5 = (native_kernels.pack_q5(codes5, layout), native_kernels.pack_scales(scale, layout))
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(4))
+    q, kc, vc, tables, pos = paged(1)
+    calls = [(native_kernels.q4_linear, (x[:r], *packed)) for r in (1, 3, 8, 9)]
+    calls += [(native_kernels.q8_linear, (x[:2], *packed8)), (native_kernels.q5_linear, (x[:5], *packed5))]
+    calls += [(native_kernels.paged_attention, (q[:r], kc, vc, tables[:r], torch.arange(r), pos[:r], 0.125))
+              for r in (1, 4)]
+    try:
+        native_kernels.set_threads(1)
+        alone = [fn(*args) for fn, args in calls]
+        lib.kvflow_pool_set_stall(stall_us)
+        for threads in (2, 3):
+            native_kernels.set_threads(threads)
+            for (fn, args), want in zip(calls, alone):
+                assert torch.equal(fn(*args), want), (fn, threads)
+    finally:
+        lib.kvflow_pool_set_stall(0)
+        native_kernels.set_threads(None)
+        native_kernels.quiesce()
+    assert lib.kvflow_pool_workers() >= 1

@@ -29,8 +29,23 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "thread_pool.h"
+
 #define QK 32
 #define ROW_BLOCK 64      // rows of activations per pass over the weights: their int8 copy stays in L2
+// Calls of up to this many rows (a decode step's) run on kvflow's thread pool (thread_pool.c says why), bigger ones
+// on OpenMP's threads; every kernel gives the same bits either way. platform.SMALL_STEP_ROWS is the same number.
+#define POOL_ROWS 8
+#define CHUNK_BYTES 16384 // weight bytes per pool chunk: a few microseconds of work, many chunks per call
+
+int kvflow_pool_rows(void) { return POOL_ROWS; }
+
+// output columns per chunk of an [N, K] weight of `row_bytes` bytes a row: a multiple of `align`, >= align
+static int64_t chunk_columns(int64_t row_bytes, int64_t align) {
+    int64_t cols = CHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    cols -= cols % align;
+    return cols < align ? align : cols;
+}
 
 // x [M, K] -> int8 codes q [M, K], scale d [M, G], d * sum(codes) s [M, G] and sum(codes) qs [M, G] (if not NULL)
 // per group of 32
@@ -168,9 +183,51 @@ static inline void row_times_block(int bits, const uint8_t *w, scales_t wd, scal
     }
 }
 
+// a call of the rows kernel on the pool: chunk c is output columns [c * cols, (c + 1) * cols) for every row
+typedef struct {
+    int bits;
+    const uint8_t *codes;
+    scales_t sd, sm;
+    int64_t G, K, M, N, row_bytes, cols;
+    const int8_t *q;
+    const float *d, *s;
+} linear_job;
+
+static pool_region linear_region(const void *ctx, int64_t c) {
+    const linear_job *j = ctx;
+    const int64_t n0 = c * j->cols, n1 = n0 + j->cols < j->N ? n0 + j->cols : j->N;
+    return (pool_region){n0, j->M, n1 - n0, j->N};
+}
+
+static int linear_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) {
+    const linear_job *j = ctx;
+    const int64_t n0 = c * j->cols, n1 = n0 + j->cols < j->N ? n0 + j->cols : j->N;
+    for (int64_t n = n0; n < n1; n++)
+        row_times_block(j->bits, j->codes + n * j->row_bytes, j->sd, j->sm, n * j->G, j->G, j->q, j->d, j->s, j->K,
+                        0, j->M, dst, ld, n - n0);
+    return 0;
+}
+
 static int linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *wd,
                   const void *wm, int64_t N, float *y, int threads, int flags) {
     const int64_t G = K / QK;
+    const int64_t row_bytes = bits == 4 ? K / 2 : bits == 5 ? G * Q5_BYTES : K;
+    if (M <= POOL_ROWS && pool_acquire(threads)) {
+        // the int8 activations in the pool's buffers: a worker late from this call may still read them
+        int8_t *q = pool_buffer(POOL_LINEAR_Q, M * K);
+        float *d = pool_buffer(POOL_LINEAR_D, M * G * (int64_t)sizeof(float));
+        float *s = pool_buffer(POOL_LINEAR_S, M * G * (int64_t)sizeof(float));
+        int failed = !q || !d || !s;
+        if (!failed) {
+            quantize_activations(x, M, K, q, d, s, NULL, 1);
+            const linear_job job = {bits, codes, scales_of(wd, flags & 3, N, G), scales_of(wm, (flags >> 2) & 3, N, G),
+                                    G, K, M, N, row_bytes, chunk_columns(row_bytes, 1), q, d, s};
+            failed = pool_run(linear_chunk, linear_region, &job, sizeof job, (N + job.cols - 1) / job.cols, y,
+                              threads);
+        }
+        pool_release();
+        return failed;
+    }
     int8_t *q = malloc((size_t)(M * K));
     float *d = malloc((size_t)(M * G) * sizeof(float));
     float *s = malloc((size_t)(M * G) * sizeof(float));
@@ -180,7 +237,6 @@ static int linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t 
     }
     quantize_activations(x, M, K, q, d, s, NULL, threads);
     const scales_t sd = scales_of(wd, flags & 3, N, G), sm = scales_of(wm, (flags >> 2) & 3, N, G);
-    const int64_t row_bytes = bits == 4 ? K / 2 : bits == 5 ? G * Q5_BYTES : K;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
         #pragma omp parallel for schedule(static) num_threads(threads)
@@ -266,6 +322,66 @@ static inline __m256 load8(const void *cache, int64_t i, int bf16) {
     return _mm256_loadu_ps((const float *)cache + i);
 }
 
+typedef struct {
+    const float *q;
+    int64_t T, Hq, Hkv, D;
+    const void *k_cache, *v_cache;
+    int64_t block_size;
+    const int64_t *tables, *row_seq, *positions;
+    int64_t width;
+    float scale;
+    int bf16;
+    int64_t window;
+} attention_job;
+
+// query row t = i / Hkv's G heads that share KV head h = i % Hkv, into oh [G, D]; p: room for G * (positions[t] +
+// 1) scores
+static inline void attend(const attention_job *a, int64_t i, float *p, int64_t stride, float *oh) {
+    const int64_t G = a->Hq / a->Hkv, V = a->D / 8, D = a->D, Hkv = a->Hkv, bs = a->block_size;
+    const int64_t t = i / Hkv, h = i % Hkv, end = a->positions[t] + 1;
+    const int64_t first = a->window > 0 && end > a->window ? end - a->window : 0, len = end - first;
+    const int64_t *table = a->tables + a->row_seq[t] * a->width;
+    const float *qh = a->q + (t * a->Hq + h * G) * D;
+    for (int64_t j = first; j < end; j++) {
+        const int64_t k = ((table[j / bs] * bs + j % bs) * Hkv + h) * D;
+        for (int64_t g = 0; g < G; g++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t v = 0; v < V; v++)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 8 * v), load8(a->k_cache, k + 8 * v, a->bf16), acc);
+            p[g * stride + j - first] = hsum(acc) * a->scale;
+        }
+    }
+    for (int64_t g = 0; g < G; g++) softmax(p + g * stride, len);
+    for (int64_t g = 0; g < G; g++) {
+        __m256 acc[32];                     // D <= 256: checked by the caller
+        for (int64_t c = 0; c < V; c++) acc[c] = _mm256_setzero_ps();
+        for (int64_t j = first; j < end; j++) {
+            const int64_t v = ((table[j / bs] * bs + j % bs) * Hkv + h) * D;
+            const __m256 w = _mm256_set1_ps(p[g * stride + j - first]);
+            for (int64_t c = 0; c < V; c++) acc[c] = _mm256_fmadd_ps(w, load8(a->v_cache, v + 8 * c, a->bf16), acc[c]);
+        }
+        for (int64_t c = 0; c < V; c++) _mm256_storeu_ps(oh + g * D + 8 * c, acc[c]);
+    }
+}
+
+// on the pool: chunk i is (query row i / Hkv, KV head i % Hkv)
+static pool_region attention_region(const void *ctx, int64_t i) {
+    const attention_job *a = ctx;
+    const int64_t G = a->Hq / a->Hkv;
+    return (pool_region){((i / a->Hkv) * a->Hq + (i % a->Hkv) * G) * a->D, 1, G * a->D, G * a->D};
+}
+
+static int attention_chunk(const void *ctx, int64_t i, float *dst, int64_t ld) {
+    (void)ld;
+    const attention_job *a = ctx;
+    const int64_t len = a->positions[i / a->Hkv] + 1;
+    float *p = malloc((size_t)(a->Hq / a->Hkv * len) * sizeof(float));
+    if (!p) return 1;
+    attend(a, i, p, len, dst);
+    free(p);
+    return 0;
+}
+
 // `bf16`: the caches hold bfloat16 (bf16 compute); q and out stay float32, and every sum is the same float32
 // arithmetic either way
 int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
@@ -273,7 +389,29 @@ int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, i
                            const int64_t *tables, int64_t width, const int64_t *row_seq,
                            const int64_t *positions, float scale, float *out, int threads, int bf16,
                            int64_t window) {
-    const int64_t G = Hq / Hkv, V = D / 8;
+    const int64_t G = Hq / Hkv;
+    attention_job a = {q, T, Hq, Hkv, D, k_cache, v_cache, block_size, tables, row_seq, positions, width, scale,
+                       bf16, window};
+    if (T <= POOL_ROWS && pool_acquire(threads)) {
+        // the inputs a late worker may still read, copied into the pool's buffers (the caches outlive the call)
+        int64_t sequences = 0;
+        for (int64_t t = 0; t < T; t++) sequences = row_seq[t] + 1 > sequences ? row_seq[t] + 1 : sequences;
+        float *qc = pool_buffer(POOL_ATTN_Q, T * Hq * D * (int64_t)sizeof(float));
+        int64_t *tc = pool_buffer(POOL_ATTN_TABLES, sequences * width * (int64_t)sizeof(int64_t));
+        int64_t *rc = pool_buffer(POOL_ATTN_ROWS, T * (int64_t)sizeof(int64_t));
+        int64_t *pc = pool_buffer(POOL_ATTN_POSITIONS, T * (int64_t)sizeof(int64_t));
+        int failed = !qc || !tc || !rc || !pc;
+        if (!failed) {
+            memcpy(qc, q, (size_t)(T * Hq * D) * sizeof(float));
+            memcpy(tc, tables, (size_t)(sequences * width) * sizeof(int64_t));
+            memcpy(rc, row_seq, (size_t)T * sizeof(int64_t));
+            memcpy(pc, positions, (size_t)T * sizeof(int64_t));
+            a.q = qc, a.tables = tc, a.row_seq = rc, a.positions = pc;
+            failed = pool_run(attention_chunk, attention_region, &a, sizeof a, T * Hkv, out, threads);
+        }
+        pool_release();
+        return failed;
+    }
     int64_t longest = 1;
     for (int64_t t = 0; t < T; t++) longest = positions[t] + 1 > longest ? positions[t] + 1 : longest;
     int failed = 0;
@@ -287,31 +425,7 @@ int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, i
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < T * Hkv; i++) {
             if (!p) continue;
-            const int64_t t = i / Hkv, h = i % Hkv, end = positions[t] + 1;
-            const int64_t first = window > 0 && end > window ? end - window : 0, len = end - first;
-            const int64_t *table = tables + row_seq[t] * width;
-            const float *qh = q + (t * Hq + h * G) * D;
-            float *oh = out + (t * Hq + h * G) * D;
-            for (int64_t j = first; j < end; j++) {
-                const int64_t k = ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
-                for (int64_t g = 0; g < G; g++) {
-                    __m256 acc = _mm256_setzero_ps();
-                    for (int64_t v = 0; v < V; v++)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 8 * v), load8(k_cache, k + 8 * v, bf16), acc);
-                    p[g * longest + j - first] = hsum(acc) * scale;
-                }
-            }
-            for (int64_t g = 0; g < G; g++) softmax(p + g * longest, len);
-            for (int64_t g = 0; g < G; g++) {
-                __m256 acc[32];                     // D <= 256: checked by the caller
-                for (int64_t c = 0; c < V; c++) acc[c] = _mm256_setzero_ps();
-                for (int64_t j = first; j < end; j++) {
-                    const int64_t v = ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
-                    const __m256 w = _mm256_set1_ps(p[g * longest + j - first]);
-                    for (int64_t c = 0; c < V; c++) acc[c] = _mm256_fmadd_ps(w, load8(v_cache, v + 8 * c, bf16), acc[c]);
-                }
-                for (int64_t c = 0; c < V; c++) _mm256_storeu_ps(oh + g * D + 8 * c, acc[c]);
-            }
+            attend(&a, i, p, longest, out + ((i / Hkv) * Hq + (i % Hkv) * G) * D);
         }
         free(p);
     }
@@ -405,11 +519,13 @@ int kvflow_lora_add(const float *x, int64_t M, int64_t K, const float *a, const 
             return 2;
     }
     const int64_t cols = P * S * R;
-    float *xa = malloc(sizeof(float) * R * (M >= 4 ? (size_t)threads : 1));
+    // a small step's few rows on the calling thread: an OpenMP region there waits on every thread (thread_pool.c)
+    const int parallel = M > POOL_ROWS;
+    float *xa = malloc(sizeof(float) * R * (parallel ? (size_t)threads : 1));
     if (xa == NULL) return 1;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (M >= 4)
+    #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
     for (int64_t m = 0; m < M; m++) {
-        float *mine = xa + R * (M >= 4 ? omp_get_thread_num() : 0);
+        float *mine = xa + R * (parallel ? omp_get_thread_num() : 0);
         const float *mm = mask + m * S * R;
         int64_t s = 0;
         while (s < S && mm[s * R] == 0.0f) s++;
@@ -510,11 +626,64 @@ static inline void block_x16(int bits, int R, const uint8_t *w, scales_t wd, sca
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m + r) * N + n0, _mm512_add_ps(acc[r], bias[r]));
 }
 
+// a call of the x16 kernel on the pool: chunk c is blocks [c * per, (c + 1) * per) of 16 output columns
+typedef struct {
+    int bits;
+    const uint8_t *codes;
+    scales_t sd, sm;
+    int64_t G, K, M, N, block_bytes, per;
+    const int8_t *q;
+    const float *d, *s;
+    const int32_t *qs;
+} linear_x16_job;
+
+static pool_region linear_x16_region(const void *ctx, int64_t c) {
+    const linear_x16_job *j = ctx;
+    const int64_t blocks = j->N / X16, b0 = c * j->per, b1 = b0 + j->per < blocks ? b0 + j->per : blocks;
+    return (pool_region){b0 * X16, j->M, (b1 - b0) * X16, j->N};
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static int linear_x16_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) {
+    const linear_x16_job *j = ctx;
+    const int64_t blocks = j->N / X16, b0 = c * j->per, b1 = b0 + j->per < blocks ? b0 + j->per : blocks;
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *w = j->codes + b * j->block_bytes;
+        const int64_t at = b * j->G * X16;
+        int64_t m = 0;
+        for (; m + ROWS_X16 <= j->M; m += ROWS_X16)
+            block_x16(j->bits, ROWS_X16, w, j->sd, j->sm, at, j->G, j->q, j->d, j->s, j->qs, j->K, m, dst, ld,
+                      (b - b0) * X16);
+        if (m < j->M)
+            block_x16(j->bits, (int)(j->M - m), w, j->sd, j->sm, at, j->G, j->q, j->d, j->s, j->qs, j->K, m, dst, ld,
+                      (b - b0) * X16);
+    }
+    return 0;
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *wd,
                       const void *wm, int64_t N, float *y, int threads, int flags) {
     const int64_t G = K / QK, blocks = N / X16;
     const int64_t block_bytes = G * (bits == 4 ? 4 : bits == 5 ? 5 : 8) * 64;
+    if (M <= POOL_ROWS && pool_acquire(threads)) {
+        int8_t *q = pool_buffer(POOL_LINEAR_Q, M * K);
+        float *d = pool_buffer(POOL_LINEAR_D, M * G * (int64_t)sizeof(float));
+        float *s = pool_buffer(POOL_LINEAR_S, M * G * (int64_t)sizeof(float));
+        int32_t *qs = pool_buffer(POOL_LINEAR_QS, M * G * (int64_t)sizeof(int32_t));
+        int failed = !q || !d || !s || !qs;
+        if (!failed) {
+            quantize_activations(x, M, K, q, d, s, qs, 1);
+            const int64_t per = chunk_columns(block_bytes, 1);
+            const linear_x16_job job = {bits, codes, scales_of(wd, flags & 3, N, G),
+                                        scales_of(wm, (flags >> 2) & 3, N, G), G, K, M, N, block_bytes, per, q, d,
+                                        s, qs};
+            failed = pool_run(linear_x16_chunk, linear_x16_region, &job, sizeof job, (blocks + per - 1) / per, y,
+                              threads);
+        }
+        pool_release();
+        return failed;
+    }
     int8_t *q = malloc((size_t)(M * K));
     float *d = malloc((size_t)(M * G) * sizeof(float));
     float *s = malloc((size_t)(M * G) * sizeof(float));
@@ -555,3 +724,6 @@ int kvflow_q5_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *co
                          float *y, int threads, int flags) {
     return linear_x16(5, x, M, K, codes, d, NULL, N, y, threads, flags);
 }
+
+_Static_assert(sizeof(linear_job) <= POOL_CTX_BYTES && sizeof(linear_x16_job) <= POOL_CTX_BYTES
+               && sizeof(attention_job) <= POOL_CTX_BYTES, "a pool job's context must fit the pool's copy");

@@ -30,7 +30,9 @@ from kvflow import platform
 log = logging.getLogger("kvflow")
 
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+SOURCES = [SOURCE, SOURCE.with_name("thread_pool.c")]      # the library is built from these (and the header)
+HEADER = SOURCE.with_name("thread_pool.h")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-pthread"]
 GROUP = 32
 
 
@@ -82,7 +84,7 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         log.info("native kernels: no C compiler found; torch's int4/int8 kernels instead")
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow")
     target = cache / f"native_kernels-{key}.so"
@@ -91,7 +93,7 @@ def library() -> ctypes.CDLL | None:
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:       # build aside, then rename: atomic
                 built = Path(tmp) / target.name
-                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
+                subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], check=True,
                                capture_output=True, timeout=120)
                 built.replace(target)
         lib = ctypes.CDLL(str(target))
@@ -112,6 +114,10 @@ def library() -> ctypes.CDLL | None:
     lib.kvflow_rms_norm.restype = None
     lib.kvflow_lora_add.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int]
     lib.kvflow_lora_add.restype = ctypes.c_int
+    lib.kvflow_pool_quiesce.argtypes = lib.kvflow_pool_workers.argtypes = lib.kvflow_pool_rows.argtypes = []
+    lib.kvflow_pool_quiesce.restype = None
+    lib.kvflow_pool_set_stall.argtypes = [ctypes.c_int]
+    lib.kvflow_pool_set_stall.restype = None
     for fn in (lib.kvflow_q4_linear, lib.kvflow_q8_linear, lib.kvflow_q4_linear_x16, lib.kvflow_q8_linear_x16,
                lib.kvflow_q5_linear, lib.kvflow_q5_linear_x16, lib.kvflow_paged_attention):
         fn.restype = ctypes.c_int
@@ -122,6 +128,27 @@ def library() -> ctypes.CDLL | None:
 
 
 X16 = 16      # weight rows per register in the AVX-512 layout
+
+_threads: int | None = None
+
+
+def set_threads(n: int | None) -> None:
+    """Threads for the kernels' calls from now on (the runner sets them per step: platform.step_threads); None:
+    torch's thread count. Calls of up to platform.SMALL_STEP_ROWS rows run on kvflow's pool (native_kernels.c)."""
+    global _threads
+    _threads = n
+
+
+def threads() -> int:
+    return _threads or torch.get_num_threads()
+
+
+def quiesce() -> None:
+    """Waits until no pool worker is inside a call (one preempted in a call that has returned may still read its
+    inputs): after it, whatever the calls so far read may be freed."""
+    lib = library()
+    if lib is not None:
+        lib.kvflow_pool_quiesce()
 
 
 def padded_rows(n: int, layout: str | None = None) -> int:
@@ -310,7 +337,7 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if library().kvflow_paged_attention(
                 q.data_ptr(), T, Hq, k_cache.shape[2], D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
                 tables.data_ptr(), tables.shape[1], row_seq.data_ptr(), positions.data_ptr(), scale, out.data_ptr(),
-                torch.get_num_threads(), int(k_cache.dtype == torch.bfloat16), window):
+                threads(), int(k_cache.dtype == torch.bfloat16), window):
             raise MemoryError("native kernel: out of memory for attention scores")
     return out.to(dtype)
 
@@ -321,7 +348,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.empty_like(rows)
     library().kvflow_rms_norm(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.contiguous().data_ptr(), eps,
-                              y.data_ptr(), torch.get_num_threads())
+                              y.data_ptr(), threads())
     return y.view(x.shape)
 
 
@@ -340,7 +367,7 @@ def _lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
         err = library().kvflow_lora_add(x.data_ptr(), T, K, a.data_ptr(), mask.data_ptr(), max_loras,
                                         slots_x_rank // max_loras, num_pieces, b.data_ptr(), b.numel(),
                                         pieces.contiguous().data_ptr(), y.data_ptr(), y.shape[1],
-                                        torch.get_num_threads())
+                                        threads())
         if err == 2:
             raise ValueError("native kernel: a LoRA piece outside the output or the B weights")
         if err:
@@ -392,7 +419,7 @@ def _run(fn, x: torch.Tensor, codes: torch.Tensor, *scales: torch.Tensor, bits: 
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     if rows.shape[0]:
         err = fn(rows.data_ptr(), rows.shape[0], k, codes.data_ptr(), *[s.data_ptr() for s in scales],
-                 n, y.data_ptr(), torch.get_num_threads(), flags)
+                 n, y.data_ptr(), threads(), flags)
         if err:
             raise MemoryError("native kernel: out of memory for its int8 activations")
     return y.view(*x.shape[:-1], n)

@@ -87,6 +87,13 @@ class ModelRunner:
         self.native_attention = (native_kernels.wanted(self.device, self.dtype, self.quantization)
                                  and native_kernels.library() is not None
                                  and native_kernels.attention_supports(model_config.head_dim, self.kv_dtype))
+        # every matmul, attention and norm of a step is kvflow's (4-bit codes on its kernels): small steps run them
+        # on kvflow's thread pool (platform.step_threads)
+        self.kernel_pool = self.native_attention and self.quantization in ("gguf", "int4")
+        if self.device.type == "cpu":
+            small = self.step_threads(platform.SMALL_STEP_ROWS)
+            log.info("threads: %d; steps of <= %d rows: %d for torch's ops, %d for kvflow's kernels%s", self.threads,
+                     platform.SMALL_STEP_ROWS, *small, " (its thread pool)" if self.kernel_pool else "")
         for norm in self.model.modules():
             if isinstance(norm, RMSNorm):
                 norm.native = self.native_attention
@@ -134,13 +141,15 @@ class ModelRunner:
         """Between steps (the server's idle loop): load the decode graphs compiled since; True when one was."""
         return self.compiled_decode.poll() if self.compiled_decode is not None else False
 
+    def step_threads(self, rows: int) -> tuple[int, int]:
+        """(torch's threads, kvflow's kernels' threads) for a step of `rows` rows (platform.step_threads decides)."""
+        if self.device.type != "cpu":
+            return self.threads, self.threads
+        return platform.step_threads(rows, self.threads, self.config.small_step_threads, self.kernel_pool)
+
     def threads_for(self, rows: int) -> int:
-        """CPU threads for a step of `rows` rows: all of the runner's, or `small_step_threads` for small steps
-        (set by a server, whose frontend shares the cores)."""
-        small = self.config.small_step_threads
-        if small and self.device.type == "cpu" and rows <= platform.SMALL_STEP_ROWS:
-            return min(small, self.threads)
-        return self.threads
+        """torch's threads for a step of `rows` rows (what a compiled graph bakes in)."""
+        return self.step_threads(rows)[0]
 
     def _padding_step(self, bucket: int) -> tuple:
         """A decode step of `bucket` padding rows only (the warm-up of a compiled bucket)."""
@@ -303,11 +312,13 @@ class ModelRunner:
         states of the pooling rows (None when none pools). A decode-only step whose padded size has a compiled graph
         ready runs that graph (eagerly if the graph fails)."""
         bucket = self.compiled_decode.bucket_for(batch) if self.compiled_decode else None
-        threads = self.threads_for(bucket or len(batch.num_new_tokens))
-        if not bucket and threads > 1 and self.compiled_decode is not None and self.compiled_decode.compiling:
-            threads -= 1        # a core for the compiler process (compile_worker.py says why)
+        threads, kernel_threads = self.step_threads(bucket or len(batch.num_new_tokens))
+        if not bucket and self.compiled_decode is not None and self.compiled_decode.compiling:
+            # a core for the compiler process (compile_worker.py says why)
+            threads, kernel_threads = max(1, threads - 1), max(1, kernel_threads - 1)
         if threads != torch.get_num_threads():     # only when it changes: the call is not free
             torch.set_num_threads(threads)
+        native_kernels.set_threads(kernel_threads)
         hidden = None
         if bucket:
             ids, pos, meta, logits_indices = self.prepare_inputs(batch, pad_to=bucket)
@@ -318,9 +329,10 @@ class ModelRunner:
         # every rank holds the whole hidden state (the residual stream is all-reduced, the final norm replicated):
         # rank 0 pools its own
         pooled = self.pool(hidden, batch) if batch.pooling_spans and self.tp.is_first else None
-        if not len(logits_indices):
-            return None, pooled
-        return self.model.compute_logits(hidden[logits_indices]), pooled
+        logits = self.model.compute_logits(hidden[logits_indices]) if len(logits_indices) else None
+        if self.kernel_pool:
+            native_kernels.quiesce()        # no pool worker reads this step's memory after it (thread_pool.c)
+        return logits, pooled
 
     def pool(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """[rows with a pooling span, hidden size] float32: the sum of each span's final hidden states (the model's
