@@ -40,13 +40,6 @@
 
 int kvflow_pool_rows(void) { return POOL_ROWS; }
 
-// output columns per chunk of an [N, K] weight of `row_bytes` bytes a row: a multiple of `align`, >= align
-static int64_t chunk_columns(int64_t row_bytes, int64_t align) {
-    int64_t cols = CHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1);
-    cols -= cols % align;
-    return cols < align ? align : cols;
-}
-
 // x [M, K] -> int8 codes q [M, K], scale d [M, G], d * sum(codes) s [M, G] and sum(codes) qs [M, G] (if not NULL)
 // per group of 32
 static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s, int32_t *qs,
@@ -183,27 +176,60 @@ static inline void row_times_block(int bits, const uint8_t *w, scales_t wd, scal
     }
 }
 
-// a call of the rows kernel on the pool: chunk c is output columns [c * cols, (c + 1) * cols) for every row
+// A linear call on the pool, either layout: the weight is N / unit units of `unit` output columns (a row; a block of
+// 16 rows for x16) of unit_bytes each, and chunk c is units [c * per, (c + 1) * per), ~CHUNK_BYTES of weights
 typedef struct {
     int bits;
     const uint8_t *codes;
     scales_t sd, sm;
-    int64_t G, K, M, N, row_bytes, cols;
+    int64_t G, K, M, N, unit, unit_bytes, per;
     const int8_t *q;
     const float *d, *s;
+    const int32_t *qs;          // x16 only
 } linear_job;
+
+static inline int64_t job_units(const linear_job *j, int64_t c, int64_t *u0) {
+    const int64_t units = j->N / j->unit;
+    *u0 = c * j->per;
+    return (*u0 + j->per < units ? *u0 + j->per : units) - *u0;
+}
 
 static pool_region linear_region(const void *ctx, int64_t c) {
     const linear_job *j = ctx;
-    const int64_t n0 = c * j->cols, n1 = n0 + j->cols < j->N ? n0 + j->cols : j->N;
-    return (pool_region){n0, j->M, n1 - n0, j->N};
+    int64_t u0;
+    const int64_t n = job_units(j, c, &u0);
+    return (pool_region){u0 * j->unit, j->M, n * j->unit, j->N};
+}
+
+// quantizes x into the pool's buffers (a worker late from this call may still read them) and runs `chunk` over
+// the weight's units; the caller holds the pool (pool_acquire)
+static int pool_linear(pool_chunk_fn chunk, int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                       const void *wd, const void *wm, int64_t N, float *y, int threads, int flags, int64_t unit,
+                       int64_t unit_bytes) {
+    const int64_t G = K / QK;
+    const int x16 = unit > 1;
+    int8_t *q = pool_buffer(POOL_LINEAR_Q, M * K);
+    float *d = pool_buffer(POOL_LINEAR_D, M * G * (int64_t)sizeof(float));
+    float *s = pool_buffer(POOL_LINEAR_S, M * G * (int64_t)sizeof(float));
+    int32_t *qs = x16 ? pool_buffer(POOL_LINEAR_QS, M * G * (int64_t)sizeof(int32_t)) : NULL;
+    int failed = !q || !d || !s || (x16 && !qs);
+    if (!failed) {
+        quantize_activations(x, M, K, q, d, s, qs, 1);
+        const int64_t per = CHUNK_BYTES / unit_bytes > 1 ? CHUNK_BYTES / unit_bytes : 1, units = N / unit;
+        const linear_job job = {bits, codes, scales_of(wd, flags & 3, N, G), scales_of(wm, (flags >> 2) & 3, N, G),
+                                G, K, M, N, unit, unit_bytes, per, q, d, s, qs};
+        failed = pool_run(chunk, linear_region, &job, sizeof job, (units + per - 1) / per, y, threads);
+    }
+    pool_release();
+    return failed;
 }
 
 static int linear_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) {
     const linear_job *j = ctx;
-    const int64_t n0 = c * j->cols, n1 = n0 + j->cols < j->N ? n0 + j->cols : j->N;
-    for (int64_t n = n0; n < n1; n++)
-        row_times_block(j->bits, j->codes + n * j->row_bytes, j->sd, j->sm, n * j->G, j->G, j->q, j->d, j->s, j->K,
+    int64_t n0;
+    const int64_t cols = job_units(j, c, &n0);
+    for (int64_t n = n0; n < n0 + cols; n++)
+        row_times_block(j->bits, j->codes + n * j->unit_bytes, j->sd, j->sm, n * j->G, j->G, j->q, j->d, j->s, j->K,
                         0, j->M, dst, ld, n - n0);
     return 0;
 }
@@ -212,22 +238,8 @@ static int linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t 
                   const void *wm, int64_t N, float *y, int threads, int flags) {
     const int64_t G = K / QK;
     const int64_t row_bytes = bits == 4 ? K / 2 : bits == 5 ? G * Q5_BYTES : K;
-    if (M <= POOL_ROWS && pool_acquire(threads)) {
-        // the int8 activations in the pool's buffers: a worker late from this call may still read them
-        int8_t *q = pool_buffer(POOL_LINEAR_Q, M * K);
-        float *d = pool_buffer(POOL_LINEAR_D, M * G * (int64_t)sizeof(float));
-        float *s = pool_buffer(POOL_LINEAR_S, M * G * (int64_t)sizeof(float));
-        int failed = !q || !d || !s;
-        if (!failed) {
-            quantize_activations(x, M, K, q, d, s, NULL, 1);
-            const linear_job job = {bits, codes, scales_of(wd, flags & 3, N, G), scales_of(wm, (flags >> 2) & 3, N, G),
-                                    G, K, M, N, row_bytes, chunk_columns(row_bytes, 1), q, d, s};
-            failed = pool_run(linear_chunk, linear_region, &job, sizeof job, (N + job.cols - 1) / job.cols, y,
-                              threads);
-        }
-        pool_release();
-        return failed;
-    }
+    if (M <= POOL_ROWS && pool_acquire(threads))
+        return pool_linear(linear_chunk, bits, x, M, K, codes, wd, wm, N, y, threads, flags, 1, row_bytes);
     int8_t *q = malloc((size_t)(M * K));
     float *d = malloc((size_t)(M * G) * sizeof(float));
     float *s = malloc((size_t)(M * G) * sizeof(float));
@@ -626,29 +638,13 @@ static inline void block_x16(int bits, int R, const uint8_t *w, scales_t wd, sca
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m + r) * N + n0, _mm512_add_ps(acc[r], bias[r]));
 }
 
-// a call of the x16 kernel on the pool: chunk c is blocks [c * per, (c + 1) * per) of 16 output columns
-typedef struct {
-    int bits;
-    const uint8_t *codes;
-    scales_t sd, sm;
-    int64_t G, K, M, N, block_bytes, per;
-    const int8_t *q;
-    const float *d, *s;
-    const int32_t *qs;
-} linear_x16_job;
-
-static pool_region linear_x16_region(const void *ctx, int64_t c) {
-    const linear_x16_job *j = ctx;
-    const int64_t blocks = j->N / X16, b0 = c * j->per, b1 = b0 + j->per < blocks ? b0 + j->per : blocks;
-    return (pool_region){b0 * X16, j->M, (b1 - b0) * X16, j->N};
-}
-
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static int linear_x16_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) {
-    const linear_x16_job *j = ctx;
-    const int64_t blocks = j->N / X16, b0 = c * j->per, b1 = b0 + j->per < blocks ? b0 + j->per : blocks;
-    for (int64_t b = b0; b < b1; b++) {
-        const uint8_t *w = j->codes + b * j->block_bytes;
+    const linear_job *j = ctx;
+    int64_t b0;
+    const int64_t count = job_units(j, c, &b0);
+    for (int64_t b = b0; b < b0 + count; b++) {
+        const uint8_t *w = j->codes + b * j->unit_bytes;
         const int64_t at = b * j->G * X16;
         int64_t m = 0;
         for (; m + ROWS_X16 <= j->M; m += ROWS_X16)
@@ -666,24 +662,8 @@ static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint
                       const void *wm, int64_t N, float *y, int threads, int flags) {
     const int64_t G = K / QK, blocks = N / X16;
     const int64_t block_bytes = G * (bits == 4 ? 4 : bits == 5 ? 5 : 8) * 64;
-    if (M <= POOL_ROWS && pool_acquire(threads)) {
-        int8_t *q = pool_buffer(POOL_LINEAR_Q, M * K);
-        float *d = pool_buffer(POOL_LINEAR_D, M * G * (int64_t)sizeof(float));
-        float *s = pool_buffer(POOL_LINEAR_S, M * G * (int64_t)sizeof(float));
-        int32_t *qs = pool_buffer(POOL_LINEAR_QS, M * G * (int64_t)sizeof(int32_t));
-        int failed = !q || !d || !s || !qs;
-        if (!failed) {
-            quantize_activations(x, M, K, q, d, s, qs, 1);
-            const int64_t per = chunk_columns(block_bytes, 1);
-            const linear_x16_job job = {bits, codes, scales_of(wd, flags & 3, N, G),
-                                        scales_of(wm, (flags >> 2) & 3, N, G), G, K, M, N, block_bytes, per, q, d,
-                                        s, qs};
-            failed = pool_run(linear_x16_chunk, linear_x16_region, &job, sizeof job, (blocks + per - 1) / per, y,
-                              threads);
-        }
-        pool_release();
-        return failed;
-    }
+    if (M <= POOL_ROWS && pool_acquire(threads))
+        return pool_linear(linear_x16_chunk, bits, x, M, K, codes, wd, wm, N, y, threads, flags, X16, block_bytes);
     int8_t *q = malloc((size_t)(M * K));
     float *d = malloc((size_t)(M * G) * sizeof(float));
     float *s = malloc((size_t)(M * G) * sizeof(float));
@@ -725,5 +705,4 @@ int kvflow_q5_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *co
     return linear_x16(5, x, M, K, codes, d, NULL, N, y, threads, flags);
 }
 
-_Static_assert(sizeof(linear_job) <= POOL_CTX_BYTES && sizeof(linear_x16_job) <= POOL_CTX_BYTES
-               && sizeof(attention_job) <= POOL_CTX_BYTES, "a pool job's context must fit the pool's copy");
+_Static_assert(sizeof(linear_job) <= POOL_CTX_BYTES && sizeof(attention_job) <= POOL_CTX_BYTES, "a pool job's context must fit the pool's copy");
