@@ -24,6 +24,7 @@
 //      groups: a block of 256), value = super * multiplier (exact in float32: 11 x 6 mantissa bits)
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -326,12 +327,48 @@ static void softmax(float *p, int64_t len) {
 // sequence was chunked, and on however many threads: the result of a row depends on that row's inputs only
 // (batch invariance). D must be a multiple of 8 and at most 256. `window` > 0 (a sliding-window layer): the row
 // attends to keys positions[t] - window + 1 .. positions[t] only (the cache still holds the older ones).
-// 8 cache values as floats: float32, or bfloat16 (its bits are the top half of a float32's)
-static inline __m256 load8(const void *cache, int64_t i, int bf16) {
-    if (bf16)
+// The cache's element forms (native_kernels.py's _KV_FORMS): what a row of D values is in memory.
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_INT8 = 3, KV_FP8 = 4 };
+
+// float8 e4m3fn's 256 values as floats (sign, 4 exponent bits of bias 7, 3 mantissa bits; 0x7f/0xff are NaN)
+static float fp8_values[256];
+static void fill_fp8_values(void) {
+    for (int b = 0; b < 256; b++) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
+        if (e == 15 && m == 7) v = NAN;
+        fp8_values[b] = b & 128 ? -v : v;
+    }
+}
+
+// a row's bytes: int8 rows are D codes and then their float32 scale (layers/kv_int8.py)
+static inline int64_t kv_row_bytes(int form, int64_t D) {
+    return form == KV_F32 ? 4 * D : form == KV_INT8 ? D + 4 : form == KV_FP8 ? D : 2 * D;
+}
+
+// 8 values at element d of a row as floats: float32; bfloat16 (its bits are the top half of a float32's); float16
+// (F16C); int8 codes (the row's scale is applied by the caller, once per dot product); float8 e4m3 (by table)
+static inline __m256 load8(const char *row, int64_t d, int form) {
+    switch (form) {
+    case KV_BF16:
         return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i))), 16));
-    return _mm256_loadu_ps((const float *)cache + i);
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d))), 16));
+    case KV_F16:
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
+    case KV_INT8:
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + d))));
+    case KV_FP8:
+        return _mm256_i32gather_ps(fp8_values, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + d))), 4);
+    default:
+        return _mm256_loadu_ps((const float *)row + d);
+    }
+}
+
+// the factor every value of a row is multiplied by: its scale for int8 rows, else 1
+static inline float row_scale(const char *row, int64_t D, int form) {
+    float s = 1.0f;
+    if (form == KV_INT8) memcpy(&s, row + D, sizeof s);
+    return s;
 }
 
 typedef struct {
@@ -342,7 +379,7 @@ typedef struct {
     const int64_t *tables, *row_seq, *positions;
     int64_t width;
     float scale;
-    int bf16;
+    int form;
     int64_t window;
 } attention_job;
 
@@ -352,15 +389,17 @@ static inline void attend(const attention_job *a, int64_t i, float *p, int64_t s
     const int64_t G = a->Hq / a->Hkv, V = a->D / 8, D = a->D, Hkv = a->Hkv, bs = a->block_size;
     const int64_t t = i / Hkv, h = i % Hkv, end = a->positions[t] + 1;
     const int64_t first = a->window > 0 && end > a->window ? end - a->window : 0, len = end - first;
-    const int64_t *table = a->tables + a->row_seq[t] * a->width;
+    const int64_t *table = a->tables + a->row_seq[t] * a->width, row_bytes = kv_row_bytes(a->form, D);
     const float *qh = a->q + (t * a->Hq + h * G) * D;
+    const char *keys = a->k_cache, *values = a->v_cache;
     for (int64_t j = first; j < end; j++) {
-        const int64_t k = ((table[j / bs] * bs + j % bs) * Hkv + h) * D;
+        const char *k = keys + ((table[j / bs] * bs + j % bs) * Hkv + h) * row_bytes;
+        const float ks = row_scale(k, D, a->form) * a->scale;
         for (int64_t g = 0; g < G; g++) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t v = 0; v < V; v++)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 8 * v), load8(a->k_cache, k + 8 * v, a->bf16), acc);
-            p[g * stride + j - first] = hsum(acc) * a->scale;
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + 8 * v), load8(k, 8 * v, a->form), acc);
+            p[g * stride + j - first] = hsum(acc) * ks;
         }
     }
     for (int64_t g = 0; g < G; g++) softmax(p + g * stride, len);
@@ -368,9 +407,9 @@ static inline void attend(const attention_job *a, int64_t i, float *p, int64_t s
         __m256 acc[32];                     // D <= 256: checked by the caller
         for (int64_t c = 0; c < V; c++) acc[c] = _mm256_setzero_ps();
         for (int64_t j = first; j < end; j++) {
-            const int64_t v = ((table[j / bs] * bs + j % bs) * Hkv + h) * D;
-            const __m256 w = _mm256_set1_ps(p[g * stride + j - first]);
-            for (int64_t c = 0; c < V; c++) acc[c] = _mm256_fmadd_ps(w, load8(a->v_cache, v + 8 * c, a->bf16), acc[c]);
+            const char *v = values + ((table[j / bs] * bs + j % bs) * Hkv + h) * row_bytes;
+            const __m256 w = _mm256_set1_ps(p[g * stride + j - first] * row_scale(v, D, a->form));
+            for (int64_t c = 0; c < V; c++) acc[c] = _mm256_fmadd_ps(w, load8(v, 8 * c, a->form), acc[c]);
         }
         for (int64_t c = 0; c < V; c++) _mm256_storeu_ps(oh + g * D + 8 * c, acc[c]);
     }
@@ -394,16 +433,18 @@ static int attention_chunk(const void *ctx, int64_t i, float *dst, int64_t ld) {
     return 0;
 }
 
-// `bf16`: the caches hold bfloat16 (bf16 compute); q and out stay float32, and every sum is the same float32
-// arithmetic either way
+// `form`: what the caches hold (KV_F32 ..); q and out stay float32, and every sum is the same float32 arithmetic
+// whatever the form
 int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
                            const void *k_cache, const void *v_cache, int64_t block_size,
                            const int64_t *tables, int64_t width, const int64_t *row_seq,
-                           const int64_t *positions, float scale, float *out, int threads, int bf16,
+                           const int64_t *positions, float scale, float *out, int threads, int form,
                            int64_t window) {
     const int64_t G = Hq / Hkv;
+    static pthread_once_t fp8_once = PTHREAD_ONCE_INIT;
+    if (form == KV_FP8) pthread_once(&fp8_once, fill_fp8_values);
     attention_job a = {q, T, Hq, Hkv, D, k_cache, v_cache, block_size, tables, row_seq, positions, width, scale,
-                       bf16, window};
+                       form, window};
     if (T <= POOL_ROWS && pool_acquire(threads)) {
         // the inputs a late worker may still read, copied into the pool's buffers (the caches outlive the call)
         int64_t sequences = 0;
