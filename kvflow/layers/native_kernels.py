@@ -335,10 +335,14 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q)
     T, Hq, D = q.shape
     if T:
-        if library().kvflow_paged_attention(
+        err = library().kvflow_paged_attention(
                 q.data_ptr(), T, Hq, k_cache.shape[2], D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
                 tables.data_ptr(), tables.shape[1], row_seq.data_ptr(), positions.data_ptr(), scale, out.data_ptr(),
-                threads(), _KV_FORMS[k_cache.dtype], window):
+                threads(), _KV_FORMS[k_cache.dtype], window)
+        if err == 2:
+            raise ValueError(f"native kernel: attention of {Hq} heads over {k_cache.shape[2]} KV heads of {D} is "
+                             "not supported (attention_supports)")
+        if err:
             raise MemoryError("native kernel: out of memory for attention scores")
     return out.to(dtype)
 
@@ -401,8 +405,9 @@ lora_add = torch.ops.kvflow.lora_add.default
 _KV_FORMS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
 
 
-def attention_supports(head_dim: int, kv_dtype: torch.dtype) -> bool:
-    return kv_dtype in _KV_FORMS and head_dim % 8 == 0 and head_dim <= 256
+def attention_supports(head_dim: int, kv_dtype: torch.dtype, group: int = 1) -> bool:
+    """`group`: query heads per KV head."""
+    return kv_dtype in _KV_FORMS and head_dim % 8 == 0 and head_dim <= 256 and group <= 32
 
 
 _FORMS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}

@@ -86,7 +86,9 @@ class ModelRunner:
         # each row's result depends on that row alone (batch invariance; native_kernels.c)
         self.native_attention = (native_kernels.wanted(self.device, self.dtype, self.quantization)
                                  and native_kernels.library() is not None
-                                 and native_kernels.attention_supports(model_config.head_dim, self.kv_dtype))
+                                 and native_kernels.attention_supports(model_config.head_dim, self.kv_dtype,
+                                                                   model_config.num_attention_heads
+                                                                   // model_config.num_key_value_heads))
         # every matmul, attention and norm of a step is kvflow's (4-bit codes on its kernels): small steps run them
         # on kvflow's thread pool (platform.step_threads)
         self.kernel_pool = self.native_attention and self.quantization in ("gguf", "int4")
