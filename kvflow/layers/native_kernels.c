@@ -376,22 +376,39 @@ typedef struct {
 #define KEYS 64
 #define TILE_ROWS 8
 
-// the scratch a tile needs, in floats: K (transposed: [D][KEYS]) and V ([KEYS][D]) of one group, the scores
+// the scratch a tile needs, in floats: K (transposed: [D][KEYS], and as staged: [KEYS][D]) and V ([KEYS][D]) of one
+// group, the scores
 // [n][KEYS], then per query vector acc [D], m, l
 static inline int64_t tile_floats(int64_t G, int64_t D) {
-    return 2 * KEYS * D + TILE_ROWS * G * KEYS + TILE_ROWS * G * (D + 2);
+    return 3 * KEYS * D + TILE_ROWS * G * KEYS + TILE_ROWS * G * (D + 2);
 }
 
-// row j of a cache as D floats (int8: code * the row's scale): into v [D] and into column `col` of kt [D][KEYS]
-static inline void stage_row(const char *row, int64_t D, int form, float *v, float *kt, int64_t col) {
+// row j of a cache as D floats into dst [D] (int8: code * the row's scale)
+static inline void stage_row(const char *row, int64_t D, int form, float *dst) {
     const __m256 s = _mm256_set1_ps(row_scale(row, D, form));
-    float x[8];
+    for (int64_t c = 0; c < D; c += 8)
+        _mm256_storeu_ps(dst + c, form == KV_INT8 ? _mm256_mul_ps(load8(row, c, form), s) : load8(row, c, form));
+}
+
+// kt [D][KEYS] columns k0 .. k0 + 7 = rows k0 .. k0 + 7 of kf [KEYS][D], 8 x 8 floats at a time
+static inline void transpose_keys(const float *kf, int64_t D, int64_t k0, float *kt) {
     for (int64_t c = 0; c < D; c += 8) {
-        const __m256 y = form == KV_INT8 ? _mm256_mul_ps(load8(row, c, form), s) : load8(row, c, form);
-        if (v) _mm256_storeu_ps(v + c, y);
-        if (kt) {
-            _mm256_storeu_ps(x, y);
-            for (int e = 0; e < 8; e++) kt[(c + e) * KEYS + col] = x[e];
+        __m256 r[8], t[8];
+        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(kf + (k0 + i) * D + c);
+        for (int i = 0; i < 8; i += 2) {
+            t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+            t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4) {
+            r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+            r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+            r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+            r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+        }
+        // r[0..3]: dims c+0, c+1, c+2, c+3 of keys 0..3 (low half) and dims c+4.. (high half); r[4..7]: keys 4..7
+        for (int i = 0; i < 4; i++) {
+            _mm256_storeu_ps(kt + (c + i) * KEYS + k0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+            _mm256_storeu_ps(kt + (c + i + 4) * KEYS + k0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
         }
     }
 }
@@ -476,7 +493,8 @@ static void accumulate_values_any(float *acc, int64_t D, float alpha, const floa
 static void attend_tile(const attention_job *a, int64_t t0, int64_t R, int64_t h, float *scratch, float *out) {
     const int64_t G = a->Hq / a->Hkv, D = a->D, V = D / 8, Hkv = a->Hkv, bs = a->block_size, n = R * G;
     const int64_t *table = a->tables + a->row_seq[t0] * a->width, row_bytes = kv_row_bytes(a->form, D);
-    float *kt = scratch, *vf = kt + KEYS * D, *scores = vf + KEYS * D, *state = scores + TILE_ROWS * G * KEYS;
+    float *kt = scratch, *kf = kt + KEYS * D, *vf = kf + KEYS * D, *scores = vf + KEYS * D;
+    float *state = scores + TILE_ROWS * G * KEYS;
     int64_t first[TILE_ROWS], end[TILE_ROWS], lo = INT64_MAX, hi = 0;
     for (int64_t r = 0; r < R; r++) {
         end[r] = a->positions[t0 + r] + 1;
@@ -500,12 +518,15 @@ static void attend_tile(const attention_job *a, int64_t t0, int64_t R, int64_t h
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t g0 = lo / KEYS * KEYS; g0 < hi; g0 += KEYS) {
         const int64_t j0 = g0 > lo ? g0 : lo, j1 = g0 + KEYS < hi ? g0 + KEYS : hi;
-        if (j0 > g0 || j1 < g0 + KEYS) memset(kt, 0, (size_t)(KEYS * D) * sizeof(float));
+        // outside [j0, j1): zeros (read into scores no query vector uses)
+        if (j0 > g0) memset(kf, 0, (size_t)((j0 - g0) * D) * sizeof(float));
+        if (j1 < g0 + KEYS) memset(kf + (j1 - g0) * D, 0, (size_t)((g0 + KEYS - j1) * D) * sizeof(float));
         for (int64_t j = j0; j < j1; j++) {
             const int64_t at = ((table[j / bs] * bs + j % bs) * Hkv + h) * row_bytes;
-            stage_row(keys + at, D, a->form, NULL, kt, j - g0);
-            stage_row(values + at, D, a->form, vf + (j - g0) * D, NULL, 0);
+            stage_row(keys + at, D, a->form, kf + (j - g0) * D);
+            stage_row(values + at, D, a->form, vf + (j - g0) * D);
         }
+        for (int64_t k0 = (j0 - g0) / 8 * 8; k0 < j1 - g0; k0 += 8) transpose_keys(kf, D, k0, kt);
         group_scores(qs, n, D, kt, (j1 - g0 + 15) / 16 * 16, a->scale, outs);
         for (int64_t r = 0; r < R; r++) {
             const int64_t from = first[r] > g0 ? first[r] : g0, to = end[r] < g0 + KEYS ? end[r] : g0 + KEYS;
