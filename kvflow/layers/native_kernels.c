@@ -467,26 +467,63 @@ static void group_scores(const float *const *qs, int64_t n, int64_t D, const flo
     }
 }
 
-// acc [D] = acc * alpha + sum over j in [from, to) of p[j] * v[j]; constant D keeps acc in registers
-static inline __attribute__((always_inline)) void accumulate_values(float *acc_out, int64_t D, float alpha,
-                                                                   const float *p, const float *vf, int64_t from,
-                                                                   int64_t to) {
-    __m256 acc[32];                     // D <= 256: checked by the caller
-    const __m256 rescale = _mm256_set1_ps(alpha);
-    for (int64_t c = 0; c < D / 8; c++) acc[c] = _mm256_mul_ps(_mm256_loadu_ps(acc_out + 8 * c), rescale);
-    for (int64_t j = from; j < to; j++) {
-        const __m256 w = _mm256_set1_ps(p[j]);
-        const float *vr = vf + j * D;
-        for (int64_t c = 0; c < D / 8; c++) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+// for M (<= 4) query vectors with one key range [from, to): acc_v [D] = acc_v * alpha_v + sum over j of
+// p_v[j] * v[j], 16 dimensions at a time (V rows read once for the M vectors); each lane sums over j in order,
+// whatever M is. Always inlined with constant M and D.
+static inline __attribute__((always_inline)) void values_4x16(float *const *acc, const float *alpha,
+                                                             const float *const *p, int M, int64_t D,
+                                                             const float *vf, int64_t from, int64_t to) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m256 o[4][2];
+        for (int v = 0; v < M; v++) {
+            const __m256 r = _mm256_set1_ps(alpha[v]);
+            o[v][0] = _mm256_mul_ps(_mm256_loadu_ps(acc[v] + d0), r);
+            o[v][1] = _mm256_mul_ps(_mm256_loadu_ps(acc[v] + d0 + 8), r);
+        }
+        for (int64_t j = from; j < to; j++) {
+            const __m256 a0 = _mm256_loadu_ps(vf + j * D + d0), a1 = _mm256_loadu_ps(vf + j * D + d0 + 8);
+            for (int v = 0; v < M; v++) {
+                const __m256 w = _mm256_broadcast_ss(p[v] + j);
+                o[v][0] = _mm256_fmadd_ps(w, a0, o[v][0]);
+                o[v][1] = _mm256_fmadd_ps(w, a1, o[v][1]);
+            }
+        }
+        for (int v = 0; v < M; v++) {
+            _mm256_storeu_ps(acc[v] + d0, o[v][0]);
+            _mm256_storeu_ps(acc[v] + d0 + 8, o[v][1]);
+        }
     }
-    for (int64_t c = 0; c < D / 8; c++) _mm256_storeu_ps(acc_out + 8 * c, acc[c]);
 }
 
-static void accumulate_values_any(float *acc, int64_t D, float alpha, const float *p, const float *vf, int64_t from,
-                                  int64_t to) {
-    if (D == 64) accumulate_values(acc, 64, alpha, p, vf, from, to);
-    else if (D == 128) accumulate_values(acc, 128, alpha, p, vf, from, to);
-    else accumulate_values(acc, D, alpha, p, vf, from, to);
+#define VALUES_FOR(M, D) values_4x16(acc + v0, alpha + v0, p + v0, M, D, vf, from, to)
+
+static void group_values(float *const *acc, const float *alpha, const float *const *p, int64_t n, int64_t D,
+                         const float *vf, int64_t from, int64_t to) {
+    for (int64_t v0 = 0; v0 < n; v0 += 4) {
+        const int64_t m = n - v0 < 4 ? n - v0 : 4;
+        if (D == 64) {
+            switch (m) {
+            case 4: VALUES_FOR(4, 64); break;
+            case 3: VALUES_FOR(3, 64); break;
+            case 2: VALUES_FOR(2, 64); break;
+            default: VALUES_FOR(1, 64);
+            }
+        } else if (D == 128) {
+            switch (m) {
+            case 4: VALUES_FOR(4, 128); break;
+            case 3: VALUES_FOR(3, 128); break;
+            case 2: VALUES_FOR(2, 128); break;
+            default: VALUES_FOR(1, 128);
+            }
+        } else {
+            switch (m) {
+            case 4: VALUES_FOR(4, D); break;
+            case 3: VALUES_FOR(3, D); break;
+            case 2: VALUES_FOR(2, D); break;
+            default: VALUES_FOR(1, D);
+            }
+        }
+    }
 }
 
 // rows t0 .. t0 + R - 1 (one sequence) with KV head h; their outputs at out + (t * Hq + h * G) * D
@@ -531,6 +568,8 @@ static void attend_tile(const attention_job *a, int64_t t0, int64_t R, int64_t h
         for (int64_t r = 0; r < R; r++) {
             const int64_t from = first[r] > g0 ? first[r] : g0, to = end[r] < g0 + KEYS ? end[r] : g0 + KEYS;
             if (from >= to) continue;
+            float *accs[32], alphas[32];
+            const float *probs[32];
             for (int64_t g = 0; g < G; g++) {
                 float *st = state + (r * G + g) * (D + 2), *score = scores + (r * G + g) * KEYS;
                 __m256 most = _mm256_set1_ps(st[D]);
@@ -555,8 +594,10 @@ static void attend_tile(const attention_job *a, int64_t t0, int64_t R, int64_t h
                     : _mm256_cvtss_f32(exp_nonpositive(_mm256_set1_ps(st[D] - top)));
                 st[D] = top;
                 st[D + 1] = st[D + 1] * alpha + hsum(sum);
-                accumulate_values_any(st, D, alpha, score, vf, from - g0, to - g0);
+                accs[g] = st, alphas[g] = alpha, probs[g] = score;
             }
+            // the row's G heads share its key range: their V sums together
+            group_values(accs, alphas, probs, G, D, vf, from - g0, to - g0);
         }
     }
     for (int64_t r = 0; r < R; r++)
