@@ -374,7 +374,7 @@ typedef struct {
 // are aligned to absolute positions, each score is a fixed-order dot product, keys outside the vector's range are
 // skipped, not masked. So a row gives the same bits alone (decode, a tile of 1) as in any tile of any step.
 #define KEYS 64
-#define TILE_ROWS 8
+#define TILE_ROWS 16
 
 // the scratch a tile needs, in floats: K (transposed: [D][KEYS], and as staged: [KEYS][D]) and V ([KEYS][D]) of one
 // group, the scores
