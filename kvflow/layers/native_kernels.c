@@ -301,7 +301,7 @@ static inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// Paged attention, one query row at a time, straight from the KV cache (no gathered copy of the context):
+// Paged attention straight from the KV cache (no gathered copy of the context), in tiles (attend_tile, below):
 //   q [T, Hq, D]; caches [blocks, block_size, Hkv, D]; query row t belongs to sequence row_seq[t], whose block
 //   table is tables[row_seq[t], :width], and attends to keys 0..positions[t] (causal; its own key was stored
 //   before the call); out [T, Hq, D]. Query heads h * G .. h * G + G - 1 share KV head h (G = Hq / Hkv).
