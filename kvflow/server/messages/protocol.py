@@ -177,6 +177,14 @@ class TextContent(BaseModel):
     text: str
 
 
+class ThinkingContent(BaseModel):
+    """The model's reasoning (--reasoning-parser), before its answer. `signature` is Anthropic's check that Claude
+    wrote the block; kvflow signs nothing and sends a random one, as vLLM does, for clients that expect it."""
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str
+
+
 class ToolUseContent(BaseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -184,7 +192,7 @@ class ToolUseContent(BaseModel):
     input: dict[str, Any]
 
 
-ContentOut = Union[TextContent, ToolUseContent]
+ContentOut = Union[ThinkingContent, TextContent, ToolUseContent]
 
 
 class MessagesResponse(BaseModel):
@@ -220,6 +228,17 @@ class TextDelta(BaseModel):
     text: str
 
 
+class ThinkingDelta(BaseModel):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
+class SignatureDelta(BaseModel):
+    """A thinking block's signature, just before its content_block_stop (as Anthropic sends it)."""
+    type: Literal["signature_delta"] = "signature_delta"
+    signature: str
+
+
 class InputJsonDelta(BaseModel):
     type: Literal["input_json_delta"] = "input_json_delta"
     partial_json: str
@@ -228,7 +247,7 @@ class InputJsonDelta(BaseModel):
 class ContentBlockDeltaEvent(BaseModel):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: Union[TextDelta, InputJsonDelta]
+    delta: Union[TextDelta, ThinkingDelta, SignatureDelta, InputJsonDelta]
 
 
 class ContentBlockStopEvent(BaseModel):

@@ -7,8 +7,8 @@ role -> one turn (as Anthropic combines them), a final assistant turn -> a prefi
 `stop_sequences` -> `stop`, `tools` -> function tools, `tool_choice` any -> "required" and tool -> a named function,
 `output_config.format` -> `response_format`. `OpenAIServing.start_chat` submits it, and the reply is read back
 through the chat route's own `collect` + `chat_choice` (whole) or `chunks` (streamed): prompts, sampling,
-structured outputs, tool-call parsing, usage and metrics are the chat route's. This module renders Anthropic's
-shapes: content blocks, stop reasons, usage, the SSE event sequence the `anthropic` client's parser reads, and
+structured outputs, tool-call parsing, reasoning (--reasoning-parser: a `thinking` block first), usage and metrics are
+the chat route's. This module renders Anthropic's shapes: content blocks, stop reasons, usage, the SSE event sequence the `anthropic` client's parser reads, and
 errors as `{"type": "error", "error": {"type", "message"}}`, whatever raised them (`MessagesRoute`).
 
 The field rule, as on the other routes: each field of Anthropic's request is implemented (a field of the models
@@ -42,8 +42,9 @@ from kvflow.server.messages.protocol import (ContentBlockDeltaEvent, ContentBloc
                                              MessageDeltaEvent, MessageStartEvent, MessageStopEvent,
                                              MessagesErrorDetail, MessagesErrorResponse, MessagesPart,
                                              MessagesRequest, MessagesResponse, MessagesUsage, PingEvent, ServerTool,
-                                             StopDelta, StopReason, StreamEvent, TextBlock, TextContent, TextDelta,
-                                             ToolResultBlock, ToolUseBlock, ToolUseContent, UnsupportedBlock, sse)
+                                             SignatureDelta, StopDelta, StopReason, StreamEvent, TextBlock,
+                                             TextContent, TextDelta, ThinkingContent, ThinkingDelta, ToolResultBlock,
+                                             ToolUseBlock, ToolUseContent, UnsupportedBlock, sse)
 
 logger = logging.getLogger("kvflow.server")
 _UNKNOWN_LOGGED: set[str] = set()       # "kind.name" of fields nobody defines, already logged (once each)
@@ -318,8 +319,15 @@ def stop_reason(finish_reason: str | None, stop: int | str | None) -> tuple[Stop
     return "end_turn", None
 
 
+def signature() -> str:
+    """A thinking block's signature: random, as vLLM's (kvflow signs nothing)."""
+    return uuid.uuid4().hex
+
+
 def content_blocks(message: ChatResponseMessage) -> list[ContentOut]:
-    blocks: list[ContentOut] = [TextContent(text=message.content)] if message.content else []
+    blocks: list[ContentOut] = [ThinkingContent(thinking=message.reasoning, signature=signature())] if (
+        message.reasoning) else []
+    blocks += [TextContent(text=message.content)] if message.content else []
     for call in message.tool_calls or []:
         arguments = json.loads(call.function.arguments)     # the tool-call parser's own JSON
         if isinstance(arguments, dict):
@@ -337,8 +345,9 @@ def usage(gen: Generation) -> MessagesUsage:
 
 
 class StreamedBlocks:
-    """The chat route's deltas -> content block events: a text block while text comes, a tool_use block per call
-    (its input as the JSON text the model writes). Each block is started, filled and stopped before the next (the
+    """The chat route's deltas -> content block events: a thinking block while reasoning comes (its signature
+    before it stops), a text block while text comes, a tool_use block per call (its input as the JSON text the model
+    writes). Each block is started, filled and stopped before the next (the
     chat stream sends no text between or after calls); `index` is the block's place in the content."""
 
     def __init__(self) -> None:
@@ -354,12 +363,19 @@ class StreamedBlocks:
     def stop(self) -> list[StreamEvent]:
         if self.open is None:
             return []
+        events: list[StreamEvent] = []
+        if self.open == "thinking":
+            events.append(ContentBlockDeltaEvent(index=self.index, delta=SignatureDelta(signature=signature())))
         self.open = None
         self.index += 1
-        return [ContentBlockStopEvent(index=self.index - 1)]
+        return events + [ContentBlockStopEvent(index=self.index - 1)]
 
     def push(self, delta) -> list[StreamEvent]:
         events: list[StreamEvent] = []
+        if delta.reasoning:
+            if self.open != "thinking":
+                events += self.start(ThinkingContent(thinking="", signature=""))
+            events.append(ContentBlockDeltaEvent(index=self.index, delta=ThinkingDelta(thinking=delta.reasoning)))
         if delta.content:
             if self.open != "text":
                 events += self.start(TextContent(text=""))
