@@ -461,14 +461,16 @@ class OpenAIServing:
         if stream:
             return EventStream(self.events(gen), gen.streams)
         results = await self.collect(gen, raw)
-        head = dict(id=gen.request_id, created=gen.created, model=gen.model, usage=self.usage(gen))
+        head = dict(id=gen.request_id, created=gen.created, model=gen.model)
         if gen.chat:
+            choices = [self.chat_choice(gen, i, r) for i, r in enumerate(results)]   # (they count the reasoning)
             first = gen.streams[0]
             if first.params.prompt_logprobs is not None:
                 head["prompt_logprobs"] = self.prompt_logprobs(gen, first)
             if gen.return_token_ids:
                 head["prompt_token_ids"] = list(first.prompt_token_ids)
-            return ChatCompletionResponse(**head, choices=[self.chat_choice(gen, i, r) for i, r in enumerate(results)])
+            return ChatCompletionResponse(**head, choices=choices, usage=self.usage(gen))
+        head["usage"] = self.usage(gen)
         return CompletionResponse(**head, choices=[self.completion_choice(gen, i, r) for i, r in enumerate(results)])
 
     async def collect(self, gen: Generation, raw: Request | None) -> list[ChoiceResult]:
