@@ -101,13 +101,15 @@ def test_unknown_parser_is_refused_at_start_naming_the_flag(capsys):
 
 # ---------------------------------------------------------------------------------------------- the server
 # A template the 135M model copies from: three worked turns, then the conversation and `<think>` (the generation
-# prompt of R1-0528 and Qwen3.5 opens the reasoning). With tools, the turns call a tool. enable_thinking=false writes
+# prompt of R1-0528 and Qwen3.5 opens the reasoning); an earlier assistant turn's reasoning goes between think markers,
+# as Qwen3's template writes it. With tools, the turns call a tool. enable_thinking=false writes
 # an empty `<think></think>`, as Qwen3's template does: the prompt closes the reasoning.
 TEMPLATE = (
     "{%- if tools %}{% set shot = '<think>I call the tool.</think><tool_call>"
     "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>' %}"
     "{%- else %}{% set shot = '<think>I add the numbers.</think>The answer is 4.' %}{% endif -%}"
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor -%}"
+    "{% for m in messages %}{{ m['role'] }}: {% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+    "{% endif %}{{ m['content'] }}\n{% endfor -%}"
     "{{ shot }}\n{{ shot }}\n{{ shot }}\n"
     "{%- if add_generation_prompt %}{% if enable_thinking is defined and not enable_thinking %}<think></think>"
     "{% else %}<think>{% endif %}{% endif %}")
@@ -285,3 +287,37 @@ def test_structured_outputs_are_refused_beside_a_reasoning_parser(server, client
     with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
         claude.messages.create(model="smol", max_tokens=8, messages=QUESTION,
                                extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
+
+
+def prompt_text(server, messages) -> str:
+    r = httpx.post(server.url + "/tokenize", json={"model": "smol", "messages": messages}, timeout=60)
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    return httpx.post(server.url + "/detokenize", json={"model": "smol", "tokens": ids}, timeout=60).json()["prompt"]
+
+
+@pytest.mark.slow
+def test_earlier_reasoning_passed_back_reaches_the_template(server, client, claude):
+    """A conversation that carries the reasoning of an earlier reply (chat's `reasoning`, a Responses reasoning
+    item, a Messages thinking block) renders the same prompt on every surface, the reasoning in it."""
+    chat = [*QUESTION, {"role": "assistant", "content": ANSWER, "reasoning": THOUGHT},
+            {"role": "user", "content": "And 3 + 3?"}]
+    text = prompt_text(server, chat)
+    assert f"assistant: <think>{THOUGHT}</think>{ANSWER}\n" in text
+    assert prompt_text(server, [{**m, "reasoning_content": m.pop("reasoning")} if "reasoning" in m else m
+                                for m in json.loads(json.dumps(chat))]) == text
+    ids = httpx.post(server.url + "/tokenize", json={"model": "smol", "messages": chat}, timeout=60).json()["count"]
+    r = client.responses.create(model="smol", max_output_tokens=1, input=[
+        {"role": "user", "content": QUESTION[0]["content"]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": THOUGHT}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": ANSWER}]},
+        {"role": "user", "content": "And 3 + 3?"}])
+    assert r.usage.input_tokens == ids
+    m = claude.messages.create(model="smol", max_tokens=1, messages=[
+        *QUESTION, {"role": "assistant", "content": [{"type": "thinking", "thinking": THOUGHT, "signature": "s"},
+                                                     {"type": "text", "text": ANSWER}]},
+        {"role": "user", "content": "And 3 + 3?"}])
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == ids
+    r = httpx.post(server.base_url + "/chat/completions", json={"model": "smol", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi", "reasoning": "x"}]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text

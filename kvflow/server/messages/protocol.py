@@ -53,8 +53,18 @@ class ToolUseBlock(MessagesPart):
     cache_control: CacheControl | None = None
 
 
+class ThinkingBlock(MessagesPart):
+    """An assistant's earlier thinking (a thinking block of an earlier reply, passed back): its text reaches the chat
+    template as the assistant message's reasoning, for templates that read it. The signature is not checked: kvflow
+    signs nothing."""
+    KIND: ClassVar[str] = "thinking"
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text | None = None
+
+
 class UnsupportedBlock(MessagesPart):
-    """A block kvflow does not read (image, document, search_result, thinking, server tools' results ...): a 400
+    """A block kvflow does not read (image, document, search_result, redacted_thinking, server tools' results ...): a 400
     naming its place and type."""
     KIND: ClassVar[str] = "unsupported"
     type: Text
@@ -77,9 +87,10 @@ class ToolResultBlock(MessagesPart):
 
 ContentBlock = Annotated[Union[Annotated[TextBlock, Tag("TextBlock")], Annotated[ToolUseBlock, Tag("ToolUseBlock")],
                                Annotated[ToolResultBlock, Tag("ToolResultBlock")],
+                               Annotated[ThinkingBlock, Tag("ThinkingBlock")],
                                Annotated[UnsupportedBlock, Tag("UnsupportedBlock")]],
-                         _by_type({"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock"},
-                                  "UnsupportedBlock")]
+                         _by_type({"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock",
+                                   "thinking": "ThinkingBlock"}, "UnsupportedBlock")]
 
 
 class InputMessage(MessagesPart):

@@ -43,7 +43,8 @@ from kvflow.server.messages.protocol import (ContentBlockDeltaEvent, ContentBloc
                                              MessagesErrorDetail, MessagesErrorResponse, MessagesPart,
                                              MessagesRequest, MessagesResponse, MessagesUsage, PingEvent, ServerTool,
                                              SignatureDelta, StopDelta, StopReason, StreamEvent, TextBlock,
-                                             TextContent, TextDelta, ThinkingContent, ThinkingDelta, ToolResultBlock,
+                                             TextContent, TextDelta, ThinkingBlock, ThinkingContent, ThinkingDelta,
+                                             ToolResultBlock,
                                              ToolUseBlock, ToolUseContent, UnsupportedBlock, sse)
 
 logger = logging.getLogger("kvflow.server")
@@ -112,7 +113,8 @@ def validation_message(errors) -> str:
     return "; ".join(msgs) or "invalid request"
 
 
-_UNION_BRANCHES = {"TextBlock", "ToolUseBlock", "ToolResultBlock", "UnsupportedBlock", "MessagesTool", "ServerTool"}
+_UNION_BRANCHES = {"TextBlock", "ToolUseBlock", "ToolResultBlock", "ThinkingBlock", "UnsupportedBlock", "MessagesTool",
+                   "ServerTool"}
 
 
 def error_path(loc) -> str:
@@ -187,14 +189,15 @@ def tool_result_text(block: ToolResultBlock, path: str) -> str:
 
 
 def turns(message: InputMessage, path: str) -> list[dict]:
-    """One Anthropic message -> chat turns ({"role", "parts", "tool_calls"} or a tool message), in block order."""
+    """One Anthropic message -> chat turns ({"role", "parts", "tool_calls", "thinking"} or a tool message), in block
+    order."""
     if isinstance(message.content, str):
-        return [{"role": message.role, "parts": [message.content], "tool_calls": []}]
+        return [{"role": message.role, "parts": [message.content], "tool_calls": [], "thinking": []}]
     out: list[dict] = []
 
     def current() -> dict:
         if not out or out[-1]["role"] != message.role:
-            out.append({"role": message.role, "parts": [], "tool_calls": []})
+            out.append({"role": message.role, "parts": [], "tool_calls": [], "thinking": []})
         return out[-1]
 
     for j, block in enumerate(message.content):
@@ -204,6 +207,10 @@ def turns(message: InputMessage, path: str) -> list[dict]:
         check(block, where)
         if isinstance(block, TextBlock):
             current()["parts"].append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            if message.role != "assistant":
+                raise APIError(400, "thinking blocks belong in assistant messages", param=where)
+            current()["thinking"].append(block.thinking)
         elif isinstance(block, ToolUseBlock):
             if message.role != "assistant":
                 raise APIError(400, "tool_use blocks belong in assistant messages", param=where)
@@ -223,7 +230,7 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
     merged: list[dict] = []
     if req.system is not None:
         system = [req.system] if isinstance(req.system, str) else text_of(req.system, "system")
-        merged.append({"role": "system", "parts": system, "tool_calls": []})
+        merged.append({"role": "system", "parts": system, "tool_calls": [], "thinking": []})
     for i, message in enumerate(req.messages):
         check(message, f"messages[{i}]")
         for turn in turns(message, f"messages[{i}]"):
@@ -231,6 +238,7 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
             if last is not None and turn["role"] in ("user", "assistant") and last["role"] == turn["role"]:
                 last["parts"] += turn["parts"]
                 last["tool_calls"] += turn["tool_calls"]
+                last["thinking"] += turn["thinking"]
             else:
                 merged.append(turn)
     out = []
@@ -242,6 +250,8 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
                                "content": [{"type": "text", "text": t} for t in m["parts"]] or None}
         if m["tool_calls"]:
             msg["tool_calls"] = m["tool_calls"]
+        if m["thinking"]:        # an earlier reply's thinking: the assistant message's reasoning (vLLM joins them so)
+            msg["reasoning"] = "".join(m["thinking"])
         out.append(msg)
     return out
 

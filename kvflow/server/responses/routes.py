@@ -158,7 +158,8 @@ def chat_request_body(req: ResponsesRequest, rid: str) -> dict[str, Any]:
 
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """instructions and input -> chat messages: message items as messages, function_call items as the assistant's
-    tool_calls (joined onto the assistant message they follow), function_call_output items as tool messages."""
+    tool_calls (joined onto the assistant message they follow), function_call_output items as tool messages, reasoning
+    items (an earlier response's, passed back) as the reasoning of the assistant message they open."""
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
@@ -173,24 +174,54 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ROLES:
                 raise APIError(400, f"unknown role {role!r}: expected one of {', '.join(ROLES)}", param=f"{where}.role")
-            messages.append({"role": ROLES[role], "content": text_parts(item.get("content"), f"{where}.content")})
+            content = text_parts(item.get("content"), f"{where}.content")
+            last = messages[-1] if messages else None
+            if role == "assistant" and last is not None and last.get("opened_by_reasoning"):
+                del last["opened_by_reasoning"]
+                last["content"] = content          # the message the reasoning led to
+            else:
+                messages.append({"role": ROLES[role], "content": content})
         elif kind == "function_call":
             call = {"id": required_str(item, "call_id", where), "type": "function",
                     "function": {"name": required_str(item, "name", where),
                                  "arguments": required_str(item, "arguments", where)}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
+                last.pop("opened_by_reasoning", None)
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":
+            messages.append({"role": "assistant", "content": None, "reasoning": reasoning_text(item, where),
+                             "opened_by_reasoning": True})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": required_str(item, "call_id", where),
                              "content": text_parts(item.get("output"), f"{where}.output")})
         else:
-            raise APIError(400, f"input items of type {kind!r} are not supported: give messages, function_call and "
-                                "function_call_output items (kvflow keeps no items to reference)",
+            raise APIError(400, f"input items of type {kind!r} are not supported: give messages, function_call, "
+                                "function_call_output and reasoning items (kvflow keeps no items to reference)",
                            param=f"{where}.type")
+    for m in messages:
+        m.pop("opened_by_reasoning", None)
     return messages
+
+
+def reasoning_text(item: dict, where: str) -> str:
+    """A reasoning input item's text: its reasoning_text parts (kvflow's own reasoning items carry them). A summary
+    alone or encrypted content (OpenAI's) gives kvflow no text to put before the answer: a 400."""
+    if item.get("encrypted_content") is not None:
+        raise APIError(400, "encrypted reasoning is not supported: kvflow encrypts none (pass its reasoning items "
+                            "back as they came)", param=f"{where}.encrypted_content")
+    content = item.get("content")
+    if not isinstance(content, list) or not content:
+        raise APIError(400, "a reasoning item passed back needs its reasoning_text content", param=f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text" or not isinstance(part.get("text"), str):
+            raise APIError(400, "reasoning content parts are {'type': 'reasoning_text', 'text': ...}",
+                           param=f"{where}.content[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def text_parts(content: Any, where: str) -> str | list[dict[str, str]]:

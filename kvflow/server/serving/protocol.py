@@ -65,6 +65,10 @@ class ChatMessage(OpenAIModel):
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None     # an assistant's earlier calls
     tool_call_id: Text | None = None             # a tool message: the call it answers
+    # an assistant's earlier reasoning (what --reasoning-parser returned), for templates that read it (Qwen3's
+    # `reasoning_content`; both names reach the template, as vLLM accepts both)
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
 
     def text(self) -> str:
         if self.content is None:

@@ -216,6 +216,7 @@ MESSAGES_FIELDS = {
     "text": ("type", "text", "cache_control", "citations"),
     "tool_use": ("type", "id", "name", "input", "cache_control", "caller", "toolset_name"),
     "tool_result": ("type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"),
+    "thinking": ("type", "thinking", "signature"),            # an earlier reply's thinking block, passed back
     "tool": ("type", "name", "description", "input_schema", "cache_control", "strict", "defer_loading",
              "allowed_callers", "input_examples", "eager_input_streaming"),
     "tool_choice": ("type", "name", "disable_parallel_tool_use"),
@@ -243,6 +244,7 @@ MESSAGES_REFUSED = {
     "text": {"citations": ([],)},
     "tool_use": {"caller": ({"type": "direct"},), "toolset_name": ()},
     "tool_result": {"toolset_name": ()},
+    "thinking": {},
     "tool": {"defer_loading": (False,), "allowed_callers": (["direct"],), "input_examples": ([],),
              "eager_input_streaming": (True,)},     # kvflow streams tool input as it is generated
     "tool_choice": {},
