@@ -4,6 +4,7 @@ or a tool call), checked with the official `openai` and `anthropic` clients, str
 and Messages APIs."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anthropic
@@ -11,10 +12,15 @@ import httpx
 import openai
 import pytest
 
+from kvflow.async_engine import CompletionDelta
 from kvflow.config import EngineConfig
+from kvflow.server.common.errors import APIError
+from kvflow.server.serving.protocol import ChatCompletionRequest
+from kvflow.server.serving.serving import OpenAIServing
 from kvflow.server.common.config import REASONING_PARSERS, ServerConfig
 from kvflow.server.serving.reasoning import SPLITTERS, reasoning_request, reasoning_tokens
 from kvflow.server.testing import ServerThread
+from test_server_handlers import FakeEngine, FakeTokenizer
 
 # ---------------------------------------------------------------------------------------------- the splitters
 # (parser, output, in_reasoning) -> (reasoning, answer)
@@ -97,6 +103,81 @@ def test_unknown_parser_is_refused_at_start_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--reasoning-parser", "deepseek"])
     assert "--reasoning-parser" in capsys.readouterr().err
+
+
+def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    assert ServerConfig(chat_template=str(path)).chat_template_text() == "{{ messages[0]['content'] }}"
+    assert ServerConfig(chat_template="{{ 'x' }}").chat_template_text() == "{{ 'x' }}"
+    with pytest.raises(ValueError, match="--chat-template"):
+        ServerConfig(chat_template=str(tmp_path / "missing.jinja"))
+
+
+# ---------------------------------------------------------------------------------------------- the serving seam
+PIECES = ["<th", "ink>I a", "dd.</", "think", ">", "\n\nFo", "ur."]       # token i's text: PIECES[i]
+
+
+class PieceTokenizer(FakeTokenizer):
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(PIECES[i] for i in ids)
+
+
+class PieceStream:
+    """One choice that writes PIECES, a token a delta."""
+    def __init__(self, params, prompt):
+        self.params, self.num_prompt_tokens, self.num_cached_tokens = params, len(prompt), 0
+        self.num_completion_tokens = 0
+
+    async def _deltas(self):
+        for i, piece in enumerate(PIECES):
+            self.num_completion_tokens += 1
+            yield CompletionDelta(0, piece, [i], None, "stop" if i == len(PIECES) - 1 else None, None)
+
+    def __aiter__(self):
+        return self._deltas()
+
+    def close(self):
+        pass
+
+
+class PieceEngine(FakeEngine):
+    tokenizer = PieceTokenizer()
+
+    def submit(self, request_id, prompt, params, arrival_time=None, pooling=None, priority=0):
+        return PieceStream(params, prompt)
+
+
+async def whole_and_streamed(serving: OpenAIServing, **body):
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body)
+    whole = (await serving.chat(req)).model_dump()
+    streamed = await serving.chat(req.model_copy(update={"stream": True}))
+    chunks = [json.loads(c[6:]) async for c in streamed.body_iterator if c.startswith("data: {")]
+    return whole, chunks
+
+
+def test_without_a_parser_the_markers_stay_in_the_content():
+    whole, chunks = asyncio.run(whole_and_streamed(OpenAIServing(PieceEngine())))
+    message = whole["choices"][0]["message"]
+    assert message["content"] == "".join(PIECES) and message["reasoning"] is None
+    assert "completion_tokens_details" not in whole["usage"]
+    assert all("reasoning" not in c["delta"] for chunk in chunks for c in chunk["choices"])
+    with pytest.raises(APIError) as e:        # nothing would be split off: the field would mean nothing
+        asyncio.run(OpenAIServing(PieceEngine()).chat(ChatCompletionRequest(
+            messages=[{"role": "user", "content": "hi"}], include_reasoning=False)))
+    assert e.value.param == "include_reasoning"
+
+
+def test_the_seam_splits_a_marker_spread_over_tokens_alike_whole_and_streamed():
+    whole, chunks = asyncio.run(whole_and_streamed(OpenAIServing(PieceEngine(), reasoning_parser="deepseek_r1")))
+    message = whole["choices"][0]["message"]
+    assert (message["reasoning"], message["reasoning_content"], message["content"]) == ("I add.", "I add.",
+                                                                                        "\n\nFour.")
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": 5}    # up to the token ending ">"
+    deltas = [c["delta"] for chunk in chunks for c in chunk["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == "I add."
+    assert "".join(d.get("content") or "" for d in deltas) == "\n\nFour."
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
 
 
 # ---------------------------------------------------------------------------------------------- the server
