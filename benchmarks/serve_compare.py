@@ -193,7 +193,7 @@ def model_shape(path: str) -> dict:
             "context_length": md.get(f"{arch}.context_length")}
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
 
 
 def _kvflow_flags(kvflow_args: str) -> argparse.Namespace:
@@ -207,13 +207,10 @@ def _kvflow_flags(kvflow_args: str) -> argparse.Namespace:
 
 
 def kvflow_kv_dtype(model: str, kvflow_args: str) -> str:
-    """The dtype of kvflow's KV cache for this file and flags, decided as ModelRunner decides it (fp8 with
-    --kv-cache-dtype fp8, else the compute dtype: float32 for 4-bit codes through kvflow's kernels under
-    dtype=auto, else bfloat16 where the CPU has fast bf16). A guess: measure() checks it against kvflow's boot log
-    and starts kvflow again with the dtype it logged if they differ."""
+    """The dtype of kvflow's KV cache for this file and flags, decided as ModelRunner decides it
+    (platform.pick_kv_dtype over the compute dtype). A guess: measure() checks it against kvflow's boot log and
+    starts kvflow again with the dtype it logged if they differ."""
     a = _kvflow_flags(kvflow_args)
-    if a.kv_cache_dtype == "fp8":
-        return "float8_e4m3fn"
     try:
         from kvflow import platform
         from kvflow.layers import native_kernels
@@ -222,6 +219,7 @@ def kvflow_kv_dtype(model: str, kvflow_args: str) -> str:
         device = platform.pick_device(a.device, None)
         quant = weight_quantization(resolve_model_files(model), a.quantization, a.dtype, 1, device.type)
         dtype = native_kernels.compute_dtype(device, a.dtype, quant) or platform.pick_dtype(a.dtype, device)
+        dtype = platform.pick_kv_dtype(a.kv_cache_dtype, a.dtype, device, dtype)
     except Exception as e:  # noqa: BLE001 - kvflow's internals moved: the boot log corrects the guess
         print(f"(could not work out kvflow's KV dtype ({e!r}); assuming float32 until its boot log says)")
         return "float32"
@@ -433,7 +431,8 @@ def main() -> None:
         tokens = kv_tokens(level)
         if tokens:
             s = shapes[model]
-            per_block = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * DTYPE_BYTES[kv_dtype[model]] * block
+            row = s["head_dim"] + 4 if kv_dtype[model] == "int8" else s["head_dim"]     # int8 rows carry a scale
+            per_block = 2 * s["layers"] * s["kv_heads"] * row * DTYPE_BYTES[kv_dtype[model]] * block
             flags += (f" --kv-cache-memory {-(-tokens // block) * per_block}"
                       f" --max-model-len {min(KVFLOW_MAX_MODEL_LEN, tokens)}")
         return f"kvflow serve {shlex.quote(model)} {flags} {args.kvflow_args}".strip()

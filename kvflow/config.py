@@ -10,7 +10,7 @@ from kvflow.speculative_config import SpeculativeConfig
 SCHEDULING_POLICIES = ("continuous", "fcfs", "priority", "static")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
 POOLING_TYPES = ("last", "mean")     # kvflow/pooling_params.py says what each computes
 # the projections a LoRA adapter may adapt (PEFT's module names)
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -77,7 +77,9 @@ class EngineConfig:
     quantization: str | None = _option(
         None, "weights: unset keeps a quantized GGUF's own codes on CPU; none (float), int4 (group 32), int8 or "
               "fp8 (per-channel scales)", aliases=("-q",))
-    kv_cache_dtype: str = _option("auto", "auto, or fp8: KV stored as float8 e4m3, half of bf16's bytes")
+    kv_cache_dtype: str = _option("auto", "auto (the compute dtype; 16 bits on a CPU computing in float32 under "
+                                  "dtype=auto), bfloat16, float16, float32, fp8 (float8 e4m3, unscaled) or int8 "
+                                  "(codes with a scale per token and head)")
     tensor_parallel_size: int = _option(1, "split the model over N processes (gloo on CPU, NCCL on CUDA, one GPU "
                                            "each)", aliases=("-tp",))
     data_parallel_size: int = _option(1, "engine processes behind the one HTTP frontend, each with its own copy of "

@@ -51,6 +51,25 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
+# --kv-cache-dtype's names (vLLM's, plus float16/float32) and the element each stores; "int8" rows also carry a
+# float32 scale each (layers/kv_int8.py)
+KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                   "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def pick_kv_dtype(kv_cache_dtype: str, dtype_setting: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type. "auto": the compute dtype, except on a CPU that computes in float32 because
+    dtype=auto chose it (4-bit codes on kvflow's kernels, or no fast bf16 matmul): there the cache holds 16 bits
+    (bf16 where the CPU has it, else fp16), half the bytes to hold and to read per decoded token. Measured on the
+    embedded model (Zen 3): perplexity +0.013%, greedy output mostly the same (tests/test_quantization.py).
+    --dtype float32 keeps a float32 cache: the exact path against transformers."""
+    if kv_cache_dtype != "auto":
+        return KV_CACHE_DTYPES[kv_cache_dtype]
+    if device.type == "cpu" and dtype_setting == "auto" and dtype == torch.float32:
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float16
+    return dtype
+
+
 def small_batch_bf16_copies(dtype_setting: str, device: torch.device, dtype: torch.dtype) -> bool:
     """dtype=auto on a CPU that multiplies bf16 slowly: compute in float32, but let steps of a few rows read
     bf16 copies of the float weights, since those steps are bound by DRAM bandwidth (layers/small_batch.py)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.layers import native_kernels
+from kvflow.layers import kv_int8, native_kernels
 from kvflow.layers.group_quant import GroupQuantized
 from kvflow.layers.int4 import Int4Linear
 
@@ -269,17 +269,37 @@ def test_native_kernels_inside_a_compiled_graph():
     torch.testing.assert_close(compiled(x), layer(x * 2) + 1)
 
 
-def test_paged_attention_reads_bfloat16_caches_as_the_floats_they_hold():
-    """bf16 compute: the caches hold bfloat16; the kernel widens each value exactly and sums in float32, so it gives
-    the bits of the float32 kernel over the same values, and a bf16 query gets them rounded once."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=["bf16", "f16", "fp8"])
+def test_paged_attention_reads_narrow_caches_as_the_floats_they_hold(dtype):
+    """A 16- or 8-bit cache (bf16 compute, or the CPU's default 16-bit cache under float32 compute, or fp8): the
+    kernel widens each value exactly and sums in float32, so it gives the bits of the float32 kernel over the same
+    values, and a bf16 query gets them rounded once."""
     q, kc, vc, tables, pos = paged(4)
-    kb, vb = kc.bfloat16(), vc.bfloat16()
+    kn, vn = kc.to(dtype), vc.to(dtype)
     rows, scale = torch.arange(4), 64 ** -0.5
-    wide = native_kernels.paged_attention(q, kb.float(), vb.float(), tables, rows, pos, scale)
-    assert torch.equal(native_kernels.paged_attention(q, kb, vb, tables, rows, pos, scale), wide)
-    assert torch.equal(native_kernels.paged_attention(q.bfloat16(), kb, vb, tables, rows, pos, scale),
-                       native_kernels.paged_attention(q.bfloat16().float(), kb.float(), vb.float(), tables, rows, pos,
+    wide = native_kernels.paged_attention(q, kn.float(), vn.float(), tables, rows, pos, scale)
+    assert torch.equal(native_kernels.paged_attention(q, kn, vn, tables, rows, pos, scale), wide)
+    assert torch.equal(native_kernels.paged_attention(q.bfloat16(), kn, vn, tables, rows, pos, scale),
+                       native_kernels.paged_attention(q.bfloat16().float(), kn.float(), vn.float(), tables, rows, pos,
                                                       scale).bfloat16())
+
+
+def test_paged_attention_reads_int8_rows_as_their_codes_times_their_scale():
+    """An int8 cache: rows of codes with their float32 scale (layers/kv_int8.py). The kernel applies each row's
+    scale after its dot product: within float32 rounding of attention over the dequantized values, and each row's
+    result its own (batch invariance)."""
+    q, kc, vc, tables, pos = paged(5)
+    k8, v8 = kv_int8.quantize_rows(kc), kv_int8.quantize_rows(vc)
+    assert k8.shape == (*kc.shape[:-1], kv_int8.row_bytes(64)) and k8.dtype == torch.int8
+    rows, scale = torch.arange(4), 64 ** -0.5
+    got = native_kernels.paged_attention(q, k8, v8, tables, rows, pos, scale)
+    want = native_kernels.paged_attention(q, kv_int8.dequantize_rows(k8, torch.float32),
+                                          kv_int8.dequantize_rows(v8, torch.float32), tables, rows, pos, scale)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert (kv_int8.dequantize_rows(k8, torch.float32) - kc).abs().max() <= kc.abs().amax() / 254 * 1.0001
+    alone = native_kernels.paged_attention(q[2:3], k8, v8, tables[2:3], torch.zeros(1, dtype=torch.long), pos[2:3],
+                                           scale)
+    assert torch.equal(alone, got[2:3])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers import native_kernels
+from kvflow.layers import kv_int8, native_kernels
 from kvflow.layers.quantization import to_float
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
 
 FP8_MAX = 448.0
+FP16_MAX = 65504.0
 
 
 class PagedAttention(nn.Module):
@@ -58,24 +59,33 @@ class PagedAttention(nn.Module):
             out = torch.cat([self._decode(q[:nd], meta), self._prefill(q[nd:], k[nd:], v[nd:], meta.prefill)])
         return out.reshape(q.shape[0], -1)
 
-    # A float8 cache (kv_cache_dtype="fp8") is written and gathered through a uint8 view: CPU torch has no
-    # float8 index kernels. Values are stored unscaled (scale 1.0, as vLLM without calibration), clamped to
-    # e4m3's range.
+    # The cache may hold another element type than the compute dtype (platform.pick_kv_dtype): values are
+    # converted on the way in and out. A float8 cache (kv_cache_dtype="fp8") is written and gathered through a
+    # uint8 view: CPU torch has no float8 index kernels; its values are stored unscaled (scale 1.0, as vLLM without
+    # calibration), clamped to e4m3's range. A float16 cache clamps to fp16's range (an inf would poison the
+    # softmax). An int8 cache holds rows of codes and their scale (layers/kv_int8.py).
     @staticmethod
     def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+        if cache.dtype == torch.int8:
+            x = kv_int8.quantize_rows(x)
+        elif cache.dtype == torch.float16 and x.dtype != torch.float16:
+            x = x.clamp(-FP16_MAX, FP16_MAX)
         flat = cache.view(-1, *x.shape[1:])
         if cache.dtype == torch.float8_e4m3fn:
             flat.view(torch.uint8).index_copy_(0, slots, x.clamp(-FP8_MAX, FP8_MAX).to(cache.dtype).view(torch.uint8))
         else:
-            flat.index_copy_(0, slots, x)
+            flat.index_copy_(0, slots, x.to(cache.dtype))
 
     @staticmethod
     def _load(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, per: str) -> torch.Tensor:
-        """Rows of the cache by block id (per="block": [n, block_size, Hkv, D]) or by slot ([n, Hkv, D])."""
+        """Rows of the cache by block id (per="block": [n, block_size, Hkv, D]) or by slot ([n, Hkv, D]), in
+        `dtype`."""
         rows = cache if per == "block" else cache.view(-1, *cache.shape[2:])
         if cache.dtype == torch.float8_e4m3fn:
             return to_float(rows.view(torch.uint8).index_select(0, index).view(cache.dtype), dtype)
-        return rows.index_select(0, index)
+        if cache.dtype == torch.int8:
+            return kv_int8.dequantize_rows(rows.index_select(0, index), dtype)
+        return rows.index_select(0, index).to(dtype)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         B, Hq, D = q.shape

@@ -327,17 +327,22 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      row_seq: torch.Tensor, positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """q [T, Hq, D] attending, row t, to keys 0..positions[t] (with `window` > 0: only the last `window` of them,
     positions[t] - window + 1 .. positions[t]) of sequence row_seq[t], whose block table is
-    tables[row_seq[t]] (int64), in caches [blocks, block_size, Hkv, D] (float32 or bfloat16, q's dtype) ->
-    [T, Hq, D]. Every row is computed alone, in a fixed order, in float32 (batch invariant)."""
+    tables[row_seq[t]] (int64), in caches [blocks, block_size, Hkv, row] of any of `_KV_FORMS` (row: D, or D + 4
+    for int8 rows with their scale) -> [T, Hq, D]. Every row is computed alone, in a fixed order, in float32
+    (batch invariant)."""
     dtype = q.dtype
     q = q.float().contiguous()
     out = torch.empty_like(q)
     T, Hq, D = q.shape
     if T:
-        if library().kvflow_paged_attention(
+        err = library().kvflow_paged_attention(
                 q.data_ptr(), T, Hq, k_cache.shape[2], D, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
                 tables.data_ptr(), tables.shape[1], row_seq.data_ptr(), positions.data_ptr(), scale, out.data_ptr(),
-                threads(), int(k_cache.dtype == torch.bfloat16), window):
+                threads(), _KV_FORMS[k_cache.dtype], window)
+        if err == 2:
+            raise ValueError(f"native kernel: attention of {Hq} heads over {k_cache.shape[2]} KV heads of {D} is "
+                             "not supported (attention_supports)")
+        if err:
             raise MemoryError("native kernel: out of memory for attention scores")
     return out.to(dtype)
 
@@ -395,8 +400,14 @@ rms_norm = torch.ops.kvflow.rms_norm.default
 lora_add = torch.ops.kvflow.lora_add.default
 
 
-def attention_supports(head_dim: int, kv_dtype: torch.dtype) -> bool:
-    return kv_dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+# the KV cache element types the attention kernel reads, and its number for each (native_kernels.c's KV_F32 ..);
+# torch.int8: rows of codes and their scale (layers/kv_int8.py)
+_KV_FORMS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
+
+
+def attention_supports(head_dim: int, kv_dtype: torch.dtype, group: int = 1) -> bool:
+    """`group`: query heads per KV head."""
+    return kv_dtype in _KV_FORMS and head_dim % 8 == 0 and head_dim <= 256 and group <= 32
 
 
 _FORMS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}

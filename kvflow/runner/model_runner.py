@@ -16,7 +16,7 @@ import torch
 from kvflow import platform
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.layers import native_kernels
+from kvflow.layers import kv_int8, native_kernels
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
 from kvflow.layers.lora import LoRAStack, lora_mask
 from kvflow.layers.norm import RMSNorm
@@ -86,7 +86,9 @@ class ModelRunner:
         # each row's result depends on that row alone (batch invariance; native_kernels.c)
         self.native_attention = (native_kernels.wanted(self.device, self.dtype, self.quantization)
                                  and native_kernels.library() is not None
-                                 and native_kernels.attention_supports(model_config.head_dim, self.kv_dtype))
+                                 and native_kernels.attention_supports(model_config.head_dim, self.kv_dtype,
+                                                                   model_config.num_attention_heads
+                                                                   // model_config.num_key_value_heads))
         # every matmul, attention and norm of a step is kvflow's (4-bit codes on its kernels): small steps run them
         # on kvflow's thread pool (platform.step_threads)
         self.kernel_pool = self.native_attention and self.quantization in ("gguf", "int4")
@@ -183,10 +185,12 @@ class ModelRunner:
     # ---- KV cache ------------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
         cfg = self.model_config
-        self.kv_dtype = torch.float8_e4m3fn if self.config.kv_cache_dtype == "fp8" else self.dtype
+        self.kv_dtype = platform.pick_kv_dtype(self.config.kv_cache_dtype, self.config.dtype, self.device, self.dtype)
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        # a row: one token's K (or V) of one KV head; int8 rows carry their scale (layers/kv_int8.py)
+        row = kv_int8.row_bytes(cfg.head_dim) if self.kv_dtype == torch.int8 else cfg.head_dim
         num_kv_heads = self.model.sizes.num_kv_heads          # this rank's share of the heads
-        per_block = 2 * cfg.num_hidden_layers * self.block_size * num_kv_heads * cfg.head_dim * elem
+        per_block = 2 * cfg.num_hidden_layers * self.block_size * num_kv_heads * row * elem
         budget = platform.kv_cache_budget(self.device, self.config.kv_cache_memory,
                                           self.config.gpu_memory_utilization, self.weights_bytes,
                                           self.tp.size * self.config.data_parallel_size, self.processes_here)
@@ -201,7 +205,7 @@ class ModelRunner:
         # one block more than the manager hands out: the scratch block, where padding rows (compiled decode
         # buckets, padded prefill keys) write and read, so they never touch a request's K/V
         self.scratch_block = num_blocks
-        shape = (num_blocks + 1, self.block_size, num_kv_heads, cfg.head_dim)
+        shape = (num_blocks + 1, self.block_size, num_kv_heads, row)
         # zeroed, not empty: batched decode reads padded slots under a mask, and a NaN bit pattern
         # there would still poison the output (0 * NaN)
         storage = torch.uint8 if elem == 1 else self.kv_dtype     # CPU torch cannot fill float8 tensors
