@@ -93,6 +93,9 @@ def test_thinking_switches():
     assert reasoning_request("deepseek_r1", {"enable_thinking": False}, "hi").in_reasoning   # R1 has no switch
     assert not reasoning_request("deepseek_r1", {}, "hi<think>\n\n</think>\n\n").in_reasoning
     assert reasoning_request("deepseek_r1", {}, "old </think> turn, then <think>").in_reasoning
+    # a tool loop: the reasoning of the turn before the tool's answer closed that turn, not the reply's
+    assert reasoning_request("qwen3", {}, "<think>\nR\n</think>\n\n<tool_call>{}</tool_call><|im_end|>\n"
+                                          "<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n").in_reasoning
     assert not reasoning_request("granite", {}, "Here is my thought process: x Here is my response:").in_reasoning
 
 

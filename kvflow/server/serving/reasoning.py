@@ -19,9 +19,8 @@ that reads the answer see only the answer.
 vLLM's parsers read marker tokens; these read marker text, since a model kvflow serves may spell a marker in several
 tokens. Where vLLM's two paths disagree (text before an opening <think>: dropped whole, kept streamed; granite without
 its response marker: all answer whole, reasoning streamed), kvflow does what vLLM's streaming path does, for both.
-Either way, with `enable_thinking` false, or when the prompt already closed the reasoning (its last marker is an end
-marker: a template that writes an empty `<think></think>` itself), the output is all answer (vLLM's
-`prompt_is_reasoning_end`).
+Either way, with `enable_thinking` false, or when the prompt already closed the reasoning (it ends with an end marker:
+a template that writes an empty `<think></think>` itself), the output is all answer (vLLM's `prompt_is_reasoning_end`).
 """
 from __future__ import annotations
 
@@ -176,12 +175,13 @@ class GraniteSplitter(ReasoningSplitter):
 
 
 def prompt_ends_reasoning(parser: str, prompt_text: str) -> bool:
-    """Whether the prompt itself closed the reasoning (vLLM's `prompt_is_reasoning_end`): its last think marker is an
-    end marker, as a template that writes `<think>\\n\\n</think>` for a model told not to think leaves it."""
-    if parser == "granite":
-        ends = max(prompt_text.rfind(m) for m in GRANITE_ENDS)
-        return ends > max(prompt_text.rfind(m) for m in GRANITE_STARTS)
-    return prompt_text.rfind(THINK_END) > prompt_text.rfind(THINK_START)
+    """Whether the prompt itself closed the reasoning (vLLM's `prompt_is_reasoning_end`): it ends with an end marker
+    (whitespace aside), as a template that writes `<think>\\n\\n</think>\\n\\n` for a model told not to think
+    leaves it. Only at its end: an earlier turn's `</think>` (Qwen3's template writes the reasoning of the turns
+    since the last user message) closed that turn's reasoning, not the reply's (vLLM's token walk takes it for the
+    reply's, a known false positive)."""
+    tail = prompt_text.rstrip()
+    return tail.endswith(GRANITE_ENDS if parser == "granite" else (THINK_END,))
 
 
 @dataclass(frozen=True)
