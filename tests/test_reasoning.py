@@ -151,12 +151,15 @@ class PieceEngine(FakeEngine):
         return PieceStream(params, prompt)
 
 
+async def streamed_chunks(serving: OpenAIServing, **body) -> list[dict]:
+    streamed = await serving.chat(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True,
+                                                        **body))
+    return [json.loads(c[6:]) async for c in streamed.body_iterator if c.startswith("data: {")]
+
+
 async def whole_and_streamed(serving: OpenAIServing, **body):
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body)
-    whole = (await serving.chat(req)).model_dump()
-    streamed = await serving.chat(req.model_copy(update={"stream": True}))
-    chunks = [json.loads(c[6:]) async for c in streamed.body_iterator if c.startswith("data: {")]
-    return whole, chunks
+    whole = (await serving.chat(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body)))
+    return whole.model_dump(), await streamed_chunks(serving, **body)
 
 
 def test_without_a_parser_the_markers_stay_in_the_content():
@@ -181,6 +184,13 @@ def test_the_seam_splits_a_marker_spread_over_tokens_alike_whole_and_streamed():
     assert "".join(d.get("reasoning") or "" for d in deltas) == "I add."
     assert "".join(d.get("content") or "" for d in deltas) == "\n\nFour."
     assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+
+    # continuous usage: every token so far while it reasons, then the final count
+    chunks = asyncio.run(streamed_chunks(OpenAIServing(PieceEngine(), reasoning_parser="deepseek_r1"),
+                                         stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [(c["usage"]["completion_tokens"], c["usage"]["completion_tokens_details"]["reasoning_tokens"])
+              for c in chunks if c["choices"]]
+    assert counts[-1] == (7, 5) and all(r == n for n, r in counts if n <= 4), counts
 
 
 # ---------------------------------------------------------------------------------------------- the server

@@ -72,7 +72,7 @@ class Generation:
     return_token_ids: bool = False
     tokens_as_ids: bool = False        # logprobs' tokens as "token_id:N"
     reasoning: ReasoningRequest | None = None   # chat under --reasoning-parser: split each choice's text
-    # per choice, its reasoning tokens once it has finished (usage's completion_tokens_details)
+    # per choice, its reasoning tokens so far (usage's completion_tokens_details)
     reasoning_counts: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -573,6 +573,7 @@ class OpenAIServing:
         streamers = [ToolCallStreamer(gen.tools) for _ in offsets] if gen.tools is not None else None
         splitters = [gen.reasoning.splitter() for _ in offsets] if gen.reasoning is not None else None
         choice_ids: list[list[int]] = [[] for _ in offsets] if splitters else []    # to count reasoning tokens
+        counted: set[int] = set()          # choices whose reasoning count is final (the reasoning has ended)
 
         def running_usage(opening: bool = False) -> UsageInfo | None:
             """continuous_usage_stats: usage on every chunk, as vLLM sends it; the chunks that open the stream count
@@ -597,10 +598,11 @@ class OpenAIServing:
             if gen.chat:
                 splitter = splitters[index] if splitters else None
                 deltas, finish = chat_deltas(d, streamers[index] if streamers else None, splitter, gen.reasoning)
-                if splitter is not None:
+                if splitter is not None and index not in counted:    # counted as it goes (continuous usage)
                     choice_ids[index] += d.token_ids
-                    if finish is not None:
-                        self.count_reasoning(gen, index, splitter, choice_ids[index])
+                    self.count_reasoning(gen, index, splitter, choice_ids[index])
+                    if finish is not None or splitter.reasoning_end is not None or not splitter.has_reasoning:
+                        counted.add(index)
                 if finish is not None and streamers and (record := current_record()) is not None:
                     record.choice_finished(index, finish, streamers[index].names)
             else:
@@ -683,7 +685,7 @@ class OpenAIServing:
     @staticmethod
     def usage(gen: Generation, before_completion: bool = False) -> UsageInfo:
         """The request's usage so far (`before_completion`: as it stood before any completion token); under
-        --reasoning-parser with the reasoning tokens of the choices that have finished."""
+        --reasoning-parser with the reasoning tokens so far."""
         prompt = sum(s.num_prompt_tokens for s in gen.streams)
         completion = 0 if before_completion else sum(s.num_completion_tokens for s in gen.streams)
         cached = sum(s.num_cached_tokens for s in gen.streams)
@@ -696,7 +698,8 @@ class OpenAIServing:
                          completion_tokens_details=details)
 
     def count_reasoning(self, gen: Generation, index: int, splitter: ReasoningSplitter, token_ids: list[int]) -> None:
-        """A finished choice's reasoning tokens, for usage."""
+        """A choice's reasoning tokens (of `token_ids`, its tokens so far), for usage: O(1) while it reasons, a few
+        decodes once its reasoning has ended (then the count is final)."""
         skip = gen.stream_of(index).params.skip_special_tokens
         gen.reasoning_counts[index] = reasoning_tokens(splitter, token_ids,
                                                        lambda ids: self.tokenizer.decode(ids, skip))
