@@ -17,7 +17,7 @@ from kvflow.async_engine import EngineOverloadedError, EngineShutdownError
 from kvflow.config import EngineConfig
 from kvflow.server.messages.protocol import (CacheControl, InputMessage, JsonOutputFormat, MessagesMetadata,
                                              MessagesRequest, MessagesTool, MessagesToolChoice, OutputConfig,
-                                             TextBlock, ToolResultBlock, ToolUseBlock)
+                                             TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock)
 from kvflow.server.messages.routes import messages_router
 from kvflow.server.serving.request_fields import MESSAGES_FIELDS, MESSAGES_REFUSED
 from kvflow.server.serving.serving import OpenAIServing
@@ -376,7 +376,7 @@ def test_engine_failures_come_in_anthropics_shape():
 PARTS = {"request": MessagesRequest, "message": InputMessage, "text": TextBlock, "tool_use": ToolUseBlock,
          "tool_result": ToolResultBlock, "tool": MessagesTool, "tool_choice": MessagesToolChoice,
          "metadata": MessagesMetadata, "output_config": OutputConfig, "format": JsonOutputFormat,
-         "cache_control": CacheControl}
+         "cache_control": CacheControl, "thinking": ThinkingBlock}
 
 
 def test_every_messages_field_is_implemented_or_refused():

@@ -119,7 +119,9 @@ def test_previous_response_id_and_store_are_400s_in_openais_error_shape(server, 
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].content"),     # a summary alone: no text to pass
+    ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": "x"}], "encrypted_content": "e"}]},
+     "input[0].encrypted_content"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "if": {}}}}},
      "text.format.schema"),                                       # an unsupported keyword

@@ -58,7 +58,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                             shutdown_grace_period=config.shutdown_grace_period,
                             tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
                             trust_request_chat_template=config.trust_request_chat_template,
-                            return_tokens_as_token_ids=config.return_tokens_as_token_ids)
+                            return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+                            reasoning_parser=config.reasoning_parser)
+    if config.chat_template is not None:      # --chat-template: the server's chats render with it, /tokenize too
+        engine.tokenizer.hf.chat_template = config.chat_template_text()
 
     for name, path in config.lora_module_paths():     # --lora-modules: a bad adapter stops the start, naming it
         engine.add_lora(name, path)

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvflow.config import parse_bytes
 
 # --tool-call-parser's names: the parsers serving/tool_calls.py implements (TOOL_PARSERS, keyed by these; a test
 # checks the two agree). Named here so that the config, below every surface, needs nothing of the chat route.
 TOOL_PARSERS = ("hermes", "json")
+# --reasoning-parser's names, vLLM's: the splitters serving/reasoning.py implements (SPLITTERS, keyed by these)
+REASONING_PARSERS = ("deepseek_r1", "granite", "qwen3")
 
 # OpenAI's API rejects n > 128, and 128 is the default max_num_seqs: one request can fill at most one batch.
 # (vLLM's VLLM_MAX_N_SEQUENCES defaults to 16384, sized for GPUs; on a CPU that is minutes of one request.)
@@ -61,6 +64,13 @@ class ServerConfig:
     tool_call_parser: str | None = _option(None, "how to read the model's own tool calls under tool_choice "
                                                  '"auto": hermes (<tool_call>{...}</tool_call>, Qwen2.5/3) or json',
                                            choices=tuple(TOOL_PARSERS))
+    reasoning_parser: str | None = _option(None, "split the model's reasoning from its answer (message.reasoning, "
+                                                 "Responses reasoning items, Messages thinking blocks): deepseek_r1 "
+                                                 "or qwen3 (<think>...</think>), granite ('Here is my thought "
+                                                 "process:' ... 'Here is my response:')",
+                                           choices=REASONING_PARSERS)
+    chat_template: str | None = _option(None, "the chat template to render chats with instead of the model's: a "
+                                              "file, or the template itself", metavar="TEMPLATE")
     trust_request_chat_template: bool = _option(False, "let a request bring its own chat_template (a template is "
                                                        "code the server runs); off: such a request is a 400")
     return_tokens_as_token_ids: bool = _option(False, "logprobs' tokens as 'token_id:N' unless a request says "
@@ -106,6 +116,19 @@ class ServerConfig:
             pairs.append((name, path))
         return pairs
 
+    def chat_template_text(self) -> str:
+        """--chat-template's template: the file's text, or the value itself when it names no file (as vLLM reads
+        it: a value without braces or a line break that is no file is a path that does not exist)."""
+        path = Path(self.chat_template).expanduser()
+        try:
+            if path.is_file():
+                return path.read_text()
+        except OSError:          # a template too long to be a file name
+            pass
+        if not any(c in self.chat_template for c in "{}\n"):
+            raise ValueError(f"--chat-template: no such file {self.chat_template!r}")
+        return self.chat_template
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_request_body_size", parse_bytes(self.max_request_body_size))
         object.__setattr__(self, "request_log_max_bytes", parse_bytes(self.request_log_max_bytes))
@@ -129,5 +152,10 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
+        if self.chat_template is not None:
+            self.chat_template_text()
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")

@@ -53,8 +53,18 @@ class ToolUseBlock(MessagesPart):
     cache_control: CacheControl | None = None
 
 
+class ThinkingBlock(MessagesPart):
+    """An assistant's earlier thinking (a thinking block of an earlier reply, passed back): its text reaches the chat
+    template as the assistant message's reasoning, for templates that read it. The signature is not checked: kvflow
+    signs nothing."""
+    KIND: ClassVar[str] = "thinking"
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text | None = None
+
+
 class UnsupportedBlock(MessagesPart):
-    """A block kvflow does not read (image, document, search_result, thinking, server tools' results ...): a 400
+    """A block kvflow does not read (image, document, search_result, redacted_thinking, server tools' results ...): a 400
     naming its place and type."""
     KIND: ClassVar[str] = "unsupported"
     type: Text
@@ -77,9 +87,10 @@ class ToolResultBlock(MessagesPart):
 
 ContentBlock = Annotated[Union[Annotated[TextBlock, Tag("TextBlock")], Annotated[ToolUseBlock, Tag("ToolUseBlock")],
                                Annotated[ToolResultBlock, Tag("ToolResultBlock")],
+                               Annotated[ThinkingBlock, Tag("ThinkingBlock")],
                                Annotated[UnsupportedBlock, Tag("UnsupportedBlock")]],
-                         _by_type({"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock"},
-                                  "UnsupportedBlock")]
+                         _by_type({"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock",
+                                   "thinking": "ThinkingBlock"}, "UnsupportedBlock")]
 
 
 class InputMessage(MessagesPart):
@@ -177,6 +188,14 @@ class TextContent(BaseModel):
     text: str
 
 
+class ThinkingContent(BaseModel):
+    """The model's reasoning (--reasoning-parser), before its answer. `signature` is Anthropic's check that Claude
+    wrote the block; kvflow signs nothing and sends a random one, as vLLM does, for clients that expect it."""
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str
+
+
 class ToolUseContent(BaseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -184,7 +203,7 @@ class ToolUseContent(BaseModel):
     input: dict[str, Any]
 
 
-ContentOut = Union[TextContent, ToolUseContent]
+ContentOut = Union[ThinkingContent, TextContent, ToolUseContent]
 
 
 class MessagesResponse(BaseModel):
@@ -220,6 +239,17 @@ class TextDelta(BaseModel):
     text: str
 
 
+class ThinkingDelta(BaseModel):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
+class SignatureDelta(BaseModel):
+    """A thinking block's signature, just before its content_block_stop (as Anthropic sends it)."""
+    type: Literal["signature_delta"] = "signature_delta"
+    signature: str
+
+
 class InputJsonDelta(BaseModel):
     type: Literal["input_json_delta"] = "input_json_delta"
     partial_json: str
@@ -228,7 +258,7 @@ class InputJsonDelta(BaseModel):
 class ContentBlockDeltaEvent(BaseModel):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: Union[TextDelta, InputJsonDelta]
+    delta: Union[TextDelta, ThinkingDelta, SignatureDelta, InputJsonDelta]
 
 
 class ContentBlockStopEvent(BaseModel):

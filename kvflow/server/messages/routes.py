@@ -7,8 +7,8 @@ role -> one turn (as Anthropic combines them), a final assistant turn -> a prefi
 `stop_sequences` -> `stop`, `tools` -> function tools, `tool_choice` any -> "required" and tool -> a named function,
 `output_config.format` -> `response_format`. `OpenAIServing.start_chat` submits it, and the reply is read back
 through the chat route's own `collect` + `chat_choice` (whole) or `chunks` (streamed): prompts, sampling,
-structured outputs, tool-call parsing, usage and metrics are the chat route's. This module renders Anthropic's
-shapes: content blocks, stop reasons, usage, the SSE event sequence the `anthropic` client's parser reads, and
+structured outputs, tool-call parsing, reasoning (--reasoning-parser: a `thinking` block first), usage and metrics are
+the chat route's. This module renders Anthropic's shapes: content blocks, stop reasons, usage, the SSE event sequence the `anthropic` client's parser reads, and
 errors as `{"type": "error", "error": {"type", "message"}}`, whatever raised them (`MessagesRoute`).
 
 The field rule, as on the other routes: each field of Anthropic's request is implemented (a field of the models
@@ -42,8 +42,10 @@ from kvflow.server.messages.protocol import (ContentBlockDeltaEvent, ContentBloc
                                              MessageDeltaEvent, MessageStartEvent, MessageStopEvent,
                                              MessagesErrorDetail, MessagesErrorResponse, MessagesPart,
                                              MessagesRequest, MessagesResponse, MessagesUsage, PingEvent, ServerTool,
-                                             StopDelta, StopReason, StreamEvent, TextBlock, TextContent, TextDelta,
-                                             ToolResultBlock, ToolUseBlock, ToolUseContent, UnsupportedBlock, sse)
+                                             SignatureDelta, StopDelta, StopReason, StreamEvent, TextBlock,
+                                             TextContent, TextDelta, ThinkingBlock, ThinkingContent, ThinkingDelta,
+                                             ToolResultBlock,
+                                             ToolUseBlock, ToolUseContent, UnsupportedBlock, sse)
 
 logger = logging.getLogger("kvflow.server")
 _UNKNOWN_LOGGED: set[str] = set()       # "kind.name" of fields nobody defines, already logged (once each)
@@ -111,7 +113,8 @@ def validation_message(errors) -> str:
     return "; ".join(msgs) or "invalid request"
 
 
-_UNION_BRANCHES = {"TextBlock", "ToolUseBlock", "ToolResultBlock", "UnsupportedBlock", "MessagesTool", "ServerTool"}
+_UNION_BRANCHES = {"TextBlock", "ToolUseBlock", "ToolResultBlock", "ThinkingBlock", "UnsupportedBlock", "MessagesTool",
+                   "ServerTool"}
 
 
 def error_path(loc) -> str:
@@ -186,14 +189,15 @@ def tool_result_text(block: ToolResultBlock, path: str) -> str:
 
 
 def turns(message: InputMessage, path: str) -> list[dict]:
-    """One Anthropic message -> chat turns ({"role", "parts", "tool_calls"} or a tool message), in block order."""
+    """One Anthropic message -> chat turns ({"role", "parts", "tool_calls", "thinking"} or a tool message), in block
+    order."""
     if isinstance(message.content, str):
-        return [{"role": message.role, "parts": [message.content], "tool_calls": []}]
+        return [{"role": message.role, "parts": [message.content], "tool_calls": [], "thinking": []}]
     out: list[dict] = []
 
     def current() -> dict:
         if not out or out[-1]["role"] != message.role:
-            out.append({"role": message.role, "parts": [], "tool_calls": []})
+            out.append({"role": message.role, "parts": [], "tool_calls": [], "thinking": []})
         return out[-1]
 
     for j, block in enumerate(message.content):
@@ -203,6 +207,10 @@ def turns(message: InputMessage, path: str) -> list[dict]:
         check(block, where)
         if isinstance(block, TextBlock):
             current()["parts"].append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            if message.role != "assistant":
+                raise APIError(400, "thinking blocks belong in assistant messages", param=where)
+            current()["thinking"].append(block.thinking)
         elif isinstance(block, ToolUseBlock):
             if message.role != "assistant":
                 raise APIError(400, "tool_use blocks belong in assistant messages", param=where)
@@ -222,7 +230,7 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
     merged: list[dict] = []
     if req.system is not None:
         system = [req.system] if isinstance(req.system, str) else text_of(req.system, "system")
-        merged.append({"role": "system", "parts": system, "tool_calls": []})
+        merged.append({"role": "system", "parts": system, "tool_calls": [], "thinking": []})
     for i, message in enumerate(req.messages):
         check(message, f"messages[{i}]")
         for turn in turns(message, f"messages[{i}]"):
@@ -230,6 +238,7 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
             if last is not None and turn["role"] in ("user", "assistant") and last["role"] == turn["role"]:
                 last["parts"] += turn["parts"]
                 last["tool_calls"] += turn["tool_calls"]
+                last["thinking"] += turn["thinking"]
             else:
                 merged.append(turn)
     out = []
@@ -241,6 +250,8 @@ def chat_messages(req: MessagesRequest) -> list[dict]:
                                "content": [{"type": "text", "text": t} for t in m["parts"]] or None}
         if m["tool_calls"]:
             msg["tool_calls"] = m["tool_calls"]
+        if m["thinking"]:        # an earlier reply's thinking: the assistant message's reasoning (vLLM joins them so)
+            msg["reasoning"] = "".join(m["thinking"])
         out.append(msg)
     return out
 
@@ -318,8 +329,15 @@ def stop_reason(finish_reason: str | None, stop: int | str | None) -> tuple[Stop
     return "end_turn", None
 
 
+def signature() -> str:
+    """A thinking block's signature: random, as vLLM's (kvflow signs nothing)."""
+    return uuid.uuid4().hex
+
+
 def content_blocks(message: ChatResponseMessage) -> list[ContentOut]:
-    blocks: list[ContentOut] = [TextContent(text=message.content)] if message.content else []
+    blocks: list[ContentOut] = [ThinkingContent(thinking=message.reasoning, signature=signature())] if (
+        message.reasoning) else []
+    blocks += [TextContent(text=message.content)] if message.content else []
     for call in message.tool_calls or []:
         arguments = json.loads(call.function.arguments)     # the tool-call parser's own JSON
         if isinstance(arguments, dict):
@@ -337,8 +355,9 @@ def usage(gen: Generation) -> MessagesUsage:
 
 
 class StreamedBlocks:
-    """The chat route's deltas -> content block events: a text block while text comes, a tool_use block per call
-    (its input as the JSON text the model writes). Each block is started, filled and stopped before the next (the
+    """The chat route's deltas -> content block events: a thinking block while reasoning comes (its signature
+    before it stops), a text block while text comes, a tool_use block per call (its input as the JSON text the model
+    writes). Each block is started, filled and stopped before the next (the
     chat stream sends no text between or after calls); `index` is the block's place in the content."""
 
     def __init__(self) -> None:
@@ -354,12 +373,19 @@ class StreamedBlocks:
     def stop(self) -> list[StreamEvent]:
         if self.open is None:
             return []
+        events: list[StreamEvent] = []
+        if self.open == "thinking":
+            events.append(ContentBlockDeltaEvent(index=self.index, delta=SignatureDelta(signature=signature())))
         self.open = None
         self.index += 1
-        return [ContentBlockStopEvent(index=self.index - 1)]
+        return events + [ContentBlockStopEvent(index=self.index - 1)]
 
     def push(self, delta) -> list[StreamEvent]:
         events: list[StreamEvent] = []
+        if delta.reasoning:
+            if self.open != "thinking":
+                events += self.start(ThinkingContent(thinking="", signature=""))
+            events.append(ContentBlockDeltaEvent(index=self.index, delta=ThinkingDelta(thinking=delta.reasoning)))
         if delta.content:
             if self.open != "text":
                 events += self.start(TextContent(text=""))

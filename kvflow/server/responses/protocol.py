@@ -110,6 +110,22 @@ class ResponseOutputMessage(OpenAIModel):
     content: list[ResponseOutputText]
 
 
+class ReasoningText(OpenAIModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ResponseReasoningItem(OpenAIModel):
+    """The model's reasoning (--reasoning-parser), before the message it led to. kvflow writes no summaries and
+    encrypts nothing: the text is in `content`."""
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    encrypted_content: None = None
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class ResponseFunctionToolCall(OpenAIModel):
     type: Literal["function_call"] = "function_call"
     id: str
@@ -119,7 +135,7 @@ class ResponseFunctionToolCall(OpenAIModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-ResponseOutputItem = Union[ResponseOutputMessage, ResponseFunctionToolCall]
+ResponseOutputItem = Union[ResponseReasoningItem, ResponseOutputMessage, ResponseFunctionToolCall]
 
 
 class InputTokensDetails(OpenAIModel):
@@ -127,7 +143,7 @@ class InputTokensDetails(OpenAIModel):
 
 
 class OutputTokensDetails(OpenAIModel):
-    reasoning_tokens: int = 0           # kvflow parses no reasoning out of the output
+    reasoning_tokens: int = 0           # output tokens of the reasoning items (0 without --reasoning-parser)
 
 
 class ResponseUsage(OpenAIModel):
@@ -200,7 +216,7 @@ class ResponseContentPartEvent(OpenAIModel):
     item_id: str
     output_index: int
     content_index: int = 0
-    part: ResponseOutputText
+    part: Union[ResponseOutputText, ReasoningText]
 
 
 class ResponseTextDeltaEvent(OpenAIModel):
@@ -223,6 +239,24 @@ class ResponseTextDoneEvent(OpenAIModel):
     logprobs: list[ResponseTokenLogprob] = Field(default_factory=list)
 
 
+class ResponseReasoningTextDeltaEvent(OpenAIModel):
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    sequence_number: int = 0
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    delta: str
+
+
+class ResponseReasoningTextDoneEvent(OpenAIModel):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    sequence_number: int = 0
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    text: str
+
+
 class ResponseFunctionCallArgumentsDeltaEvent(OpenAIModel):
     type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
     sequence_number: int = 0
@@ -240,5 +274,6 @@ class ResponseFunctionCallArgumentsDoneEvent(OpenAIModel):
 
 
 ResponseStreamEvent = Union[ResponseLifecycleEvent, ResponseOutputItemEvent, ResponseContentPartEvent,
-                            ResponseTextDeltaEvent, ResponseTextDoneEvent, ResponseFunctionCallArgumentsDeltaEvent,
+                            ResponseTextDeltaEvent, ResponseTextDoneEvent, ResponseReasoningTextDeltaEvent,
+                            ResponseReasoningTextDoneEvent, ResponseFunctionCallArgumentsDeltaEvent,
                             ResponseFunctionCallArgumentsDoneEvent]

@@ -4,7 +4,8 @@ A Responses request becomes one `ChatCompletionRequest` (instructions -> a syste
 messages, `text.format` -> `response_format`, function tools -> chat tools and `tool_choice`, `max_output_tokens` ->
 `max_tokens`), submitted through `OpenAIServing.start_chat`; the answer is read back through the chat route's own
 `collect` + `chat_choice` (whole) or `chunks` (streamed), so prompts, sampling, structured outputs, tool-call
-parsing, usage, errors and metrics are the chat route's. This module only renders the Responses shapes: output items
+parsing, reasoning (--reasoning-parser: a `reasoning` item before the message), usage, errors and metrics are the chat
+route's. This module only renders the Responses shapes: output items
 and the typed event sequence openai-python's stream parser expects. A 400 from the chat path names the field as
 the Responses API spells it (`max_output_tokens`, `input`, `text.format`, `tools[0].name`).
 """
@@ -28,9 +29,11 @@ from kvflow.server.responses.protocol import (INCLUDE_LOGPROBS, IncompleteDetail
                                               ResponseFunctionCallArgumentsDeltaEvent,
                                               ResponseFunctionCallArgumentsDoneEvent, ResponseFunctionToolCall,
                                               ResponseLifecycleEvent, ResponseOutputItemEvent, ResponseOutputMessage,
-                                              ResponseOutputText, ResponsesRequest, ResponsesResponse,
-                                              ResponseStreamEvent, ResponseTextDeltaEvent, ResponseTextDoneEvent,
-                                              ResponseTokenLogprob, ResponseUsage, response_id)
+                                              ResponseOutputText, ResponseReasoningItem,
+                                              ResponseReasoningTextDeltaEvent, ResponseReasoningTextDoneEvent,
+                                              ResponsesRequest, ResponsesResponse, ResponseStreamEvent,
+                                              ResponseTextDeltaEvent, ResponseTextDoneEvent, ResponseTokenLogprob,
+                                              ResponseUsage, OutputTokensDetails, ReasoningText, response_id)
 from kvflow.server.serving.serving import EventStream, Generation, OpenAIServing
 
 # the OpenAPI document's 200 for the route (its errors are the chat route's)
@@ -102,6 +105,8 @@ class ResponsesServing:
             async for chunk in self.serving.chunks(gen):
                 for choice in chunk.choices:
                     d = choice.delta
+                    for e in writer.reasoning(d.reasoning or ""):
+                        yield e
                     logprobs = token_logprobs(choice.logprobs) if include_logprobs else []
                     for e in writer.text(d.content or "", logprobs):
                         yield e
@@ -153,7 +158,8 @@ def chat_request_body(req: ResponsesRequest, rid: str) -> dict[str, Any]:
 
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """instructions and input -> chat messages: message items as messages, function_call items as the assistant's
-    tool_calls (joined onto the assistant message they follow), function_call_output items as tool messages."""
+    tool_calls (joined onto the assistant message they follow), function_call_output items as tool messages, reasoning
+    items (an earlier response's, passed back) as the reasoning of the assistant message they open."""
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
@@ -168,24 +174,54 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ROLES:
                 raise APIError(400, f"unknown role {role!r}: expected one of {', '.join(ROLES)}", param=f"{where}.role")
-            messages.append({"role": ROLES[role], "content": text_parts(item.get("content"), f"{where}.content")})
+            content = text_parts(item.get("content"), f"{where}.content")
+            last = messages[-1] if messages else None
+            if role == "assistant" and last is not None and last.get("opened_by_reasoning"):
+                del last["opened_by_reasoning"]
+                last["content"] = content          # the message the reasoning led to
+            else:
+                messages.append({"role": ROLES[role], "content": content})
         elif kind == "function_call":
             call = {"id": required_str(item, "call_id", where), "type": "function",
                     "function": {"name": required_str(item, "name", where),
                                  "arguments": required_str(item, "arguments", where)}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
+                last.pop("opened_by_reasoning", None)
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":
+            messages.append({"role": "assistant", "content": None, "reasoning": reasoning_text(item, where),
+                             "opened_by_reasoning": True})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": required_str(item, "call_id", where),
                              "content": text_parts(item.get("output"), f"{where}.output")})
         else:
-            raise APIError(400, f"input items of type {kind!r} are not supported: give messages, function_call and "
-                                "function_call_output items (kvflow keeps no items to reference)",
+            raise APIError(400, f"input items of type {kind!r} are not supported: give messages, function_call, "
+                                "function_call_output and reasoning items (kvflow keeps no items to reference)",
                            param=f"{where}.type")
+    for m in messages:
+        m.pop("opened_by_reasoning", None)
     return messages
+
+
+def reasoning_text(item: dict, where: str) -> str:
+    """A reasoning input item's text: its reasoning_text parts (kvflow's own reasoning items carry them). A summary
+    alone or encrypted content (OpenAI's) gives kvflow no text to put before the answer: a 400."""
+    if item.get("encrypted_content") is not None:
+        raise APIError(400, "encrypted reasoning is not supported: kvflow encrypts none (pass its reasoning items "
+                            "back as they came)", param=f"{where}.encrypted_content")
+    content = item.get("content")
+    if not isinstance(content, list) or not content:
+        raise APIError(400, "a reasoning item passed back needs its reasoning_text content", param=f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text" or not isinstance(part.get("text"), str):
+            raise APIError(400, "reasoning content parts are {'type': 'reasoning_text', 'text': ...}",
+                           param=f"{where}.content[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def text_parts(content: Any, where: str) -> str | list[dict[str, str]]:
@@ -270,10 +306,10 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
     """reasoning.effort reaches the chat template as `reasoning_effort` (a 400 if the template never reads it);
-    kvflow writes no reasoning items, so a summary cannot be had."""
+    kvflow's reasoning items hold the reasoning itself (--reasoning-parser), never a summary."""
     for key, value in (reasoning or {}).items():
         if key != "effort" and value is not None:
-            raise APIError(400, f"reasoning.{key} is not supported: kvflow writes no reasoning items",
+            raise APIError(400, f"reasoning.{key} is not supported: kvflow writes no reasoning summaries",
                            param=f"reasoning.{key}")
     return (reasoning or {}).get("effort")
 
@@ -303,9 +339,13 @@ def response_head(req: ResponsesRequest, rid: str, gen: Generation) -> Responses
 
 
 def output_items(choice: ChatCompletionChoice, include_logprobs: bool) -> list:
-    """A finished chat choice -> output items: its text as a message (also when empty and nothing was called),
-    then one function_call item per tool call."""
+    """A finished chat choice -> output items: its reasoning (--reasoning-parser), its text as a message (also when
+    empty and nothing was called), then one function_call item per tool call."""
     message, items = choice.message, []
+    status = "incomplete" if choice.finish_reason == "length" else "completed"
+    if message.reasoning:
+        items.append(ResponseReasoningItem(id=item_id("rs"), content=[ReasoningText(text=message.reasoning)],
+                                           status="completed" if message.content or message.tool_calls else status))
     calls = message.tool_calls or []
     if message.content or not calls:
         logprobs = token_logprobs(choice.logprobs) if include_logprobs else None
@@ -323,15 +363,19 @@ def token_logprobs(logprobs: ChatLogprobs | None) -> list[ResponseTokenLogprob]:
 
 def response_usage(u: UsageInfo) -> ResponseUsage:
     cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+    reasoning = u.completion_tokens_details.reasoning_tokens if u.completion_tokens_details else 0
     return ResponseUsage(input_tokens=u.prompt_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached),
-                         output_tokens=u.completion_tokens, total_tokens=u.total_tokens)
+                         output_tokens=u.completion_tokens, total_tokens=u.total_tokens,
+                         output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning))
 
 
 class ResponseEventWriter:
     """One streamed response's events, in the order openai-python's parser checks: created, in_progress; per output
     item added -> (content part added -> text deltas -> text done -> part done | argument deltas -> arguments done)
     -> item done; then completed (incomplete when max_output_tokens cut it, failed when the engine failed it).
-    One item is open at a time: text comes before calls (the chat route's tool-call streamer sends no prose after a
+    A reasoning item (added -> reasoning_text part added -> reasoning_text deltas -> done -> part done -> item done)
+    comes first, when the chat route streams reasoning.
+    One item is open at a time: reasoning before text, text before calls (the chat route's tool-call streamer sends no prose after a
     call), and each call opens when the streamer announces it."""
 
     def __init__(self, head: ResponsesResponse, include_logprobs: bool) -> None:
@@ -344,6 +388,8 @@ class ResponseEventWriter:
         self.logprobs: list[ResponseTokenLogprob] = []
         self.call: ResponseFunctionToolCall | None = None
         self.arguments: list[str] = []
+        self.thought: ResponseReasoningItem | None = None     # the open reasoning item
+        self.thought_so_far: list[str] = []
 
     def sse(self, event: ResponseStreamEvent) -> str:
         event.sequence_number = self.sequence
@@ -358,12 +404,42 @@ class ResponseEventWriter:
         return [self.sse(ResponseLifecycleEvent(type=t, response=self.head))
                 for t in ("response.created", "response.in_progress")]
 
+    def reasoning(self, delta: str) -> list[str]:
+        if not delta:
+            return []
+        out = []
+        if self.thought is None:
+            self.thought = ResponseReasoningItem(id=item_id("rs"), content=[], status="in_progress")
+            out += [self.sse(ResponseOutputItemEvent(type="response.output_item.added",
+                                                     output_index=self.output_index, item=self.thought)),
+                    self.sse(ResponseContentPartEvent(type="response.content_part.added", item_id=self.thought.id,
+                                                      output_index=self.output_index, part=ReasoningText(text="")))]
+        self.thought_so_far.append(delta)
+        out.append(self.sse(ResponseReasoningTextDeltaEvent(item_id=self.thought.id, output_index=self.output_index,
+                                                            delta=delta)))
+        return out
+
+    def close_reasoning(self, status: str) -> list[str]:
+        if self.thought is None:
+            return []
+        text, index = "".join(self.thought_so_far), self.output_index
+        part = ReasoningText(text=text)
+        item = self.thought.model_copy(update={"content": [part], "status": status})
+        out = [self.sse(ResponseReasoningTextDoneEvent(item_id=item.id, output_index=index, text=text)),
+               self.sse(ResponseContentPartEvent(type="response.content_part.done", item_id=item.id,
+                                                 output_index=index, part=part)),
+               self.sse(ResponseOutputItemEvent(type="response.output_item.done", output_index=index, item=item))]
+        self.items.append(item)
+        self.thought, self.thought_so_far = None, []
+        return out
+
     def text(self, delta: str, logprobs: list[ResponseTokenLogprob]) -> list[str]:
         # logprobs of tokens whose text is still held back (a possible stop string) go out with the done event
         self.logprobs += logprobs
         if not delta:
             return []
-        out = self.open_message() if self.message is None else []
+        out = self.close_reasoning("completed")
+        out += self.open_message() if self.message is None else []
         self.text_so_far.append(delta)
         out.append(self.sse(ResponseTextDeltaEvent(item_id=self.message.id, output_index=self.output_index,
                                                    delta=delta, logprobs=logprobs)))
@@ -396,7 +472,7 @@ class ResponseEventWriter:
         out = []
         function = delta.get("function") or {}
         if delta.get("id") is not None:
-            out += self.close_message("completed") + self.close_call("completed")
+            out += self.close_reasoning("completed") + self.close_message("completed") + self.close_call("completed")
             self.call = ResponseFunctionToolCall(id=item_id("fc"), call_id=delta["id"], name=function["name"],
                                                  arguments="", status="in_progress")
             out.append(self.sse(ResponseOutputItemEvent(type="response.output_item.added",
@@ -422,8 +498,8 @@ class ResponseEventWriter:
     def finish(self, finish_reason: str | None, usage: ResponseUsage) -> list[str]:
         incomplete = finish_reason == "length"
         status = "incomplete" if incomplete else "completed"
-        out = self.close_message(status) + self.close_call(status)
-        if not self.items:                    # nothing generated: an empty message, as the whole response has
+        out = self.close_reasoning(status) + self.close_message(status) + self.close_call(status)
+        if not any(item.type != "reasoning" for item in self.items):                    # nothing generated: an empty message, as the whole response has
             out += self.open_message() + self.close_message(status)
         response = self.head.model_copy(update=dict(
             status=status, output=self.items, usage=usage, completed_at=int(time.time()),

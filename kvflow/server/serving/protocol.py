@@ -65,6 +65,10 @@ class ChatMessage(OpenAIModel):
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None     # an assistant's earlier calls
     tool_call_id: Text | None = None             # a tool message: the call it answers
+    # an assistant's earlier reasoning (what --reasoning-parser returned), for templates that read it (Qwen3's
+    # `reasoning_content`; both names reach the template, as vLLM accepts both)
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -253,6 +257,8 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None      # for templates that read `documents` (RAG)
     reasoning_effort: Text | None = None               # for templates that read `reasoning_effort`
+    # false: the reasoning is split off and not returned (needs --reasoning-parser: without one nothing is split)
+    include_reasoning: bool = True
     echo: bool = False                       # the reply starts with the last message when it is the assistant's
     # tool calling (kvflow.server.serving.tool_calls.parse_tool_request checks them and names the field)
     tools: list[dict[str, Any]] | None = None
@@ -376,11 +382,17 @@ class PromptTokensDetails(OpenAIModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(OpenAIModel):
+    reasoning_tokens: int = 0        # completion tokens the reasoning parser found in the reasoning, its markers too
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    # only with --reasoning-parser (a server without one counts no reasoning, and sends vLLM's usage as it is)
+    completion_tokens_details: CompletionTokensDetails | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TopLogprob(OpenAIModel):
@@ -403,6 +415,10 @@ class ChatResponseMessage(OpenAIModel):
     them, for clients that index them."""
     role: str = "assistant"
     content: str | None = None
+    # --reasoning-parser: the text between the think markers. vLLM's current name is `reasoning`; it still sends
+    # `reasoning_content` (the name DeepSeek's API and older vLLM use) beside it, the same text
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     refusal: str | None = None
     annotations: list | None = None
     audio: dict | None = None
@@ -432,6 +448,8 @@ class ChatCompletionChoice(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None             # --reasoning-parser: a piece of the reasoning (and, as vLLM, the same
+    reasoning_content: str | None = None     # text as reasoning_content)
     # OpenAI's tool-call chunks: {"index", "id", "type", "function": {"name", "arguments": ""}} when a call
     # starts, then {"index", "function": {"arguments": <fragment>}}
     tool_calls: list[dict[str, Any]] | None = None

@@ -65,8 +65,7 @@ _MISSING = object()
 # them, as vLLM's fast detokenizer does, and has no slow path that inserts or removes spaces; structural_tag,
 # guided_decoding_backend, guided_whitespace_pattern: one grammar backend (llguidance), JSON without free
 # whitespace; logits_processors: no user code in the engine; cache_salt,
-# kv_transfer_params, vllm_xargs, prompt_embeds, mm_processor_kwargs: not built; include_reasoning: no reasoning
-# parser.
+# kv_transfer_params, vllm_xargs, prompt_embeds, mm_processor_kwargs: not built.
 _COMMON = {
     "early_stopping": None, "spaces_between_special_tokens": True,
     "structural_tag": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
@@ -74,7 +73,7 @@ _COMMON = {
     **{name: None for name in OPENAI_ONLY},
 }
 REFUSED = {
-    "chat": {**_COMMON, "best_of": None, "include_reasoning": True, "mm_processor_kwargs": None},
+    "chat": {**_COMMON, "best_of": None, "mm_processor_kwargs": None},
     "completions": {**_COMMON, "prompt_embeds": None},
     "tokenize": {"media_io_kwargs": None, "mm_processor_kwargs": None},     # text only: no media, no processor
     "detokenize": {},
@@ -113,7 +112,8 @@ BEAM_SEARCH_READS = {
     "chat": ("use_beam_search", "n", "max_tokens", "max_completion_tokens", "ignore_eos", "temperature",
              "length_penalty", "include_stop_str_in_output", "skip_special_tokens", "messages", "add_generation_prompt",
              "continue_final_message", "add_special_tokens", "chat_template", "chat_template_kwargs", "documents",
-             "reasoning_effort", "truncate_prompt_tokens", "truncation_side", "echo", "return_token_ids", "tools",
+             "reasoning_effort", "include_reasoning", "truncate_prompt_tokens", "truncation_side", "echo",
+             "return_token_ids", "tools",
              "tool_choice", "parallel_tool_calls", "stream", "stream_options", "model", "user", "request_id",
              "priority"),
     "completions": ("use_beam_search", "n", "max_tokens", "ignore_eos", "temperature", "length_penalty",
@@ -216,6 +216,7 @@ MESSAGES_FIELDS = {
     "text": ("type", "text", "cache_control", "citations"),
     "tool_use": ("type", "id", "name", "input", "cache_control", "caller", "toolset_name"),
     "tool_result": ("type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"),
+    "thinking": ("type", "thinking", "signature"),            # an earlier reply's thinking block, passed back
     "tool": ("type", "name", "description", "input_schema", "cache_control", "strict", "defer_loading",
              "allowed_callers", "input_examples", "eager_input_streaming"),
     "tool_choice": ("type", "name", "disable_parallel_tool_use"),
@@ -226,7 +227,9 @@ MESSAGES_FIELDS = {
 }
 
 # kind -> name -> the values that ask for nothing kvflow lacks (unset, or what kvflow does anyway); any other value
-# is a 400 naming the field's path. Why each is refused: thinking, output_config.effort: no reasoning parser;
+# is a 400 naming the field's path. Why each is refused: thinking (enabled, adaptive): kvflow cannot hold the model to
+# a budget_tokens, nor switch a model's thinking on (what a reasoning model writes between its think markers comes
+# back as thinking blocks under --reasoning-parser, asked for or not); output_config.effort: no effort levels;
 # container, mcp_servers, context_management, tool_use.caller, toolset_name, tool.allowed_callers, defer_loading:
 # Anthropic's server-side tools, code execution and context editing, not built; output_format: the beta spelling,
 # kvflow reads output_config.format; inference_geo, speed "fast", workspace_id, user_profile_id: one server, one
@@ -241,6 +244,7 @@ MESSAGES_REFUSED = {
     "text": {"citations": ([],)},
     "tool_use": {"caller": ({"type": "direct"},), "toolset_name": ()},
     "tool_result": {"toolset_name": ()},
+    "thinking": {},
     "tool": {"defer_loading": (False,), "allowed_callers": (["direct"],), "input_examples": ([],),
              "eager_input_streaming": (True,)},     # kvflow streams tool input as it is generated
     "tool_choice": {},

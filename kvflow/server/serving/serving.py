@@ -10,6 +10,9 @@ where a request's stream would (it yields its n beams whole, best first, once th
 gets each beam's text in one chunk, as vLLM's; completions refuse stream, as vLLM's), and the fields it does not read
 are 400s (request_fields.BEAM_SEARCH_REFUSED).
 
+With --reasoning-parser each chat choice's text is split into its reasoning and its answer (serving/reasoning.py: the
+same state machine whole and streamed, so both cut at the same place); tool calls are parsed from the answer only.
+
 Structured outputs and forced tool calls are compiled here, on the grammar compiler's threads (one compiler
 per server, built on first use), before the request reaches the engine: a new schema never stalls the step
 loop, only its own request's TTFT. Tool calls are parsed back out of the text per choice, whole or streamed.
@@ -34,6 +37,7 @@ from kvflow.server.common.errors import APIError
 from kvflow.server.serving.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
                                             ChatCompletionResponse, ChatCompletionStreamChoice, ChatLogprobs,
                                             ChatResponseMessage, CompletionChoice, CompletionChunk,
+                                            CompletionTokensDetails,
                                             CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage,
                                             DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                             PromptLogprob, PromptTokensDetails, TokenizeRequest, TokenizeResponse,
@@ -44,6 +48,7 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.server.serving.chat_template import ChatTemplateOptions, template_variables
 from kvflow.server.common.request_record import current_record
 from kvflow.server.serving.protocol import ModelPermission, TokenizerInfoResponse
+from kvflow.server.serving.reasoning import ReasoningRequest, ReasoningSplitter, reasoning_request, reasoning_tokens
 from kvflow.server.serving.tool_prompt import chat_messages
 from kvflow.structured_output import GrammarCompiler, spec_from_request
 from kvflow.server.serving.tool_calls import ExtractedToolCalls, ToolCallStreamer, ToolRequest, extract_tool_calls, parse_tool_request
@@ -66,6 +71,9 @@ class Generation:
     echo: list[str] | None = None
     return_token_ids: bool = False
     tokens_as_ids: bool = False        # logprobs' tokens as "token_id:N"
+    reasoning: ReasoningRequest | None = None   # chat under --reasoning-parser: split each choice's text
+    # per choice, its reasoning tokens so far (usage's completion_tokens_details)
+    reasoning_counts: dict[int, int] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -117,7 +125,7 @@ class OpenAIServing:
     def __init__(self, engine, *, served_model_names: list[str] | tuple[str, ...] | None = None,
                  max_n: int = DEFAULT_MAX_N, shutdown_grace_period: float = 30.0,
                  tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
-                 return_tokens_as_token_ids: bool = False) -> None:
+                 return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.names = list(served_model_names or [engine.served_model_name])
@@ -128,6 +136,7 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser     # None: tool_choice "auto" is refused
         self.trust_request_chat_template = trust_request_chat_template   # a request may bring its own template
         self.return_tokens_as_token_ids = return_tokens_as_token_ids     # the default of the request field
+        self.reasoning_parser = reasoning_parser     # None: the output is not split (think markers stay in content)
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_compiler_lock = asyncio.Lock()
 
@@ -171,6 +180,11 @@ class OpenAIServing:
         gen = Generation(prepared.request_id, prepared.model, True, streams, req.num_logprobs, req.include_usage,
                          req.continuous_usage, tools=tools, echo=echo, return_token_ids=bool(req.return_token_ids),
                          tokens_as_ids=self.tokens_as_ids(req))
+        if self.reasoning_parser is not None:
+            # the prompt as the template wrote it: one that closed the reasoning itself leaves none to split off
+            prompt_text = await asyncio.to_thread(self.tokenizer.decode, prepared.prompt_ids[0], False)
+            gen.reasoning = reasoning_request(self.reasoning_parser, req.chat_template_kwargs or {}, prompt_text,
+                                              include_reasoning=req.include_reasoning)
         return gen
 
     async def start_completions(self, req: CompletionRequest, raw: Request | None = None, *,
@@ -198,8 +212,11 @@ class OpenAIServing:
         tools = parse_tool_request(req.tools, req.tool_choice, tool_parser=self.tool_call_parser,
                                    parallel_tool_calls=req.parallel_tool_calls)
         beam = self.beam_search_params(req, params, tools)
+        if not req.include_reasoning and self.reasoning_parser is None:
+            raise APIError(400, "include_reasoning=false needs a server started with --reasoning-parser NAME: "
+                                "without one no reasoning is split off the answer", param="include_reasoning")
         if beam is None:
-            await self.constrain(params, req, tools)
+            await self.constrain(params, req, tools, reasoning=self.reasoning_parser is not None)
         messages, render_args = self.chat_render_args(req, tools)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")   # text, flattened above
         prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, messages, **render_args)
@@ -305,13 +322,22 @@ class OpenAIServing:
         return req.to_beam_search_params(params)
 
     async def constrain(self, params: SamplingParams, req: ChatCompletionRequest | CompletionRequest,
-                        tools: ToolRequest | None = None) -> None:
-        """Compile the request's output constraint, if any, into params.structured (400 naming the field)."""
+                        tools: ToolRequest | None = None, reasoning: bool = False) -> None:
+        """Compile the request's output constraint, if any, into params.structured (400 naming the field).
+        `reasoning`: a chat under --reasoning-parser, where a constraint is refused: it would apply to the answer,
+        after the reasoning, but kvflow's grammars constrain the output from its first token, and one that started
+        there would forbid the reasoning (or be broken by it)."""
         spec = spec_from_request(req.structured_request())
         forced = tools.spec() if tools is not None else None
         if forced is not None and spec is not None:
             raise APIError(400, f"tool_choice {req.tool_choice!r} and {spec.param} both constrain the output; "
                                 "give one of them", param=spec.param)
+        if reasoning and (forced or spec) is not None:
+            what, param = (f"tool_choice {req.tool_choice!r}", "tool_choice") if forced is not None else (
+                spec.param, spec.param)
+            raise APIError(400, f"{what} constrains the output with a grammar from its first token, and with "
+                                "--reasoning-parser the grammar would have to start after the reasoning, which kvflow "
+                                "does not do: leave it unset, or serve without --reasoning-parser", param=param)
         if (record := current_record()) is not None and (forced or spec) is not None:
             record.structured_output = "tool_choice" if forced is not None else spec.kind
         spec = forced or spec
@@ -435,14 +461,16 @@ class OpenAIServing:
         if stream:
             return EventStream(self.events(gen), gen.streams)
         results = await self.collect(gen, raw)
-        head = dict(id=gen.request_id, created=gen.created, model=gen.model, usage=self.usage(gen))
+        head = dict(id=gen.request_id, created=gen.created, model=gen.model)
         if gen.chat:
+            choices = [self.chat_choice(gen, i, r) for i, r in enumerate(results)]   # (they count the reasoning)
             first = gen.streams[0]
             if first.params.prompt_logprobs is not None:
                 head["prompt_logprobs"] = self.prompt_logprobs(gen, first)
             if gen.return_token_ids:
                 head["prompt_token_ids"] = list(first.prompt_token_ids)
-            return ChatCompletionResponse(**head, choices=[self.chat_choice(gen, i, r) for i, r in enumerate(results)])
+            return ChatCompletionResponse(**head, choices=choices, usage=self.usage(gen))
+        head["usage"] = self.usage(gen)
         return CompletionResponse(**head, choices=[self.completion_choice(gen, i, r) for i, r in enumerate(results)])
 
     async def collect(self, gen: Generation, raw: Request | None) -> list[ChoiceResult]:
@@ -464,11 +492,20 @@ class OpenAIServing:
         return results
 
     def chat_choice(self, gen: Generation, index: int, r: ChoiceResult) -> ChatCompletionChoice:
-        text = (gen.echo[0] if gen.echo else "") + r.text
-        message, finish = ChatResponseMessage(content=text), r.finish_reason
+        answer, reasoning = r.text, {}
+        if gen.reasoning is not None:       # the answer is what follows the reasoning
+            splitter = gen.reasoning.splitter()
+            thought, answer = splitter.split(r.text)
+            self.count_reasoning(gen, index, splitter, [t for t, _ in r.tokens])
+            reasoning = reasoning_fields(gen.reasoning, splitter, thought)
+            if splitter.has_reasoning:
+                answer = answer or None     # as vLLM: nothing after the reasoning is no content
+        echo = gen.echo[0] if gen.echo else ""
+        text = echo + answer if answer is not None else (echo or None)
+        message, finish = ChatResponseMessage(content=text, **reasoning), r.finish_reason
         if gen.tools is not None:
-            found = tool_calls_in(gen.tools, r.text)
-            message = ChatResponseMessage(content=found.content,
+            found = tool_calls_in(gen.tools, answer or "")
+            message = ChatResponseMessage(content=found.content, **reasoning,
                                           tool_calls=[ToolCall(**c) for c in found.tool_calls] or None)
             if found.tool_calls and finish == "stop":
                 finish = "tool_calls"
@@ -534,6 +571,9 @@ class OpenAIServing:
         offsets = [0] * (len(gen.streams) * gen.n)        # completions' text_offset of the next token
         opened = [False] * len(offsets)                   # completions: the choice's first chunk went out
         streamers = [ToolCallStreamer(gen.tools) for _ in offsets] if gen.tools is not None else None
+        splitters = [gen.reasoning.splitter() for _ in offsets] if gen.reasoning is not None else None
+        choice_ids: list[list[int]] = [[] for _ in offsets] if splitters else []    # to count reasoning tokens
+        counted: set[int] = set()          # choices whose reasoning count is final (the reasoning has ended)
 
         def running_usage(opening: bool = False) -> UsageInfo | None:
             """continuous_usage_stats: usage on every chunk, as vLLM sends it; the chunks that open the stream count
@@ -556,7 +596,13 @@ class OpenAIServing:
             wants_logprobs = gen.num_logprobs is not None and bool(d.token_ids)
             opening = {}
             if gen.chat:
-                deltas, finish = chat_deltas(d, streamers[index] if streamers else None)
+                splitter = splitters[index] if splitters else None
+                deltas, finish = chat_deltas(d, streamers[index] if streamers else None, splitter, gen.reasoning)
+                if splitter is not None and index not in counted:    # counted as it goes (continuous usage)
+                    choice_ids[index] += d.token_ids
+                    self.count_reasoning(gen, index, splitter, choice_ids[index])
+                    if finish is not None or splitter.reasoning_end is not None or not splitter.has_reasoning:
+                        counted.add(index)
                 if finish is not None and streamers and (record := current_record()) is not None:
                     record.choice_finished(index, finish, streamers[index].names)
             else:
@@ -638,12 +684,25 @@ class OpenAIServing:
 
     @staticmethod
     def usage(gen: Generation, before_completion: bool = False) -> UsageInfo:
-        """The request's usage so far (`before_completion`: as it stood before any completion token)."""
+        """The request's usage so far (`before_completion`: as it stood before any completion token); under
+        --reasoning-parser with the reasoning tokens so far."""
         prompt = sum(s.num_prompt_tokens for s in gen.streams)
         completion = 0 if before_completion else sum(s.num_completion_tokens for s in gen.streams)
         cached = sum(s.num_cached_tokens for s in gen.streams)
+        details = None
+        if gen.reasoning is not None:
+            details = CompletionTokensDetails(reasoning_tokens=0 if before_completion
+                                              else sum(gen.reasoning_counts.values()))
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                         completion_tokens_details=details)
+
+    def count_reasoning(self, gen: Generation, index: int, splitter: ReasoningSplitter, token_ids: list[int]) -> None:
+        """A choice's reasoning tokens (of `token_ids`, its tokens so far), for usage: O(1) while it reasons, a few
+        decodes once its reasoning has ended (then the count is final)."""
+        skip = gen.stream_of(index).params.skip_special_tokens
+        gen.reasoning_counts[index] = reasoning_tokens(splitter, token_ids,
+                                                       lambda ids: self.tokenizer.decode(ids, skip))
 
     def failure(self, e: RequestFailedError) -> APIError:
         if isinstance(e, EngineDeadError):
@@ -677,17 +736,33 @@ def tool_calls_in(tools: ToolRequest, text: str) -> ExtractedToolCalls:
         return ExtractedToolCalls(text or None)
 
 
-def chat_deltas(d: CompletionDelta, streamer: ToolCallStreamer | None) -> tuple[list[DeltaMessage], str | None]:
-    """One engine delta -> the chat deltas to send (content, or tool-call chunks) and the finish reason."""
-    if streamer is None:
-        return ([DeltaMessage(content=d.text)] if d.text else []), d.finish_reason
-    parts = streamer.push(d.text) if d.text else []
+def chat_deltas(d: CompletionDelta, streamer: ToolCallStreamer | None, splitter: ReasoningSplitter | None = None,
+                reasoning: ReasoningRequest | None = None) -> tuple[list[DeltaMessage], str | None]:
+    """One engine delta -> the chat deltas to send (reasoning, then content or tool-call chunks) and the finish
+    reason. `splitter`: the choice's reasoning splitter (--reasoning-parser); only the answer reaches `streamer`."""
     finish = d.finish_reason
+    thought, answer = splitter.push(d.text) if splitter is not None and d.text else ("", d.text)
+    if splitter is not None and finish is not None:
+        rest = splitter.finish()
+        thought, answer = thought + rest[0], answer + rest[1]
+    deltas = [DeltaMessage(reasoning=thought, reasoning_content=thought)] if (
+        thought and reasoning is not None and reasoning.include_reasoning) else []
+    if streamer is None:
+        return deltas + ([DeltaMessage(content=answer)] if answer else []), finish
+    parts = streamer.push(answer) if answer else []
     if finish is not None:
         parts += streamer.finish()
         if finish == "stop" and streamer.has_tool_calls:
             finish = "tool_calls"
-    return [DeltaMessage(**p) for p in parts], finish
+    return deltas + [DeltaMessage(**p) for p in parts], finish
+
+
+def reasoning_fields(request: ReasoningRequest, splitter: ReasoningSplitter, thought: str) -> dict:
+    """A whole choice's `reasoning` and `reasoning_content` (vLLM sends both): None where the output had no
+    reasoning, an empty one, or include_reasoning is false."""
+    if not splitter.has_reasoning or not request.include_reasoning or not thought:
+        return {}      # as a stream, which sends no reasoning then
+    return {"reasoning": thought, "reasoning_content": thought}
 
 
 def arrival_time(raw: Request | None) -> float:

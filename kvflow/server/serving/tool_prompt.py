@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvflow.server.common.errors import APIError
 from kvflow.server.serving.tool_calls import ToolRequest, template_supports_tools
 
 
@@ -30,6 +31,12 @@ def chat_messages(messages: list, tools: ToolRequest | None, chat_template: str 
             msg["name"] = m.name
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        thought = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if thought is not None:
+            if m.role != "assistant":
+                raise APIError(400, "reasoning belongs to assistant messages (the model's earlier reasoning)",
+                               param="messages")
+            msg["reasoning"] = msg["reasoning_content"] = thought
         if m.tool_calls:
             calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)} for c in m.tool_calls]
             if native:
