@@ -7,14 +7,21 @@ the command into the same output, which resumes: every line is answered exactly 
 as they were, the output in input order, the bodies equal to one engine's `kvflow run-batch`. A second run has one
 replica SIGKILLed mid-run (its PID from the cluster's actor table): Ray restarts it, its lines run again, and the
 output is the same. Without Ray importable, `--ray` and `kvflow.ray.run_batch` fail at once naming the extra.
+
+`--distributed-executor-backend ray` on the same cluster (VLLM_RAY_PG_STRATEGY=SPREAD: one rank on each node): TP=2
+equal to TP=1 and to the `mp` backend token for token (tokens and logprobs), and a SIGKILLed rank ends the engine
+with the `mp` backend's TensorParallelError.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -240,3 +247,73 @@ def test_ray_flags_without_ray_are_refused(tmp_path):
     done = run(["-m", "kvflow.cli", "run-batch", "-i", str(inp), "-o", str(tmp_path / "out.jsonl"),
                 "--replicas", "2"])
     assert done.returncode == 2 and "--replicas only apply with --ray" in done.stderr, done.stderr
+
+
+# ---- tensor parallelism over Ray (--distributed-executor-backend ray) --------------------------------------------
+@pytest.fixture
+def on_the_cluster(cluster, monkeypatch):
+    """This process drives the cluster; SPREAD puts rank 1 on the other node (one CPU each: STRICT_PACK cannot)."""
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    monkeypatch.setenv("VLLM_RAY_PG_STRATEGY", "SPREAD")
+    return cluster
+
+
+@needs_ray
+@pytest.mark.slow
+def test_tp2_over_ray_matches_tp1_and_the_mp_backend_token_for_token(on_the_cluster, model_path):
+    from kvflow.core.engine_core import EngineCore
+    from test_tensor_parallel import assert_same, core_config, run as run_core, workload
+
+    prompts, params = workload(8)
+    expected = run_core(EngineCore(core_config(model_path)), prompts, params)
+    results = {}
+    for backend in ("mp", "ray"):
+        core = EngineCore(core_config(model_path, tensor_parallel_size=2, distributed_executor_backend=backend))
+        try:
+            results[backend] = run_core(core, prompts, params)
+            worker = core.executor.workers[0][1]
+            assert worker.is_alive()
+            if backend == "ray":
+                placement = core.executor.workers[0][0]
+                assert placement.local_size == 1 and worker.node_id is not None      # alone on its node
+        finally:
+            core.shutdown()
+        assert worker.exitcode == 0                   # stopped when told, not killed
+        assert_same(expected, results[backend])
+    assert results["ray"][0] == results["mp"][0]
+
+
+@needs_ray
+@pytest.mark.slow
+def test_a_killed_ray_worker_ends_the_engine_with_the_mp_backends_error(on_the_cluster, model_path):
+    from kvflow import SamplingParams
+    from kvflow.core.engine_core import EngineCore
+    from kvflow.executor.tensor_parallel import TensorParallelError
+    from test_tensor_parallel import core_config
+
+    core = EngineCore(core_config(model_path, tensor_parallel_size=2, distributed_executor_backend="ray"))
+    try:
+        pid = core.worker_pids()[0]
+        core.add_request("long", list(range(100, 120)), SamplingParams(temperature=0, max_tokens=200,
+                                                                      ignore_eos=True))
+        for _ in range(3):
+            core.step()                                 # the request is running
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match=rf"tensor-parallel worker rank 1 \(pid {pid}\) died"):
+            while core.has_unfinished_requests():
+                core.step()
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(TensorParallelError):        # and stays failed (an idle engine's check too)
+            core.executor.check_health()
+    finally:
+        t1 = time.monotonic()
+        core.shutdown()
+        assert time.monotonic() - t1 < 30
+
+
+def test_the_ray_backend_without_ray_is_an_error_naming_the_extra():
+    hide = "import sys; sys.modules['ray'] = None; "
+    done = run(["-c", hide + "from kvflow.config import EngineConfig\ntry:\n    EngineConfig(tensor_parallel_size=2, "
+                "distributed_executor_backend='ray')\nexcept ValueError as e:\n    print('ValueError:', e)"])
+    assert "ValueError:" in done.stdout and "pip install 'kvflow[ray]'" in done.stdout, done.stdout + done.stderr
