@@ -41,13 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: a continuous-batching LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     from kvflow.bench.cli import add_bench_parser
+    from kvflow.ray.cli import add_ray_batch_flags
     from kvflow.server.cli import add_serve_parser
     from kvflow.server.batch.report import add_batch_parser
     from kvflow.server.run_batch import add_run_batch_parser
 
     _add_generate_parser(sub)
     add_serve_parser(sub)
-    add_run_batch_parser(sub)
+    add_ray_batch_flags(add_run_batch_parser(sub))
     add_batch_parser(sub)
     add_bench_parser(sub)
     return parser

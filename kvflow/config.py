@@ -12,6 +12,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
 POOLING_TYPES = ("last", "mean")     # kvflow/pooling_params.py says what each computes
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # the projections a LoRA adapter may adapt (PEFT's module names)
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -86,6 +87,11 @@ class EngineConfig:
                                          "the model and a share of the KV cache and the cores; a request goes to "
                                          "the engine most likely holding its prompt's prefix, then the least "
                                          "loaded", aliases=("-dp",))
+    distributed_executor_backend: str = _option(
+        "mp", "how tensor-parallel ranks start: mp (processes this engine spawns on this machine) or ray (Ray actors "
+              "in a placement group on the Ray cluster at RAY_ADDRESS, else one on this machine: STRICT_PACK keeps "
+              "them on this node, VLLM_RAY_PG_STRATEGY=SPREAD spreads them over the nodes; needs kvflow[ray])",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS)
     distributed_init_method: str | None = _option(None, "rendezvous of a multi-machine run: tcp://HOST:PORT of node "
                                                         "0, which every node can reach (default: one machine, a free "
                                                         "local port)", metavar="tcp://HOST:PORT")
@@ -143,7 +149,8 @@ class EngineConfig:
     def validate(self) -> None:
         for name, choices in (("dtype", DTYPES), ("scheduling_policy", SCHEDULING_POLICIES),
                               ("quantization", QUANTIZATIONS), ("kv_cache_dtype", KV_CACHE_DTYPES),
-                              ("pooling", POOLING_TYPES)):
+                              ("pooling", POOLING_TYPES),
+                              ("distributed_executor_backend", DISTRIBUTED_EXECUTOR_BACKENDS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(c for c in choices if c)}, "
                                  f"got {getattr(self, name)!r}")
@@ -172,6 +179,21 @@ class EngineConfig:
         if self.data_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.nnodes > 1):
             raise ValueError("data_parallel_size > 1 runs whole engines on this machine: it does not combine with "
                              "tensor_parallel_size > 1 or nnodes > 1 yet")
+        if self.distributed_executor_backend == "ray":
+            if self.nnodes > 1 or self.distributed_init_method is not None:
+                raise ValueError("distributed_executor_backend=ray places the ranks itself: it does not combine with "
+                                 "nnodes, node_rank or distributed_init_method")
+            if self.data_parallel_size > 1:
+                raise ValueError("distributed_executor_backend=ray runs tensor-parallel ranks only: it does not "
+                                 "combine with data_parallel_size > 1 yet")
+            if self.device.startswith("cuda"):
+                raise ValueError("distributed_executor_backend=ray places CPU ranks only yet: use device=cpu, or "
+                                 "the mp backend on GPUs")
+            try:
+                import ray  # noqa: F401
+            except ImportError:
+                raise ValueError("distributed_executor_backend=ray needs Ray, which is not installed: "
+                                 "pip install 'kvflow[ray]'") from None
         if self.nnodes > 1 and self.distributed_init_method is None:
             raise ValueError("nnodes > 1 needs distributed_init_method=tcp://HOST:PORT, an address of node 0 "
                              "that every node can reach")

@@ -22,6 +22,7 @@ LAYERS = [
     {"output_processor", "engine_process", "engine_router"},
     {"llm", "async_engine"},
     {"server", "bench"},
+    {"ray"},
     {"cli"},
 ]
 

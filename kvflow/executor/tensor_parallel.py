@@ -39,16 +39,26 @@ class TensorParallelExecutor:
         # rank 0 shares this machine's cores with its local workers (ModelRunner sets fewer torch threads);
         # the count is per process, so it is given back at shutdown for engines that run here later
         self._threads_before = torch.get_num_threads()
-        init_method = config.distributed_init_method or f"tcp://127.0.0.1:{free_local_port()}"
-        placements = node_placements(config, init_method)
-        self.workers: list[tuple[Placement, object]] = start_local_workers(config, placements[1:])
+        self._close_ray = None
+        self.workers: list[tuple[Placement, object]] = []
+        if config.distributed_executor_backend == "ray":
+            # the ranks are Ray actors in a placement group, on whichever nodes Ray puts them (ray_workers.py)
+            from kvflow.executor.ray_workers import start_ray_workers
+
+            init_method, first, self.workers, self._close_ray = start_ray_workers(config)
+            placements = [first] + [p for p, _w in self.workers]
+        else:
+            init_method = config.distributed_init_method or f"tcp://127.0.0.1:{free_local_port()}"
+            placements = node_placements(config, init_method)
+            self.workers = start_local_workers(config, placements[1:])
         try:
             remote = config.tensor_parallel_size - len(placements)
-            log.info("tensor parallel: %d ranks (%d on this machine%s), rendezvous at %s",
-                     config.tensor_parallel_size, len(placements),
-                     f", {remote} on {config.nnodes - 1} other node(s)" if remote else "", init_method)
+            if self._close_ray is None:        # (ray_workers logs where Ray put each rank)
+                log.info("tensor parallel: %d ranks (%d on this machine%s), rendezvous at %s",
+                         config.tensor_parallel_size, len(placements),
+                         f", {remote} on {config.nnodes - 1} other node(s)" if remote else "", init_method)
             device = platform.pick_device(config.device, 0)
-            self.tp = join_process_group(init_method, 0, config.tensor_parallel_size, 0, len(placements),
+            self.tp = join_process_group(init_method, 0, config.tensor_parallel_size, 0, placements[0].local_size,
                                          device, self.check_alive)
             self.tp.broadcast_from_first((config, max_model_len))
             self.runner = ModelRunner(config, model_config, model_path, max_model_len, tp=self.tp)
@@ -81,7 +91,8 @@ class TensorParallelExecutor:
 
     def _failure(self, error: Exception) -> TensorParallelError:
         # a collective failed: most likely a worker died; give its exit a moment to show, then say who
-        deadline = time.monotonic() + 2.0
+        # (a Ray actor's death reaches this process through the cluster: allow it longer)
+        deadline = time.monotonic() + (2.0 if self._close_ray is None else 10.0)
         dead = self._dead_workers()
         while not dead and self.workers and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -115,6 +126,8 @@ class TensorParallelExecutor:
             except Exception as e:  # noqa: BLE001 - a broken group: the workers are stopped below anyway
                 log.warning("tensor parallel: could not send stop: %s", str(e).splitlines()[0] if str(e) else e)
         stop_local_workers(self.workers, timeout=10.0 if self.failed is None else 1.0)
+        if self._close_ray is not None:
+            self._close_ray()            # the actors and the placement group
         leave_process_group()
         torch.set_num_threads(self._threads_before)
         log.info("tensor parallel: workers stopped")

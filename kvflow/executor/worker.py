@@ -95,6 +95,8 @@ def start_local_workers(config: EngineConfig, placements: list[Placement]) -> li
 def describe_exit(placement: Placement, proc: multiprocessing.Process) -> str:
     code = proc.exitcode
     how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
+    if getattr(proc, "died", None):          # a Ray actor (ray_workers.RayWorker): Ray's own reason
+        how = f"its Ray actor died: {proc.died}"
     return f"tensor-parallel worker rank {placement.rank} (pid {proc.pid}) died ({how})"
 
 
