@@ -1,0 +1,218 @@
+"""Mixtures of experts (Qwen3-MoE, OLMoE, GraniteMoE, Mixtral) on random-weight models with their real configs (small
+shapes), token for token against transformers in float32, from HF folders and GGUF files; the experts batched by
+expert and batch invariant (layers/moe.py); the variants kvflow does not implement refused at load."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.layers import native_kernels
+from kvflow.layers.moe import ROUTER_ROWS, Router, SparseMoE, blocked_linear
+from kvflow.models.model_files import resolve_model_files
+from tiny_models import make_tiny_hf_model, write_gguf_from_hf
+
+MAX_TOKENS = 16
+FAMILIES = ("qwen3_moe", "olmoe", "granitemoe", "mixtral")
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    # transformers' eager experts: the reference loop (its default grouped_mm is another summation)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int = MAX_TOKENS) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    rand = lambda n: torch.randint(10, 40000, (n,), generator=g).tolist()     # noqa: E731
+    return [rand(5), rand(19), rand(41), [42]]
+
+
+def greedy(llm: LLM, batch: list[list[int]], n: int = MAX_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    """One tiny HF folder per family (module-scoped: several tests read them)."""
+    root = tmp_path_factory.mktemp("moe")
+    return {f: make_tiny_hf_model(root / f, family=f, seed=11) for f in FAMILIES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_transformers_token_for_token(moe_dirs, family):
+    path = moe_dirs[family]
+    cfg = resolve_model_files(path).config
+    assert cfg.num_experts == 8 and cfg.arch.moe_router
+    hf = hf_model(path)
+    batch = prompts()
+    want = [hf_greedy(hf, p) for p in batch]
+    # the whole batch in one step, and chunked prefill: a budget of 13 cuts the 19- and 41-token prompts
+    for engine in ({}, {"max_num_batched_tokens": 13}):
+        llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="16MiB", **engine)
+        got = greedy(llm, batch)
+        for p, a, b in zip(batch, got, want):
+            assert a == b, f"{family} {engine}, prompt of {len(p)}: kvflow {a} != transformers {b}"
+        # a mixed batch equals each request alone
+        assert [greedy(llm, [p])[0] for p in batch] == got
+        llm.engine.kv_cache_manager.check()
+
+
+def test_each_family_reads_its_config(moe_dirs):
+    q = resolve_model_files(moe_dirs["qwen3_moe"]).config
+    assert (q.family, q.num_experts_per_tok, q.moe_intermediate_size, q.norm_topk_prob, q.qk_norm) == (
+        "qwen3_moe", 3, 32, True, True)
+    o = resolve_model_files(moe_dirs["olmoe"]).config
+    assert (o.norm_topk_prob, o.arch.qk_norm_whole, o.moe_intermediate_size) == (False, True, 32)
+    g = resolve_model_files(moe_dirs["granitemoe"]).config
+    assert (g.arch.moe_router, g.embedding_multiplier, g.residual_multiplier, g.attention_multiplier,
+            g.logits_scaling) == ("topk_softmax", 12.0, 0.22, 0.0625, 6.0)
+    m = resolve_model_files(moe_dirs["mixtral"]).config
+    assert (m.arch.moe_router, m.norm_topk_prob) == ("softmax_topk_renormalized", True)
+
+
+def test_qwen3_moe_dense_layers(tmp_path):
+    """mlp_only_layers and decoder_sparse_step keep a dense MLP in those layers, as transformers builds them."""
+    path = make_tiny_hf_model(tmp_path, family="qwen3_moe", seed=3, num_hidden_layers=3, mlp_only_layers=[0],
+                              decoder_sparse_step=1)
+    cfg = resolve_model_files(path).config
+    assert cfg.dense_layers == (0,) and [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    hf = hf_model(path)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="16MiB")
+    assert greedy(llm, prompts()[:2]) == [hf_greedy(hf, p) for p in prompts()[:2]]
+
+
+# ---- the layer: grouped by expert, batch invariant ---------------------------------------------------------------
+
+def _moe_layer(router: str = "softmax_topk", experts: int = 8, top_k: int = 3) -> SparseMoE:
+    torch.manual_seed(0)
+    layer = SparseMoE(64, 32, experts, top_k, router, True, torch.nn.functional.silu)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(0.2 * torch.randn(p.shape))
+    return layer.eval()
+
+
+def test_router_rules():
+    x = torch.randn(11, 64)
+    w = torch.randn(8, 64)
+    logits = x @ w.t()
+    for kind in ("softmax_topk", "softmax_topk_renormalized", "topk_softmax"):
+        r = Router(64, 8, 3, kind, norm_topk_prob=False)
+        r.weight.data.copy_(w)
+        weights, ids = r(x)
+        assert torch.equal(ids, logits.topk(3).indices)
+        probs = torch.softmax(logits, -1).topk(3).values
+        want = {"softmax_topk": probs, "softmax_topk_renormalized": probs / probs.sum(-1, keepdim=True),
+                "topk_softmax": torch.softmax(logits.topk(3).values, -1)}[kind]
+        torch.testing.assert_close(weights, want)
+    with pytest.raises(ValueError, match="sigmoid"):
+        Router(64, 8, 2, "sigmoid", False)
+
+
+def test_experts_equal_the_per_token_loop():
+    """Grouping by expert gives each row what running its own k experts one by one gives, and an expert no row chose
+    is never called."""
+    layer = _moe_layer()
+    x = torch.randn(23, 64)
+    weights, ids = layer.gate(x)
+    want = torch.stack([sum(weights[t, j] * layer.experts[int(ids[t, j])](x[t:t + 1])[0] for j in range(3))
+                        for t in range(23)])
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
+    called = set()
+    hooks = [e.register_forward_hook(lambda m, i, o, k=k: called.add(k)) for k, e in enumerate(layer.experts)]
+    layer(x[:1])
+    for h in hooks:
+        h.remove()
+    assert called == set(ids[0].tolist())         # at batch 1, only the row's top-k experts are read
+
+
+def test_router_logits_do_not_depend_on_the_rows_beside():
+    x, w = torch.randn(37, 64), torch.randn(8, 64)
+    full = blocked_linear(x, w)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 3 + ROUTER_ROWS + 1), slice(10, 37)):
+        assert torch.equal(blocked_linear(x[rows], w), full[rows])
+
+
+@pytest.mark.skipif(not native_kernels.usable(), reason="kvflow's kernels do not run here")
+def test_quantized_experts_are_bit_for_bit_batch_invariant():
+    """Experts on kvflow's kernels (4-bit codes, each row alone): a row's output bits are the same alone, in any
+    subset and in the whole step, whichever experts the other rows chose."""
+    from kvflow.layers.quantization import quantize_model
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = _moe_layer()
+
+    model = Holder()
+    quantize_model(model, "int4", torch.float32)
+    from kvflow.layers.int4 import Int4Linear
+    assert all(isinstance(e.gate_up_proj, Int4Linear) and e.gate_up_proj.native for e in model.moe.experts)
+    x = torch.randn(29, 64)
+    full = model.moe(x)
+    for rows in ([0], [7], [3, 4, 5], list(range(1, 29, 2)), list(range(28, -1, -3))):
+        assert torch.equal(model.moe(x[rows]), full[rows]), rows
+
+
+# ---- GGUF -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,ftype", [("qwen3_moe", "f16"), ("olmoe", "q8_0"), ("granitemoe", "f32"),
+                                          ("mixtral", "f32")])
+def test_gguf_twin_gives_the_safetensors_tokens(moe_dirs, tmp_path, family, ftype):
+    """The same weights as llama.cpp's converter writes them (stacked ffn_*_exps, ffn_gate_inp; Q/K rows permuted for
+    Mixtral's `llama` and GraniteMoE): float32 files give transformers' tokens; f16 / Q8_0 ones kvflow's own tokens
+    from the HF folder after the same rounding (dtype float32: the file's values)."""
+    path = moe_dirs[family]
+    gguf_path = write_gguf_from_hf(path, tmp_path / f"{family}-{ftype}.gguf", ftype=ftype)
+    a, b = resolve_model_files(path).config, resolve_model_files(gguf_path).config
+    fields = ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling", "dense_layers")
+    assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+    batch = prompts()[:3]
+    got = greedy(LLM(str(gguf_path), dtype="float32", max_model_len=128, kv_cache_memory="16MiB"), batch)
+    if ftype == "f32":
+        hf = hf_model(path)
+        assert got == [hf_greedy(hf, p) for p in batch]
+    else:
+        # the file's own values, written back to an HF folder: kvflow's HF path must give the same tokens
+        from kvflow.models.loader import iter_weights
+        from safetensors.torch import save_file
+
+        twin = tmp_path / "rounded"
+        twin.mkdir()
+        for f in path.iterdir():
+            if f.suffix != ".safetensors":
+                (twin / f.name).write_bytes(f.read_bytes())
+        tensors = {n if n.startswith(("model.", "lm_head")) else n: t.contiguous()
+                   for n, t in iter_weights(gguf_path)}
+        save_file(tensors, str(twin / "model.safetensors"))
+        hf = hf_model(twin)
+        assert got == [hf_greedy(hf, p) for p in batch]
+
+
+def test_unsupported_moe_variants_are_refused_at_load(moe_dirs, tmp_path):
+    import shutil
+
+    bad = tmp_path / "shared"
+    shutil.copytree(moe_dirs["qwen3_moe"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "shared_expert_intermediate_size": 64}))
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size.*shared experts"):
+        LLM(str(bad), dtype="float32")
+    (bad / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ValueError, match="mxfp4"):
+        LLM(str(bad), dtype="float32")
