@@ -216,3 +216,52 @@ def test_unsupported_moe_variants_are_refused_at_load(moe_dirs, tmp_path):
     (bad / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
     with pytest.raises(ValueError, match="mxfp4"):
         LLM(str(bad), dtype="float32")
+
+
+def test_stacked_expert_slices_keep_the_files_codes(tmp_path):
+    """Each expert's slice of a stacked quantized tensor is a matrix in the file's format: its codes dequantize to
+    gguf's own values of that expert, bit for bit (Q4_0, Q8_0, Q4_K kept as codes; Q5_K, Q6_K re-rounded to 8-bit
+    codes as their 2-D matrices are)."""
+    import numpy as np
+
+    from kvflow.layers.group_quant import GroupQuantized
+    from kvflow.models.gguf_reader import dequantize, read_gguf
+    from kvflow.models.loader import _gguf_experts
+
+    path = make_tiny_hf_model(tmp_path / "hf", family="olmoe", seed=4, hidden_size=256, intermediate_size=256,
+                              num_hidden_layers=1)
+    for ftype, exact in (("q4_0", True), ("q8_0", True), ("q4_k", True), ("q5_k", False), ("q6_k", False)):
+        g = read_gguf(write_gguf_from_hf(path, tmp_path / f"{ftype}.gguf", ftype=ftype))
+        info = g.tensors["blk.0.ffn_up_exps.weight"]
+        assert len(info.shape) == 3 and info.shape[0] == 8
+        whole = torch.from_numpy(np.ascontiguousarray(dequantize(g.raw(info), info.qtype, info.shape)))
+        pieces = list(_gguf_experts(g, info, keep_quantized=True))
+        assert len(pieces) == 8 and all(isinstance(p, GroupQuantized) for p in pieces)
+        for e, piece in enumerate(pieces):
+            assert piece.exact == exact
+            if exact:
+                assert torch.equal(piece.dequantize(), whole[e]), (ftype, e)
+            else:
+                torch.testing.assert_close(piece.dequantize(), whole[e], rtol=0, atol=whole[e].abs().max() / 100)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ftype", ["q4_0", "q4_k", "q6_k", "q8_0"])
+def test_quantized_gguf_default_config_serves_the_files_codes_batch_invariant(tmp_path, ftype):
+    """A quantized MoE GGUF at the default dtype keeps its codes (the experts on kvflow's kernels where they run),
+    and a mixed batch gives each request its tokens alone."""
+    from kvflow.layers.int4 import Int4Linear
+    from kvflow.layers.quantization import NativeQ8Linear
+
+    path = make_tiny_hf_model(tmp_path / "hf", family="qwen3_moe", seed=6, hidden_size=256,
+                              moe_intermediate_size=256)
+    gguf_path = write_gguf_from_hf(path, tmp_path / f"m-{ftype}.gguf", ftype=ftype)
+    llm = LLM(str(gguf_path), max_model_len=128, kv_cache_memory="16MiB")
+    assert llm.engine.runner.quantization == "gguf"
+    experts = [e for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE) for e in m.experts]
+    assert len(experts) == 16
+    assert all(isinstance(e.gate_up_proj, (Int4Linear, NativeQ8Linear)) for e in experts)
+    batch = prompts()
+    together = greedy(llm, batch, 10)
+    if native_kernels.usable():
+        assert together == [greedy(llm, [p], 10)[0] for p in batch]

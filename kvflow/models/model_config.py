@@ -351,7 +351,8 @@ def _moe_fields(cfg: dict, arch: Architecture, layers: int) -> dict:
                          f"got {experts} and {top_k}")
     step = cfg.get("decoder_sparse_step") or 1
     dense = set(cfg.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % step}
-    norm = arch.moe_router == "softmax_topk_renormalized" or bool(cfg.get("norm_topk_prob", False))
+    # Mixtral always renormalises; Granite's softmax over the top k sums to 1 as well
+    norm = arch.moe_router != "softmax_topk" or bool(cfg.get("norm_topk_prob", False))
     return dict(num_experts=int(experts), num_experts_per_tok=int(top_k),
                 moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
                 norm_topk_prob=norm, dense_layers=tuple(sorted(dense)))
