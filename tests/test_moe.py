@@ -265,3 +265,55 @@ def test_quantized_gguf_default_config_serves_the_files_codes_batch_invariant(tm
     together = greedy(llm, batch, 10)
     if native_kernels.usable():
         assert together == [greedy(llm, [p], 10)[0] for p in batch]
+
+
+# ---- through the server and run-batch ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_serve_and_run_batch_answer_as_the_offline_engine(moe_dirs, tmp_path):
+    """`kvflow serve` (the openai client, streamed and not) and `kvflow run-batch` give a MoE model's greedy text as
+    `LLM` does offline."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import openai
+
+    from kvflow.config import EngineConfig
+    from kvflow.server.testing import ServerThread
+
+    path = moe_dirs["granitemoe"]
+    questions = ["Say alpha", "Name seven apples", "Count: 3 5"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="16MiB")
+    offline = [llm.chat([{"role": "user", "content": q}], params)[0].outputs[0].text for q in questions]
+    del llm
+    config = EngineConfig(model=str(path), dtype="float32", max_model_len=128, kv_cache_memory="16MiB",
+                          served_model_name="moe")
+    with ServerThread(config) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+        for q, want in zip(questions, offline):
+            body = dict(model="moe", messages=[{"role": "user", "content": q}], max_tokens=8, temperature=0,
+                        extra_body={"ignore_eos": True})
+            assert client.chat.completions.create(**body).choices[0].message.content == want
+            streamed = "".join(c.choices[0].delta.content or "" for c in
+                               client.chat.completions.create(**body, stream=True) if c.choices)
+            assert streamed == want
+        server.wait_idle()
+        server.core("check")
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                                       "body": {"model": "moe", "messages": [{"role": "user", "content": q}],
+                                                "max_tokens": 8, "temperature": 0, "ignore_eos": True}}) + "\n"
+                           for i, q in enumerate(questions)))
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "kvflow.cli", "run-batch", "-i", str(inp), "-o", str(out), str(path),
+                          "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "16MiB",
+                          "--served-model-name", "moe", "--no-progress"], capture_output=True, text=True,
+                         timeout=600, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    answers = {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"]
+               for r in map(json.loads, out.read_text().splitlines())}
+    assert [answers[f"q{i}"] for i in range(len(questions))] == offline
