@@ -317,3 +317,28 @@ def test_serve_and_run_batch_answer_as_the_offline_engine(moe_dirs, tmp_path):
     answers = {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"]
                for r in map(json.loads, out.read_text().splitlines())}
     assert [answers[f"q{i}"] for i in range(len(questions))] == offline
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["granitemoe", "qwen3_moe"])
+def test_the_benchmarks_random_moe_gguf_loads_and_serves(tmp_path, family):
+    """benchmarks/make_moe_gguf.py's file (tiny shape here; Granite 3.1 1B-A400M's for the speed table): the
+    metadata reads back as the config it was written from, and the quantized file serves batch invariant."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "make_moe_gguf", Path(__file__).resolve().parents[1] / "benchmarks" / "make_moe_gguf.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    assert make.model_config("granite-1b-a400m", "granitemoe")["num_local_experts"] == 32
+    path = make.write(tmp_path / f"{family}.gguf", shape="tiny", family=family, ftype="q8_0")
+    cfg = resolve_model_files(path).config
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+        make.ARCHITECTURES[family], 8, 2, 256)
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory="16MiB")
+    batch = prompts()
+    together = greedy(llm, batch, 6)
+    assert all(len(t) == 6 for t in together)
+    if native_kernels.usable():
+        assert together == [greedy(llm, [p], 6)[0] for p in batch]

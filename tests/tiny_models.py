@@ -251,7 +251,7 @@ def _q4_k_m_type(gname: str, layers: int) -> str:
         return "Q6_K"
     i = int(gname.split(".")[1])
     more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
-    return "Q6_K" if more_bits and (".attn_v." in gname or ".ffn_down." in gname) else "Q4_K"
+    return "Q6_K" if more_bits and (".attn_v." in gname or ".ffn_down" in gname) else "Q4_K"   # ffn_down_exps too
 
 
 def _stacked_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -273,11 +273,13 @@ def _stacked_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path:
+def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors=None) -> Path:
     """Write the HF folder's model as GGUF like llama.cpp's converter. ftype: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1,
     the K-quants q4_k q5_k q6_k (for matrices whose rows are a multiple of 256 wide; q4_k writes the others Q8_0,
     q5_k and q6_k take llama.cpp's fallbacks Q5_1 and Q8_0), or q4_k_m (llama-quantize's mix, `_q4_k_m_type`,
-    with its fallbacks: Q4_K -> Q5_0, Q6_K -> Q8_0)."""
+    with its fallbacks: Q4_K -> Q5_0, Q6_K -> Q8_0). `tensors`: (HF name, float32 array) pairs to write instead of
+    the folder's safetensors (experts already stacked as `_stacked_experts` gives them), read one at a time: how
+    benchmarks/make_moe_gguf.py writes a model too big to hold in float32."""
     import gguf
     from gguf import GGMLQuantizationType as T
     from safetensors.numpy import load_file
@@ -353,6 +355,9 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
     if tok["template"]:
         w.add_chat_template(tok["template"])
 
+    if tensors is not None:
+        _write_tensors(w, tensors, arch, cfg, ftype, qtype, heads, kv_heads)
+        return _finish(w, out_path, None)
     tensors: dict[str, np.ndarray] = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
@@ -360,7 +365,15 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
         tensors.pop("lm_head.weight", None)
     if experts:
         tensors = _stacked_experts(tensors)
-    for name, data in tensors.items():
+    _write_tensors(w, tensors.items(), arch, cfg, ftype, qtype, heads, kv_heads)
+    return _finish(w, out_path, longrope)
+
+
+def _write_tensors(w, tensors, arch: str, cfg: dict, ftype: str, qtype, heads: int, kv_heads: int) -> None:
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    for name, data in tensors:
         data = data.astype(np.float32)
         if arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = llama_permute(data, heads)
@@ -383,6 +396,9 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
                 w.add_tensor(gname, gguf.quants.quantize(data, fallback), raw_dtype=fallback)
         else:
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def _finish(w, out_path: Path, longrope: dict | None) -> Path:
     if longrope:
         for kind in ("long", "short"):
             w.add_tensor(f"rope_factors_{kind}.weight", np.asarray(longrope[f"{kind}_factor"], dtype=np.float32))
