@@ -83,6 +83,7 @@ def test_each_family_reads_its_config(moe_dirs):
     assert (m.arch.moe_router, m.norm_topk_prob) == ("softmax_topk_renormalized", True)
 
 
+@pytest.mark.slow
 def test_qwen3_moe_dense_layers(tmp_path):
     """mlp_only_layers and decoder_sparse_step keep a dense MLP in those layers, as transformers builds them."""
     path = make_tiny_hf_model(tmp_path, family="qwen3_moe", seed=3, num_hidden_layers=3, mlp_only_layers=[0],
@@ -204,18 +205,53 @@ def test_gguf_twin_gives_the_safetensors_tokens(moe_dirs, tmp_path, family, ftyp
         assert got == [hf_greedy(hf, p) for p in batch]
 
 
-def test_unsupported_moe_variants_are_refused_at_load(moe_dirs, tmp_path):
-    import shutil
+def test_unsupported_moe_variants_are_refused_at_load(tmp_path):
+    """Refused when the config is read, before any weight: the error names what kvflow lacks."""
+    base = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16}
+    for extra, error in (({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size.*shared experts"),
+                         ({"quantization_config": {"quant_method": "mxfp4"}}, "'mxfp4'.*not supported"),
+                         ({"num_experts_per_tok": 9}, "num_experts_per_tok")):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**base, **extra}))
+        with pytest.raises(ValueError, match=error):
+            LLM(str(folder), dtype="float32")
 
-    bad = tmp_path / "shared"
-    shutil.copytree(moe_dirs["qwen3_moe"], bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**cfg, "shared_expert_intermediate_size": 64}))
-    with pytest.raises(ValueError, match="shared_expert_intermediate_size.*shared experts"):
-        LLM(str(bad), dtype="float32")
-    (bad / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
-    with pytest.raises(ValueError, match="mxfp4"):
-        LLM(str(bad), dtype="float32")
+
+def _gguf_with_experts(path, qtype_name: str = "F32", **metadata):
+    """A header-only-sized qwen3moe GGUF: the metadata and one layer's expert tensors (zeros)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    for key, value in {"block_count": 1, "embedding_length": 32, "feed_forward_length": 64, "expert_count": 4,
+                       "expert_used_count": 2, "attention.head_count": 2, "context_length": 64,
+                       "vocab_size": 64, **metadata}.items():
+        add = w.add_uint32 if isinstance(value, int) else w.add_string
+        add(f"qwen3moe.{key}", value)
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    for name, shape in (("ffn_gate_exps", (4, 16, 32)), ("ffn_up_exps", (4, 16, 32)), ("ffn_down_exps", (4, 32, 16))):
+        raw = np.zeros((*shape[:-1], shape[-1] // block * size), dtype=np.uint8)
+        w.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=qtype)
+    w.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unsupported_gguf_experts_are_refused_at_load(tmp_path):
+    for name, kwargs, error in (
+            ("sigmoid", {"expert_gating_func": 2}, "gating function 'sigmoid'"),
+            ("shared", {"expert_shared_count": 1}, "shared experts"),
+            ("mxfp4", {"qtype_name": "MXFP4"}, "ffn_gate_exps.weight is MXFP4, a format kvflow does not read")):
+        path = _gguf_with_experts(tmp_path / f"{name}.gguf", **kwargs)
+        with pytest.raises(ValueError, match=error):
+            resolve_model_files(path)
 
 
 def test_stacked_expert_slices_keep_the_files_codes(tmp_path):

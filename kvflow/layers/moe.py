@@ -94,6 +94,8 @@ class SparseMoE(nn.Module):
         """Every (row, choice) pair's expert output, [T, k, hidden]: the pairs sorted by expert id (stable: rows in
         step order within an expert), one call per expert that has any."""
         t, k = ids.shape
+        if t == 1:      # a decode step of one row: its k experts in turn, nothing to group (the same bits)
+            return torch.stack([self.experts[e](x) for e in ids[0].tolist()], dim=1)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
