@@ -378,3 +378,9 @@ def test_the_benchmarks_random_moe_gguf_loads_and_serves(tmp_path, family):
     assert all(len(t) == 6 for t in together)
     if native_kernels.usable():
         assert together == [greedy(llm, [p], 6)[0] for p in batch]
+
+
+def test_lora_on_a_moe_model_is_refused(tmp_path):
+    path = make_tiny_hf_model(tmp_path, family="mixtral", seed=1, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="LoRA is not supported for mixture-of-experts models"):
+        LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory="4MiB", enable_lora=True)
