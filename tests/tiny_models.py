@@ -22,6 +22,19 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+}
+# each mixture of experts' small shape: 8 experts, 2 or 3 per token (overrides change them)
+MOE_SHAPES = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, head_dim=16,
+                      norm_topk_prob=True, use_sliding_window=False),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=12.0,
+                       residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=6.0),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
 }
 SMOLLM2_VOCAB = 49152
 
@@ -43,6 +56,7 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
     )
     if family in ("qwen2", "qwen3"):
         kwargs.update(head_dim=16, use_sliding_window=False)
+    kwargs.update(MOE_SHAPES.get(family, {}))
     if family == "gemma3":      # Gemma 3 270M's shape, small: head_dim 256, 1 KV head, 5 local : 1 global
         kwargs.update(num_hidden_layers=6, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
                       sliding_window=16, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rms_norm_eps=1e-6,
@@ -58,6 +72,9 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("mlp.gate.weight", "router.weight", "gate.weight")):
+                # routers wide apart enough that a routing mistake changes the tokens
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -81,7 +98,12 @@ _HF_TO_GGUF_BLOCK = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
+_PERMUTED = ("llama", "granitemoe")      # llama.cpp's converters that permute Q/K rows
 
 
 # llama.cpp's names where an architecture's differ from the llama table
@@ -229,14 +251,35 @@ def _q4_k_m_type(gname: str, layers: int) -> str:
         return "Q6_K"
     i = int(gname.split(".")[1])
     more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
-    return "Q6_K" if more_bits and (".attn_v." in gname or ".ffn_down." in gname) else "Q4_K"
+    return "Q6_K" if more_bits and (".attn_v." in gname or ".ffn_down" in gname) else "Q4_K"   # ffn_down_exps too
 
 
-def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path:
+def _stacked_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every family's expert tensors as llama.cpp stacks them: `mlp.experts.{gate,up,down}_proj` [experts, rows,
+    columns] per layer, beside the router `mlp.gate` (names as kvflow's loader.canonical_experts gives them)."""
+    from kvflow.models.loader import canonical_experts
+
+    out: dict[str, np.ndarray] = {}
+    pieces: dict[str, dict[int, np.ndarray]] = {}
+    for name, data in canonical_experts(iter(tensors.items())):
+        if ".mlp.experts." in name:
+            prefix, rest = name.split(".mlp.experts.")
+            expert, proj, _ = rest.split(".")
+            pieces.setdefault(f"{prefix}.mlp.experts.{proj}.weight", {})[int(expert)] = np.asarray(data)
+        else:
+            out[name] = data
+    for name, by_expert in pieces.items():
+        out[name] = np.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
+def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors=None) -> Path:
     """Write the HF folder's model as GGUF like llama.cpp's converter. ftype: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1,
     the K-quants q4_k q5_k q6_k (for matrices whose rows are a multiple of 256 wide; q4_k writes the others Q8_0,
     q5_k and q6_k take llama.cpp's fallbacks Q5_1 and Q8_0), or q4_k_m (llama-quantize's mix, `_q4_k_m_type`,
-    with its fallbacks: Q4_K -> Q5_0, Q6_K -> Q8_0)."""
+    with its fallbacks: Q4_K -> Q5_0, Q6_K -> Q8_0). `tensors`: (HF name, float32 array) pairs to write instead of
+    the folder's safetensors (experts already stacked as `_stacked_experts` gives them), read one at a time: how
+    benchmarks/make_moe_gguf.py writes a model too big to hold in float32."""
     import gguf
     from gguf import GGMLQuantizationType as T
     from safetensors.numpy import load_file
@@ -247,7 +290,9 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-            "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3"}[cfg["architectures"][0]]
+            "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe",
+            "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
+            "MixtralForCausalLM": "llama"}[cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
@@ -279,6 +324,21 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
         scale = cfg["max_position_embeddings"] / original
         w.add_rope_scaling_orig_ctx_len(original)
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:         # as llama.cpp's MoE converters write them
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if arch == "qwen3moe":
+            w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
+        if arch == "granitemoe":
+            w.add_embedding_scale(cfg["embedding_multiplier"])
+            w.add_residual_scale(cfg["residual_multiplier"])
+            w.add_attention_scale(cfg["attention_multiplier"])
+            w.add_logit_scale(cfg["logits_scaling"])
+        if cfg.get("clip_qkv"):
+            w.add_clamp_kqv(cfg["clip_qkv"])
     w.add_file_type(_FTYPES[ftype])
 
     tok = _hf_tokenizer_metadata(hf_dir)
@@ -295,16 +355,29 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
     if tok["template"]:
         w.add_chat_template(tok["template"])
 
+    if tensors is not None:
+        _write_tensors(w, tensors, arch, cfg, ftype, qtype, heads, kv_heads)
+        return _finish(w, out_path, None)
     tensors: dict[str, np.ndarray] = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
     if cfg.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
-    for name, data in tensors.items():
+    if experts:
+        tensors = _stacked_experts(tensors)
+    _write_tensors(w, tensors.items(), arch, cfg, ftype, qtype, heads, kv_heads)
+    return _finish(w, out_path, longrope)
+
+
+def _write_tensors(w, tensors, arch: str, cfg: dict, ftype: str, qtype, heads: int, kv_heads: int) -> None:
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    for name, data in tensors:
         data = data.astype(np.float32)
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = llama_permute(data, heads)
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch in _PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = llama_permute(data, kv_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data + 1.0       # llama.cpp's Gemma converter stores the norms as 1 + w
@@ -315,13 +388,17 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32") -> Path
             w.add_tensor(gname, data.astype(np.float16))
         elif qtype.name in _K_QUANTIZERS:
             kind = _q4_k_m_type(gname, cfg["num_hidden_layers"]) if ftype == "q4_k_m" else qtype.name
-            if data.shape[1] % 256 == 0:
-                w.add_tensor(gname, _K_QUANTIZERS[kind](data), raw_dtype=T[kind])
+            if data.shape[-1] % 256 == 0:
+                rows = _K_QUANTIZERS[kind](data.reshape(-1, data.shape[-1]))
+                w.add_tensor(gname, rows.reshape(*data.shape[:-1], -1), raw_dtype=T[kind])
             else:
                 fallback = T[_K_FALLBACK[kind]] if ftype != "q4_k" else T.Q8_0
                 w.add_tensor(gname, gguf.quants.quantize(data, fallback), raw_dtype=fallback)
         else:
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def _finish(w, out_path: Path, longrope: dict | None) -> Path:
     if longrope:
         for kind in ("long", "short"):
             w.add_tensor(f"rope_factors_{kind}.weight", np.asarray(longrope[f"{kind}_factor"], dtype=np.float32))

@@ -90,10 +90,15 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # per head (Qwen3, Gemma 3), or over the whole q and k projections (OLMoE: `qk_norm_whole`)
+        self.qk_norm_whole = cfg.qk_norm and cfg.arch.qk_norm_whole
+        q_width, k_width = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.clip_qkv = cfg.clip_qkv
         self.rotary = rotary
-        scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
+        scale = (cfg.attention_multiplier if cfg.attention_multiplier is not None
+                 else cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale,
                                    cfg.sliding_window if cfg.is_sliding(layer) else None)
         # LoRA terms added to the projections' outputs (enable_lora: LlamaForCausalLM.enable_lora)
@@ -105,10 +110,15 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if _lora_on(self.qkv_lora, meta):
             qkv = self.qkv_lora.add_to(qkv, x, meta.lora_mask)
+        if self.qk_norm_whole:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qkv = torch.cat([self.q_norm(q.contiguous()), self.k_norm(k.contiguous()), v], dim=-1)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         # q and k heads sit side by side in qkv's rows: rotate them as one [T, Hq + Hkv, D] tensor
         qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:      # Qwen3, Gemma 3: per-head norms, with their own weights for q and k
+        if self.q_norm is not None and not self.qk_norm_whole:     # Qwen3, Gemma 3: per-head norms, with their own weights for q and k
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         q, k = self.rotary.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         attn = self.attn(q, k, v, meta)
@@ -296,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
                 if f".{piece}." in name:
                     target = name.replace(piece, fused)
                     param = params[target]
-                    sizes = self._shard_sizes(fused)
+                    sizes = self._shard_sizes(target)
                     start = sum(sizes[:shard])
                     param[start:start + sizes[shard]].copy_(tensor)
                     loaded.add((target, shard))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -45,6 +46,11 @@ _GGUF_BLOCK_TO_HF = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",                   # a mixture of experts' router
+    # its experts, stacked [experts, rows, columns]: split into one matrix per expert (`_iter_gguf`)
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -89,6 +95,11 @@ def _iter_gguf(g: GGUFFile, config: ModelConfig, keep_quantized: bool) -> Iterat
         if name is None:
             logger.debug("%s: skipping tensor %s", g.path, info.name)
             continue
+        if len(info.shape) == 3:       # stacked experts: one matrix per expert, each as a 2-D tensor would be
+            prefix, proj = name.rsplit(".experts.", 1)
+            for expert, w in enumerate(_gguf_experts(g, info, keep_quantized)):
+                yield f"{prefix}.experts.{expert}.{proj}", w
+            continue
         w = _gguf_tensor(g, info, keep_quantized)
         heads = (config.num_attention_heads if ".self_attn.q_proj." in name
                  else config.num_key_value_heads if ".self_attn.k_proj." in name else 0)
@@ -129,10 +140,54 @@ def split_fused(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig
             start += size
 
 
+# a mixture of experts' checkpoint names -> models/moe.py's: `mlp.gate` (the router) and
+# `mlp.experts.E.{gate,up,down}_proj` (Mixtral's block_sparse_moe.experts.E.w1 / w3 / w2)
+_EXPERT_RENAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."), (".block_sparse_moe.", ".mlp."),
+                   (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+# stacked [experts, rows, columns] checkpoint tensors -> their pieces, split along the rows in order
+_STACKED = {".mlp.input_linear.weight": ("gate_proj", "up_proj"),      # GraniteMoE: [gate; up] per expert
+            ".mlp.output_linear.weight": ("down_proj",),
+            ".mlp.experts.gate_up_proj": ("gate_proj", "up_proj"),      # transformers 5's in-memory layout
+            ".mlp.experts.down_proj": ("down_proj",)}
+
+
+def canonical_experts(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every family's expert and router names as models/moe.py's, stacked expert tensors split per expert."""
+    for name, w in weights:
+        if ".block_sparse_moe." in name or ".experts." in name:
+            for old, new in _EXPERT_RENAMES:
+                name = name.replace(old, new)
+        stacked = next((s for s in _STACKED if name.endswith(s)), None)
+        if stacked is None:
+            yield name, w
+            continue
+        prefix = name[:-len(stacked)] + ".mlp.experts"
+        pieces = _STACKED[stacked]
+        rows = w.shape[1] // len(pieces)
+        for e in range(w.shape[0]):
+            for i, piece in enumerate(pieces):
+                yield f"{prefix}.{e}.{piece}.weight", w[e, i * rows:(i + 1) * rows]
+
+
+def _gguf_experts(g: GGUFFile, info: GGUFTensorInfo, keep_quantized: bool
+                  ) -> Iterator[torch.Tensor | GroupQuantized]:
+    """A stacked [experts, rows, columns] tensor (`ffn_*_exps`) as one 2-D matrix per expert: its rows are whole
+    blocks of the file's format, so each expert's slice of the bytes is a matrix in that format (codes kept exactly
+    where a 2-D matrix's would be)."""
+    experts, rows, cols = info.shape
+    raw = g.raw(info)          # [experts * rows, bytes per row]
+    piece = replace(info, shape=(rows, cols), nbytes=info.nbytes // experts)
+    for e in range(experts):
+        yield _matrix(raw[e * rows:(e + 1) * rows], piece, keep_quantized)
+
+
 def _gguf_tensor(g: GGUFFile, info: GGUFTensorInfo, keep_quantized: bool) -> torch.Tensor | GroupQuantized:
+    return _matrix(g.raw(info), info, keep_quantized)
+
+
+def _matrix(raw, info: GGUFTensorInfo, keep_quantized: bool) -> torch.Tensor | GroupQuantized:
     from gguf import GGMLQuantizationType
 
-    raw = g.raw(info)
     kind = GGMLQuantizationType(info.qtype).name
     quantized = keep_quantized and len(info.shape) == 2 and kind not in _FLOAT_TYPES
     codes = group_quantized(raw, info.qtype, info.shape) if quantized else None
@@ -187,6 +242,8 @@ def iter_weights(files: ModelFiles | Path, keep_quantized: bool = False) -> Iter
         files = resolve_model_files(path)   # reads the header now: a corrupt file fails here, not on next()
     weights = (_iter_safetensors(files.path) if files.format == "hf"
                else _iter_gguf(files.gguf, files.config, keep_quantized))
+    if files.config.num_experts:
+        return canonical_experts(weights)
     return split_fused(weights, files.config) if files.config.family == "phi3" else weights
 
 
@@ -205,6 +262,6 @@ def weight_quantization(files: ModelFiles, quantization: str | None, dtype_setti
         return None
     from gguf import GGMLQuantizationType
 
-    quantized = any(len(t.shape) == 2 and GGMLQuantizationType(t.qtype).name not in _FLOAT_TYPES
+    quantized = any(len(t.shape) >= 2 and GGMLQuantizationType(t.qtype).name not in _FLOAT_TYPES
                     for t in files.gguf.tensors.values())
     return "gguf" if quantized else None

@@ -32,6 +32,14 @@ class Architecture:
     chat_template: str | None = None
     # tokens that end a turn besides the tokenizer's EOS (Gemma's <end_of_turn>, as its generation_config says)
     end_of_turn_tokens: tuple[str, ...] = ()
+    # mixture of experts: how the router weighs the experts (layers/moe.py: ROUTERS), None for a dense model
+    moe_router: str | None = None
+    qk_norm_whole: bool = False        # the Q/K norms span the whole projection, not each head (OLMoE)
+    # GGUF `general.architecture` values that mean this row when the file has experts (`{arch}.expert_count`)
+    gguf_experts: tuple[str, ...] = ()
+    # whether llama.cpp renormalises the top-k weights of this architecture's GGUF (its build_moe_ffn norm_w),
+    # unless the file says so (`{arch}.expert_weights_norm`)
+    gguf_norm_topk_prob: bool = False
 
     def load_class(self):
         module, cls = self.model_class.split(":")
@@ -97,6 +105,16 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                                     ("ffn_norm", "pre_feedforward_layernorm"),
                                     ("post_ffw_norm", "post_feedforward_layernorm")),
                  chat_template=GEMMA3_CHAT_TEMPLATE, end_of_turn_tokens=("<end_of_turn>",)),
+    # mixtures of experts (models/moe.py): attention as above, the MLP a router over experts (layers/moe.py)
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", ("qwen3_moe",), ("qwen3moe",), "moe:MoeForCausalLM",
+                 qk_norm=True, moe_router="softmax_topk", gguf_norm_topk_prob=True),
+    Architecture("OlmoeForCausalLM", "olmoe", ("olmoe",), ("olmoe",), "moe:MoeForCausalLM",
+                 qk_norm=True, qk_norm_whole=True, moe_router="softmax_topk"),
+    Architecture("GraniteMoeForCausalLM", "granitemoe", ("granitemoe",), ("granitemoe",), "moe:MoeForCausalLM",
+                 permuted_qk=True, moe_router="topk_softmax", gguf_norm_topk_prob=True),
+    Architecture("MixtralForCausalLM", "mixtral", ("mixtral",), (), "moe:MoeForCausalLM", permuted_qk=True,
+                 sliding_window_everywhere=True, moe_router="softmax_topk_renormalized", gguf_experts=("llama",),
+                 gguf_norm_topk_prob=True),
 )
 # known architectures refused on purpose: why, and what to use instead
 REFUSED = {
@@ -107,6 +125,7 @@ REFUSED = {
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
 _BY_MODEL_TYPE = {t: a for a in ARCHITECTURES for t in a.model_types}
 _BY_GGUF = {g: a for a in ARCHITECTURES for g in a.gguf}
+_BY_GGUF_EXPERTS = {g: a for a in ARCHITECTURES for g in a.gguf_experts}
 
 
 def supported_architectures() -> str:
@@ -123,11 +142,14 @@ def architecture_for(name: str | None, model_type: str | None = None) -> Archite
     return arch
 
 
-def gguf_architecture(name: str | None, where: str = "") -> Architecture:
-    """The table's row for a GGUF's `general.architecture`."""
-    arch = _BY_GGUF.get(name)
+def gguf_architecture(name: str | None, where: str = "", experts: bool = False) -> Architecture:
+    """The table's row for a GGUF's `general.architecture` (`experts`: the file has experts, as Mixtral's `llama`)."""
+    arch = (_BY_GGUF_EXPERTS.get(name) if experts else None) or _BY_GGUF.get(name)
     if arch is None:
         raise ValueError(f"{where}unsupported GGUF architecture {name!r}; supported: {', '.join(sorted(_BY_GGUF))}")
+    if experts and arch.moe_router is None:
+        raise ValueError(f"{where}GGUF architecture {name!r} with experts (expert_count) is not supported; "
+                         f"mixtures of experts: {', '.join(sorted(g for a in ARCHITECTURES if a.moe_router for g in (*a.gguf, *a.gguf_experts)))}")
     return arch
 
 
@@ -138,6 +160,20 @@ GGUF_CONFIG_KEYS = {
     "attention.head_count_kv": "num_key_value_heads", "attention.key_length": "head_dim",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta",
     "context_length": "max_position_embeddings", "attention.sliding_window": "sliding_window",
+    "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size", "attention.clamp_kqv": "clip_qkv",
+    "embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+    "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling",
+}
+# MoE config.json keys kvflow does not implement: a model that sets them is refused, naming the key
+MOE_REFUSED_KEYS = {
+    "shared_expert_intermediate_size": "shared experts",
+    "n_shared_experts": "shared experts",
+    "num_shared_experts": "shared experts",
+    "shared_intermediate_size": "shared experts",
+    "scoring_func": "expert gating other than softmax",
+    "topk_method": "grouped expert selection",
+    "moe_layer_freq": "a dense/MoE layer pattern other than decoder_sparse_step / mlp_only_layers",
 }
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -171,10 +207,26 @@ class ModelConfig:
     rope_local_theta: float | None = None             # RoPE base of the sliding layers (Gemma 3's local 10k)
     query_pre_attn_scalar: float | None = None        # attention scale = this ** -0.5 (None: head_dim ** -0.5)
     final_logit_softcapping: float | None = None      # logits = cap * tanh(logits / cap)
+    # mixture of experts (num_experts 0: dense): layers/moe.py
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0    # each expert's intermediate size
+    norm_topk_prob: bool = False      # the top-k weights renormalised to sum to 1
+    dense_layers: tuple[int, ...] = ()    # layers whose MLP is dense (Qwen3-MoE's mlp_only_layers, decoder_sparse_step)
+    clip_qkv: float | None = None     # q, k, v clamped to +-this after the projections and norms (OLMoE)
+    # Granite's scalings: the embedding times this, each block's output times this before the residual add, the
+    # attention scale itself (not head_dim ** -0.5), the logits divided by this
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
 
     @property
     def arch(self) -> Architecture:
         return _BY_NAME[self.architecture]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == SLIDING
@@ -228,7 +280,7 @@ class ModelConfig:
             if layer_types is None:       # transformers' rule: every `sliding_window_pattern`-th layer is global
                 pattern = cfg.get("sliding_window_pattern") or 6
                 layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
-        elif family in ("qwen2", "qwen3"):
+        elif family in ("qwen2", "qwen3", "qwen3_moe"):
             if not cfg.get("use_sliding_window"):
                 layer_types = None
             elif layer_types is None:
@@ -243,6 +295,10 @@ class ModelConfig:
         if layer_types is not None and len(layer_types) != layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
         gemma = family == "gemma3"
+        moe = _moe_fields(cfg, arch, layers)
+        granite = family == "granitemoe"
+        scalings = {k: float(cfg.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier",
+                                                         "attention_multiplier", "logits_scaling")} if granite else {}
         return ModelConfig(
             family=family,
             vocab_size=cfg["vocab_size"],
@@ -270,5 +326,34 @@ class ModelConfig:
             rope_local_theta=float(rope_local_theta or 10000.0) if gemma else None,
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            clip_qkv=float(cfg["clip_qkv"]) if cfg.get("clip_qkv") is not None else None,
+            **moe, **scalings,
         )
+
+
+def _moe_fields(cfg: dict, arch: Architecture, layers: int) -> dict:
+    """The ModelConfig fields of a mixture of experts (none for a dense row); a variant kvflow does not implement
+    is a ValueError naming what it lacks."""
+    if arch.moe_router is None:
+        return {}
+    for key, what in MOE_REFUSED_KEYS.items():
+        if cfg.get(key):
+            raise ValueError(f"{arch.name} with {key}={cfg[key]!r} is not supported: kvflow does not implement "
+                             f"{what} for mixtures of experts")
+    quant = cfg.get("quantization_config")
+    if quant:
+        raise ValueError(f"{arch.name}: experts quantized as {quant.get('quant_method', quant)!r} "
+                         f"(quantization_config) are not supported; kvflow reads float safetensors or a GGUF file")
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    top_k = cfg.get("num_experts_per_tok") or 0
+    if not experts or not 0 < top_k <= experts:
+        raise ValueError(f"{arch.name} needs num_experts (or num_local_experts) and 0 < num_experts_per_tok <= it; "
+                         f"got {experts} and {top_k}")
+    step = cfg.get("decoder_sparse_step") or 1
+    dense = set(cfg.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % step}
+    # Mixtral always renormalises; Granite's softmax over the top k sums to 1 as well
+    norm = arch.moe_router != "softmax_topk" or bool(cfg.get("norm_topk_prob", False))
+    return dict(num_experts=int(experts), num_experts_per_tok=int(top_k),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                norm_topk_prob=norm, dense_layers=tuple(sorted(dense)))
 

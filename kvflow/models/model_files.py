@@ -116,13 +116,53 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
+# llama.cpp's expert gating functions (`{arch}.expert_gating_func`): kvflow's routers take softmax probabilities
+_GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+# ggml types an expert's matrices may have: the float ones and those kvflow reads as codes or re-rounds
+# (loader.py), for every matrix alike; the others (MXFP4, the ternary TQ types) have no path here
+EXPERT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
+
+
+def _check_gguf_experts(g: GGUFFile, arch: str) -> None:
+    """Refuse, before any weight is read, the expert variants kvflow does not implement, naming what is missing."""
+    from gguf import GGMLQuantizationType
+
+    md = g.metadata
+    gating = md.get(f"{arch}.expert_gating_func")
+    if gating is not None and gating != 1:
+        raise ValueError(f"{g.path}: expert gating function {_GATING_FUNCS.get(gating, gating)!r} "
+                         f"({arch}.expert_gating_func) is not supported; kvflow's experts are gated by softmax")
+    shared = md.get(f"{arch}.expert_shared_count") or any(".ffn_gate_shexp." in n or ".ffn_up_shexp." in n
+                                                          for n in g.tensors)
+    if shared:
+        raise ValueError(f"{g.path}: shared experts ({arch}.expert_shared_count / ffn_*_shexp tensors) are not "
+                         f"supported for {arch!r}")
+    if any(n.startswith("blk.") and ".ffn_gate." in n and n.split(".")[3].isdigit() for n in g.tensors):
+        raise ValueError(f"{g.path}: experts stored one tensor each (blk.N.ffn_gate.E.weight, an old llama.cpp "
+                         f"conversion) are not supported; convert the model again (stacked ffn_gate_exps tensors)")
+    for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp"):
+        if not any(n.endswith(f".{name}.weight") for n in g.tensors):
+            raise ValueError(f"{g.path}: a mixture of experts without {name} tensors")
+    for info in g.tensors.values():
+        if "_exps." in info.name:
+            kind = GGMLQuantizationType(info.qtype).name
+            if kind not in EXPERT_TYPES:
+                raise ValueError(f"{g.path}: expert tensor {info.name} is {kind}, a format kvflow does not read; "
+                                 f"experts may be {', '.join(EXPERT_TYPES)}")
+
+
 def gguf_model_config(g: GGUFFile) -> ModelConfig:
     """The GGUF metadata as the config.json it stands for, read by the one ModelConfig builder."""
     md = g.metadata
     arch = md.get("general.architecture")
-    row = gguf_architecture(arch, f"{g.path}: ")
+    row = gguf_architecture(arch, f"{g.path}: ", experts=bool(md.get(f"{arch}.expert_count")))
     cfg = {hf: md[f"{arch}.{key}"] for key, hf in GGUF_CONFIG_KEYS.items() if f"{arch}.{key}" in md}
-    for key in ("rms_norm_eps", "rope_theta"):
+    if row.moe_router:
+        cfg["norm_topk_prob"] = bool(md.get(f"{arch}.expert_weights_norm", row.gguf_norm_topk_prob))
+        _check_gguf_experts(g, arch)
+    for key in ("rms_norm_eps", "rope_theta", "clip_qkv", "embedding_multiplier", "residual_multiplier",
+                "attention_multiplier", "logits_scaling"):
         if key in cfg:
             cfg[key] = _f32(cfg[key])
     if "vocab_size" not in cfg:

@@ -117,6 +117,10 @@ class ModelRunner:
         outside any graph."""
         if self.config.enforce_eager or self.device.type != "cpu" or self.tp.size > 1:
             return None
+        if not getattr(self.model, "compiled_decode", True):
+            log.info("compiled decode steps: off for %s (its steps group rows by expert, which a whole-graph "
+                     "compile cannot trace)", self.model_config.architecture)
+            return None
         # no bucket beyond the first that holds max_num_seqs rows: no step could use it
         sizes = self.config.compile_batch_sizes
         fits = [b for b in sizes if b >= self.config.max_num_seqs]

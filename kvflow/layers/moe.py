@@ -1,0 +1,119 @@
+"""A mixture-of-experts MLP, batched the way the step is: a router picks each row's top-k experts and weights, the
+step's (row, expert) pairs are grouped by expert (one stable sort by expert id), and each expert that any row chose
+multiplies all of its rows in one call; experts no row chose are not read (at batch 1, only the top-k's weights are).
+
+Each expert is an ordinary module of two `nn.Linear`s (fused gate/up and down), so quantization, the small-batch bf16
+copies and a GGUF's own codes reach the experts as they reach every other matrix (`quantize_model`,
+`layers/swap.py`): under kvflow's kernels each row of an expert's call is computed alone.
+
+Batch invariance: a row's output bits depend on that row alone where the expert matmuls do (kvflow's kernels):
+- the router's logits are one small float matmul done in blocks of `ROUTER_ROWS` rows of the same shape, so a
+  row's logits do not depend on how many rows the step has;
+- the k expert outputs of a row are summed in the row's own top-k order (highest weight first), one add at a time,
+  whatever order the experts ran in.
+
+The routers, as transformers computes them (float32 probabilities):
+  softmax_topk               softmax over all experts, then the top k; renormalised when `norm_topk_prob`
+                             (Qwen3-MoE, OLMoE)
+  softmax_topk_renormalized  the same, always renormalised (Mixtral)
+  topk_softmax               the top k logits, then a softmax over those k (GraniteMoE)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROUTERS = ("softmax_topk", "softmax_topk_renormalized", "topk_softmax")
+ROUTER_ROWS = 8      # the router's matmul runs on blocks of this many rows (the last one padded)
+
+
+def blocked_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T computed as a batch of [ROUTER_ROWS, K] blocks: every call multiplies blocks of one shape, so a
+    row's result does not depend on how many rows came with it (a plain matmul's kernel choice does)."""
+    t = x.shape[0]
+    blocks = -(-t // ROUTER_ROWS)
+    if blocks * ROUTER_ROWS != t:
+        x = torch.cat([x, x.new_zeros(blocks * ROUTER_ROWS - t, x.shape[1])])
+    return torch.matmul(x.view(blocks, ROUTER_ROWS, -1), weight.t()).view(-1, weight.shape[0])[:t]
+
+
+class Router(nn.Module):
+    """The gate: [num_experts, hidden] logits weights (kept float: llama.cpp never quantizes ffn_gate_inp, and a
+    plain parameter, not an `nn.Linear`, so no quantization swaps it)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, kind: str, norm_topk_prob: bool):
+        super().__init__()
+        if kind not in ROUTERS:
+            raise ValueError(f"expert router {kind!r} is not supported ({', '.join(ROUTERS)})")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.top_k, self.kind, self.norm_topk_prob = top_k, kind, norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 weights [T, k], expert ids [T, k]), highest weight first."""
+        logits = blocked_linear(x, self.weight.to(x.dtype)).float()
+        if self.kind == "topk_softmax":
+            top, ids = logits.topk(self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), ids
+        top, ids = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        if self.norm_topk_prob or self.kind == "softmax_topk_renormalized":
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top, ids
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP: act(x @ gate.T) * (x @ up.T) @ down.T, gate and up fused into one matrix."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    """The router and its experts (`gate`, `experts`: the checkpoint's names, after loader.canonical_experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, router: str,
+                 norm_topk_prob: bool, act):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate = Router(hidden_size, num_experts, top_k, router, norm_topk_prob)
+        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size, act) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor, meta=None) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        return self.combine(x, self.run_experts(x, ids), weights)
+
+    def run_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every (row, choice) pair's expert output, [T, k, hidden]: the pairs sorted by expert id (stable: rows in
+        step order within an expert), one call per expert that has any."""
+        t, k = ids.shape
+        if t == 1:      # a decode step of one row: its k experts in turn, nothing to group (the same bits)
+            return torch.stack([self.experts[e](x) for e in ids[0].tolist()], dim=1)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = order // k
+        out = x.new_empty(t * k, x.shape[1])
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                pairs = order[start:start + n]
+                out.index_copy_(0, pairs, self.experts[expert](x.index_select(0, rows[start:start + n])))
+                start += n
+        return out.view(t, k, -1)
+
+    @staticmethod
+    def combine(x: torch.Tensor, outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_j weight[j] * output[j] over a row's choices, added in its top-k order (fixed per row)."""
+        w = weights.to(x.dtype)
+        total = outputs[:, 0] * w[:, 0:1]
+        for j in range(1, outputs.shape[1]):
+            total = total + outputs[:, j] * w[:, j:j + 1]
+        return total

@@ -1,0 +1,86 @@
+"""Mixture-of-experts decoders: Qwen3-MoE, OLMoE, GraniteMoE and Mixtral, as transformers computes them.
+
+llama.py's decoder (its attention: Q/K norms per head for Qwen3-MoE, over the whole projection for OLMoE; llama.cpp's
+permuted Q/K rows in Mixtral's and GraniteMoE's GGUFs; Mixtral's sliding window) with `layers/moe.py`'s router and
+experts in place of the dense MLP (Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step` keep a dense one), and
+Granite's four scalings: the embedding times `embedding_multiplier`, each block's output times `residual_multiplier`
+before its residual add, `attention_multiplier` as the attention scale, the logits divided by `logits_scaling`.
+
+Checkpoint names reach `load_weights` in one form, `layers.N.mlp.gate.weight` (the router) and
+`layers.N.mlp.experts.E.{gate,up,down}_proj.weight`, whatever the checkpoint called them (`loader.canonical_experts`:
+Mixtral's `block_sparse_moe.experts.E.w1/w3/w2`, GraniteMoE's stacked `input_linear` / `output_linear`, a GGUF's
+stacked `ffn_*_exps`); llama.py fuses each expert's gate and up as it fuses the dense MLP's.
+
+Not here: tensor parallelism (experts are not split over ranks), LoRA on MoE models, compiled decode steps (the
+grouping by expert depends on the step's data, which a whole-graph compile cannot trace): each is refused or off.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.layers.attention_metadata import AttentionMetadata
+from kvflow.layers.moe import SparseMoE
+from kvflow.layers.norm import RMSNorm
+from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.models.llama import _ACTIVATIONS, MLP, Attention, LlamaForCausalLM, TensorParallelSizes
+from kvflow.models.model_config import ModelConfig
+
+
+class MoeDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
+                 layer: int = 0):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, tp, sizes, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_moe_layer(layer):
+            if cfg.hidden_act not in _ACTIVATIONS:
+                raise ValueError(f"hidden activation {cfg.hidden_act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                 cfg.arch.moe_router, cfg.norm_topk_prob, _ACTIVATIONS[cfg.hidden_act])
+        else:
+            self.mlp = MLP(cfg, tp, sizes)
+        self.residual_multiplier = cfg.residual_multiplier
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        attn = self.self_attn(rope, self.input_layernorm(h), meta)
+        h = h + (attn if self.residual_multiplier is None else attn * self.residual_multiplier)
+        out = self.mlp(self.post_attention_layernorm(h), meta)
+        return h + (out if self.residual_multiplier is None else out * self.residual_multiplier)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    decoder_layer = MoeDecoderLayer
+    # the runner compiles no decode graphs for this model (runner/model_runner.py): see the module docstring
+    compiled_decode = False
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None):
+        if tp is not None and tp.size > 1:
+            raise ValueError(f"tensor_parallel_size={tp.size}: tensor parallelism is not supported for "
+                             f"mixture-of-experts models ({cfg.architecture}); use tensor_parallel_size=1")
+        super().__init__(cfg, max_positions, tp)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed(input_ids)
+        if self.config.embedding_multiplier is not None:
+            h = h * self.config.embedding_multiplier
+        rope = self.rotary.lookup(positions)
+        for layer in self.layers:
+            h = layer(rope, h, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden)
+        if self.config.logits_scaling is not None and logits is not None:
+            logits = logits / self.config.logits_scaling
+        return logits
+
+    def enable_lora(self, *args, **kwargs) -> None:
+        raise ValueError(f"LoRA is not supported for mixture-of-experts models ({self.config.architecture})")
+
+    def _shard_sizes(self, name: str) -> list[int]:
+        if ".experts." in name and "gate_up_proj" in name:
+            return [self.config.moe_intermediate_size] * 2
+        return super()._shard_sizes(name)

@@ -1,0 +1,386 @@
+"""Mixtures of experts (Qwen3-MoE, OLMoE, GraniteMoE, Mixtral) on random-weight models with their real configs (small
+shapes), token for token against transformers in float32, from HF folders and GGUF files; the experts batched by
+expert and batch invariant (layers/moe.py); the variants kvflow does not implement refused at load."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.layers import native_kernels
+from kvflow.layers.moe import ROUTER_ROWS, Router, SparseMoE, blocked_linear
+from kvflow.models.model_files import resolve_model_files
+from tiny_models import make_tiny_hf_model, write_gguf_from_hf
+
+MAX_TOKENS = 16
+FAMILIES = ("qwen3_moe", "olmoe", "granitemoe", "mixtral")
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    # transformers' eager experts: the reference loop (its default grouped_mm is another summation)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int = MAX_TOKENS) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    rand = lambda n: torch.randint(10, 40000, (n,), generator=g).tolist()     # noqa: E731
+    return [rand(5), rand(19), rand(41), [42]]
+
+
+def greedy(llm: LLM, batch: list[list[int]], n: int = MAX_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    """One tiny HF folder per family (module-scoped: several tests read them)."""
+    root = tmp_path_factory.mktemp("moe")
+    return {f: make_tiny_hf_model(root / f, family=f, seed=11) for f in FAMILIES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_transformers_token_for_token(moe_dirs, family):
+    path = moe_dirs[family]
+    cfg = resolve_model_files(path).config
+    assert cfg.num_experts == 8 and cfg.arch.moe_router
+    hf = hf_model(path)
+    batch = prompts()
+    want = [hf_greedy(hf, p) for p in batch]
+    # the whole batch in one step, and chunked prefill: a budget of 13 cuts the 19- and 41-token prompts
+    for engine in ({}, {"max_num_batched_tokens": 13}):
+        llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="16MiB", **engine)
+        got = greedy(llm, batch)
+        for p, a, b in zip(batch, got, want):
+            assert a == b, f"{family} {engine}, prompt of {len(p)}: kvflow {a} != transformers {b}"
+        # a mixed batch equals each request alone
+        assert [greedy(llm, [p])[0] for p in batch] == got
+        llm.engine.kv_cache_manager.check()
+
+
+def test_each_family_reads_its_config(moe_dirs):
+    q = resolve_model_files(moe_dirs["qwen3_moe"]).config
+    assert (q.family, q.num_experts_per_tok, q.moe_intermediate_size, q.norm_topk_prob, q.qk_norm) == (
+        "qwen3_moe", 3, 32, True, True)
+    o = resolve_model_files(moe_dirs["olmoe"]).config
+    assert (o.norm_topk_prob, o.arch.qk_norm_whole, o.moe_intermediate_size) == (False, True, 32)
+    g = resolve_model_files(moe_dirs["granitemoe"]).config
+    assert (g.arch.moe_router, g.embedding_multiplier, g.residual_multiplier, g.attention_multiplier,
+            g.logits_scaling) == ("topk_softmax", 12.0, 0.22, 0.0625, 6.0)
+    m = resolve_model_files(moe_dirs["mixtral"]).config
+    assert (m.arch.moe_router, m.norm_topk_prob) == ("softmax_topk_renormalized", True)
+
+
+@pytest.mark.slow
+def test_qwen3_moe_dense_layers(tmp_path):
+    """mlp_only_layers and decoder_sparse_step keep a dense MLP in those layers, as transformers builds them."""
+    path = make_tiny_hf_model(tmp_path, family="qwen3_moe", seed=3, num_hidden_layers=3, mlp_only_layers=[0],
+                              decoder_sparse_step=1)
+    cfg = resolve_model_files(path).config
+    assert cfg.dense_layers == (0,) and [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    hf = hf_model(path)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="16MiB")
+    assert greedy(llm, prompts()[:2]) == [hf_greedy(hf, p) for p in prompts()[:2]]
+
+
+# ---- the layer: grouped by expert, batch invariant ---------------------------------------------------------------
+
+def _moe_layer(router: str = "softmax_topk", experts: int = 8, top_k: int = 3) -> SparseMoE:
+    torch.manual_seed(0)
+    layer = SparseMoE(64, 32, experts, top_k, router, True, torch.nn.functional.silu)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(0.2 * torch.randn(p.shape))
+    return layer.eval()
+
+
+def test_router_rules():
+    x = torch.randn(11, 64)
+    w = torch.randn(8, 64)
+    logits = x @ w.t()
+    for kind in ("softmax_topk", "softmax_topk_renormalized", "topk_softmax"):
+        r = Router(64, 8, 3, kind, norm_topk_prob=False)
+        r.weight.data.copy_(w)
+        weights, ids = r(x)
+        assert torch.equal(ids, logits.topk(3).indices)
+        probs = torch.softmax(logits, -1).topk(3).values
+        want = {"softmax_topk": probs, "softmax_topk_renormalized": probs / probs.sum(-1, keepdim=True),
+                "topk_softmax": torch.softmax(logits.topk(3).values, -1)}[kind]
+        torch.testing.assert_close(weights, want)
+    with pytest.raises(ValueError, match="sigmoid"):
+        Router(64, 8, 2, "sigmoid", False)
+
+
+def test_experts_equal_the_per_token_loop():
+    """Grouping by expert gives each row what running its own k experts one by one gives, and an expert no row chose
+    is never called."""
+    layer = _moe_layer()
+    x = torch.randn(23, 64)
+    weights, ids = layer.gate(x)
+    want = torch.stack([sum(weights[t, j] * layer.experts[int(ids[t, j])](x[t:t + 1])[0] for j in range(3))
+                        for t in range(23)])
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
+    called = set()
+    hooks = [e.register_forward_hook(lambda m, i, o, k=k: called.add(k)) for k, e in enumerate(layer.experts)]
+    layer(x[:1])
+    for h in hooks:
+        h.remove()
+    assert called == set(ids[0].tolist())         # at batch 1, only the row's top-k experts are read
+
+
+def test_router_logits_do_not_depend_on_the_rows_beside():
+    x, w = torch.randn(37, 64), torch.randn(8, 64)
+    full = blocked_linear(x, w)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 3 + ROUTER_ROWS + 1), slice(10, 37)):
+        assert torch.equal(blocked_linear(x[rows], w), full[rows])
+
+
+@pytest.mark.skipif(not native_kernels.usable(), reason="kvflow's kernels do not run here")
+def test_quantized_experts_are_bit_for_bit_batch_invariant():
+    """Experts on kvflow's kernels (4-bit codes, each row alone): a row's output bits are the same alone, in any
+    subset and in the whole step, whichever experts the other rows chose."""
+    from kvflow.layers.quantization import quantize_model
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = _moe_layer()
+
+    model = Holder()
+    quantize_model(model, "int4", torch.float32)
+    from kvflow.layers.int4 import Int4Linear
+    assert all(isinstance(e.gate_up_proj, Int4Linear) and e.gate_up_proj.native for e in model.moe.experts)
+    x = torch.randn(29, 64)
+    full = model.moe(x)
+    for rows in ([0], [7], [3, 4, 5], list(range(1, 29, 2)), list(range(28, -1, -3))):
+        assert torch.equal(model.moe(x[rows]), full[rows]), rows
+
+
+# ---- GGUF -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,ftype", [("qwen3_moe", "f16"), ("olmoe", "q8_0"), ("granitemoe", "f32"),
+                                          ("mixtral", "f32")])
+def test_gguf_twin_gives_the_safetensors_tokens(moe_dirs, tmp_path, family, ftype):
+    """The same weights as llama.cpp's converter writes them (stacked ffn_*_exps, ffn_gate_inp; Q/K rows permuted for
+    Mixtral's `llama` and GraniteMoE): float32 files give transformers' tokens; f16 / Q8_0 ones kvflow's own tokens
+    from the HF folder after the same rounding (dtype float32: the file's values)."""
+    path = moe_dirs[family]
+    gguf_path = write_gguf_from_hf(path, tmp_path / f"{family}-{ftype}.gguf", ftype=ftype)
+    a, b = resolve_model_files(path).config, resolve_model_files(gguf_path).config
+    fields = ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling", "dense_layers")
+    assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+    batch = prompts()[:3]
+    got = greedy(LLM(str(gguf_path), dtype="float32", max_model_len=128, kv_cache_memory="16MiB"), batch)
+    if ftype == "f32":
+        hf = hf_model(path)
+        assert got == [hf_greedy(hf, p) for p in batch]
+    else:
+        # the file's own values, written back to an HF folder: kvflow's HF path must give the same tokens
+        from kvflow.models.loader import iter_weights
+        from safetensors.torch import save_file
+
+        twin = tmp_path / "rounded"
+        twin.mkdir()
+        for f in path.iterdir():
+            if f.suffix != ".safetensors":
+                (twin / f.name).write_bytes(f.read_bytes())
+        tensors = {n if n.startswith(("model.", "lm_head")) else n: t.contiguous()
+                   for n, t in iter_weights(gguf_path)}
+        save_file(tensors, str(twin / "model.safetensors"))
+        hf = hf_model(twin)
+        assert got == [hf_greedy(hf, p) for p in batch]
+
+
+def test_unsupported_moe_variants_are_refused_at_load(tmp_path):
+    """Refused when the config is read, before any weight: the error names what kvflow lacks."""
+    base = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16}
+    for extra, error in (({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size.*shared experts"),
+                         ({"quantization_config": {"quant_method": "mxfp4"}}, "'mxfp4'.*not supported"),
+                         ({"num_experts_per_tok": 9}, "num_experts_per_tok")):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**base, **extra}))
+        with pytest.raises(ValueError, match=error):
+            LLM(str(folder), dtype="float32")
+
+
+def _gguf_with_experts(path, qtype_name: str = "F32", **metadata):
+    """A header-only-sized qwen3moe GGUF: the metadata and one layer's expert tensors (zeros)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    for key, value in {"block_count": 1, "embedding_length": 32, "feed_forward_length": 64, "expert_count": 4,
+                       "expert_used_count": 2, "attention.head_count": 2, "context_length": 64,
+                       "vocab_size": 64, **metadata}.items():
+        add = w.add_uint32 if isinstance(value, int) else w.add_string
+        add(f"qwen3moe.{key}", value)
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    for name, shape in (("ffn_gate_exps", (4, 16, 32)), ("ffn_up_exps", (4, 16, 32)), ("ffn_down_exps", (4, 32, 16))):
+        raw = np.zeros((*shape[:-1], shape[-1] // block * size), dtype=np.uint8)
+        w.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=qtype)
+    w.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unsupported_gguf_experts_are_refused_at_load(tmp_path):
+    for name, kwargs, error in (
+            ("sigmoid", {"expert_gating_func": 2}, "gating function 'sigmoid'"),
+            ("shared", {"expert_shared_count": 1}, "shared experts"),
+            ("mxfp4", {"qtype_name": "MXFP4"}, "ffn_gate_exps.weight is MXFP4, a format kvflow does not read")):
+        path = _gguf_with_experts(tmp_path / f"{name}.gguf", **kwargs)
+        with pytest.raises(ValueError, match=error):
+            resolve_model_files(path)
+
+
+def test_stacked_expert_slices_keep_the_files_codes(tmp_path):
+    """Each expert's slice of a stacked quantized tensor is a matrix in the file's format: its codes dequantize to
+    gguf's own values of that expert, bit for bit (Q4_0, Q8_0, Q4_K kept as codes; Q5_K, Q6_K re-rounded to 8-bit
+    codes as their 2-D matrices are)."""
+    import numpy as np
+
+    from kvflow.layers.group_quant import GroupQuantized
+    from kvflow.models.gguf_reader import dequantize, read_gguf
+    from kvflow.models.loader import _gguf_experts
+
+    path = make_tiny_hf_model(tmp_path / "hf", family="olmoe", seed=4, hidden_size=256, intermediate_size=256,
+                              num_hidden_layers=1)
+    for ftype, exact in (("q4_0", True), ("q8_0", True), ("q4_k", True), ("q5_k", False), ("q6_k", False)):
+        g = read_gguf(write_gguf_from_hf(path, tmp_path / f"{ftype}.gguf", ftype=ftype))
+        info = g.tensors["blk.0.ffn_up_exps.weight"]
+        assert len(info.shape) == 3 and info.shape[0] == 8
+        whole = torch.from_numpy(np.ascontiguousarray(dequantize(g.raw(info), info.qtype, info.shape)))
+        pieces = list(_gguf_experts(g, info, keep_quantized=True))
+        assert len(pieces) == 8 and all(isinstance(p, GroupQuantized) for p in pieces)
+        for e, piece in enumerate(pieces):
+            assert piece.exact == exact
+            if exact:
+                assert torch.equal(piece.dequantize(), whole[e]), (ftype, e)
+            else:
+                torch.testing.assert_close(piece.dequantize(), whole[e], rtol=0, atol=whole[e].abs().max() / 100)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ftype", ["q4_0", "q4_k", "q6_k", "q8_0"])
+def test_quantized_gguf_default_config_serves_the_files_codes_batch_invariant(tmp_path, ftype):
+    """A quantized MoE GGUF at the default dtype keeps its codes (the experts on kvflow's kernels where they run),
+    and a mixed batch gives each request its tokens alone."""
+    from kvflow.layers.int4 import Int4Linear
+    from kvflow.layers.quantization import NativeQ8Linear
+
+    path = make_tiny_hf_model(tmp_path / "hf", family="qwen3_moe", seed=6, hidden_size=256,
+                              moe_intermediate_size=256)
+    gguf_path = write_gguf_from_hf(path, tmp_path / f"m-{ftype}.gguf", ftype=ftype)
+    llm = LLM(str(gguf_path), max_model_len=128, kv_cache_memory="16MiB")
+    assert llm.engine.runner.quantization == "gguf"
+    experts = [e for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE) for e in m.experts]
+    assert len(experts) == 16
+    assert all(isinstance(e.gate_up_proj, (Int4Linear, NativeQ8Linear)) for e in experts)
+    batch = prompts()
+    together = greedy(llm, batch, 10)
+    if native_kernels.usable():
+        assert together == [greedy(llm, [p], 10)[0] for p in batch]
+
+
+# ---- through the server and run-batch ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_serve_and_run_batch_answer_as_the_offline_engine(moe_dirs, tmp_path):
+    """`kvflow serve` (the openai client, streamed and not) and `kvflow run-batch` give a MoE model's greedy text as
+    `LLM` does offline."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import openai
+
+    from kvflow.config import EngineConfig
+    from kvflow.server.testing import ServerThread
+
+    path = moe_dirs["granitemoe"]
+    questions = ["Say alpha", "Name seven apples", "Count: 3 5"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="16MiB")
+    offline = [llm.chat([{"role": "user", "content": q}], params)[0].outputs[0].text for q in questions]
+    del llm
+    config = EngineConfig(model=str(path), dtype="float32", max_model_len=128, kv_cache_memory="16MiB",
+                          served_model_name="moe")
+    with ServerThread(config) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+        for q, want in zip(questions, offline):
+            body = dict(model="moe", messages=[{"role": "user", "content": q}], max_tokens=8, temperature=0,
+                        extra_body={"ignore_eos": True})
+            assert client.chat.completions.create(**body).choices[0].message.content == want
+            streamed = "".join(c.choices[0].delta.content or "" for c in
+                               client.chat.completions.create(**body, stream=True) if c.choices)
+            assert streamed == want
+        server.wait_idle()
+        server.core("check")
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                                       "body": {"model": "moe", "messages": [{"role": "user", "content": q}],
+                                                "max_tokens": 8, "temperature": 0, "ignore_eos": True}}) + "\n"
+                           for i, q in enumerate(questions)))
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "kvflow.cli", "run-batch", "-i", str(inp), "-o", str(out), str(path),
+                          "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "16MiB",
+                          "--served-model-name", "moe", "--no-progress"], capture_output=True, text=True,
+                         timeout=600, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    answers = {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"]
+               for r in map(json.loads, out.read_text().splitlines())}
+    assert [answers[f"q{i}"] for i in range(len(questions))] == offline
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["granitemoe", "qwen3_moe"])
+def test_the_benchmarks_random_moe_gguf_loads_and_serves(tmp_path, family):
+    """benchmarks/make_moe_gguf.py's file (tiny shape here; Granite 3.1 1B-A400M's for the speed table): the
+    metadata reads back as the config it was written from, and the quantized file serves batch invariant."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "make_moe_gguf", Path(__file__).resolve().parents[1] / "benchmarks" / "make_moe_gguf.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    assert make.model_config("granite-1b-a400m", "granitemoe")["num_local_experts"] == 32
+    path = make.write(tmp_path / f"{family}.gguf", shape="tiny", family=family, ftype="q8_0")
+    cfg = resolve_model_files(path).config
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+        make.ARCHITECTURES[family], 8, 2, 256)
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory="16MiB")
+    batch = prompts()
+    together = greedy(llm, batch, 6)
+    assert all(len(t) == 6 for t in together)
+    if native_kernels.usable():
+        assert together == [greedy(llm, [p], 6)[0] for p in batch]
+
+
+def test_lora_on_a_moe_model_is_refused(tmp_path):
+    path = make_tiny_hf_model(tmp_path, family="mixtral", seed=1, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="LoRA is not supported for mixture-of-experts models"):
+        LLM(str(path), dtype="float32", max_model_len=64, kv_cache_memory="4MiB", enable_lora=True)
