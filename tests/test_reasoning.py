@@ -349,7 +349,7 @@ def test_responses_reasoning_items_streamed_and_not(client):
 
 
 @pytest.mark.slow
-def test_messages_thinking_blocks_streamed_and_not(claude):
+def test_messages_thinking_blocks_streamed_and_not(server, claude):
     kw = dict(model="smol", max_tokens=40, messages=QUESTION, stop_sequences=STOP, extra_body={"temperature": 0})
     m = claude.messages.create(**kw)
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
@@ -363,6 +363,11 @@ def test_messages_thinking_blocks_streamed_and_not(claude):
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in final.content] == [
         ("thinking", THOUGHT), ("text", ANSWER)]
     assert final.content[0].signature and final.usage.output_tokens == m.usage.output_tokens
+    # vLLM's chat_template_kwargs on the Messages API: thinking off, one text block
+    off = claude.messages.create(**{**kw, "extra_body": {"temperature": 0, "chat_template_kwargs": {
+        "enable_thinking": False}}})
+    assert [b.type for b in off.content] == ["text"] and off.content[0].text == raw_output(
+        server, QUESTION, enable_thinking=False)
 
 
 @pytest.mark.slow

@@ -168,6 +168,8 @@ class MessagesRequest(MessagesPart):
     output_config: OutputConfig | None = None
     service_tier: Literal["auto", "standard_only"] | None = None   # one tier here, the standard one: either holds
     cache_control: CacheControl | None = None         # a breakpoint on the last cacheable block: see CacheControl
+    # vLLM's extra, as on chat: template variables (e.g. enable_thinking: false for Qwen3's template)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---- response ---------------------------------------------------------------------------------------------------

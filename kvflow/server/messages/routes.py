@@ -313,7 +313,7 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stream": req.stream,
             "response_format": response_format, "user": req.metadata.user_id if req.metadata else None,
             "request_id": uuid.uuid4().hex, "continue_final_message": prefill, "add_generation_prompt": not prefill,
-            **chat_tools(req)}
+            "chat_template_kwargs": req.chat_template_kwargs, **chat_tools(req)}
     return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
 
 

@@ -211,7 +211,7 @@ MESSAGES_FIELDS = {
     "request": ("model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
                 "top_k", "tools", "tool_choice", "metadata", "output_config", "service_tier", "cache_control",
                 "thinking", "container", "context_management", "mcp_servers", "output_format", "inference_geo",
-                "speed", "diagnostics", "user_profile_id", "workspace_id"),
+                "speed", "diagnostics", "user_profile_id", "workspace_id", "chat_template_kwargs"),
     "message": ("role", "content"),
     "text": ("type", "text", "cache_control", "citations"),
     "tool_use": ("type", "id", "name", "input", "cache_control", "caller", "toolset_name"),
