@@ -184,6 +184,8 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
     per-channel int8), float ones stay float."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
+    if method != "gguf":
+        fill_gguf_floats(model)
     if method in QUANT_DTYPES:
         # the embedding and LM head are int8 in both modes: e4m3's 3-bit mantissa costs the small embedded model
         # >3% perplexity there, where vLLM would keep them unquantized
@@ -195,9 +197,26 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
         native = native_kernels.wanted(device, dtype, method) and native_kernels.library() is not None
         swap_matrices(model, linear=lambda layer: _int4_linear(layer, method, native),
                       table=lambda table: _vocabulary(table, method, dtype, tied, native))
+        fill_gguf_floats(model)         # whatever kept its floats (a module the swap did not visit)
     how = _choose_matmul(model, method, dtype)
     log.info("quantization: %s", how)
     return how
+
+
+def fill_gguf_floats(module: nn.Module) -> nn.Module:
+    """Writes the float values of the GGUF codes a module was loaded with into its weight, for a module that keeps
+    (or is built from) float weights after all; the loader leaves them unwritten (`LlamaForCausalLM.load_weights`),
+    so that a model whose matrices all become quantized modules never holds its float copy. Idempotent."""
+    for sub in module.modules():
+        pieces = getattr(sub, "gguf_pieces", None)
+        if not pieces or getattr(sub, "gguf_floats_filled", False):
+            continue
+        with torch.no_grad():
+            for codes, (start, end) in zip(pieces, sub.gguf_rows):
+                if codes is not None:
+                    sub.weight[start:end].copy_(codes.dequantize())
+        sub.gguf_floats_filled = True
+    return module
 
 
 def _gguf_codes(module: nn.Module) -> GroupQuantized | None:
@@ -229,12 +248,12 @@ def _int4_linear(layer: nn.Linear, method: str, native: bool) -> nn.Module:
         return Int4Linear(GroupQuantized.round_to_nearest(layer.weight, bits=4, group=32), layer.bias, native)
     codes = _gguf_codes(layer)
     if codes is None:
-        return layer
+        return fill_gguf_floats(layer)
     if codes.bits == 4:
         return Int4Linear(codes, layer.bias, native).to(layer.weight.device)
     if native and _native_q8(codes):
         return NativeQ8Linear(codes, layer.bias).to(layer.weight.device)
-    return QuantizedLinear(layer, "int8")
+    return QuantizedLinear(fill_gguf_floats(layer), "int8")
 
 
 class NativeQ8Linear(nn.Module):
@@ -318,6 +337,7 @@ def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype
     where they run (one copy), else the head is its own int8 matrix (the int8 kernel)."""
     codes = _gguf_codes(table) if method == "gguf" else None
     if codes is None:
+        fill_gguf_floats(table)
         return QuantizedEmbedding(table, "int8", dtype) if method == "int4" else table
     device = table.weight.device
     if isinstance(table, nn.Linear):
@@ -325,13 +345,13 @@ def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype
             return Int4Linear(codes, None, native).to(device)
         if native and _native_q8(codes):                   # Q8_0 / Q5_0 / re-rounded: the codes themselves
             return NativeQ8Linear(codes, None).to(device)
-        return QuantizedEmbedding(table, "int8", dtype)
+        return QuantizedEmbedding(fill_gguf_floats(table), "int8", dtype)
     kernel_layout = native and (_native_q8(codes) or (codes.bits == 4 and codes.group == native_kernels.GROUP))
     if not tied:        # lookups only: in the kernel's layout too where it runs (4-bit codes packed two a byte)
         return GGUFVocabulary(codes, None, dtype, native_head=kernel_layout).to(device)
     if kernel_layout:
         return GGUFVocabulary(codes, None, dtype, native_head=True).to(device)
-    return GGUFVocabulary(codes, QuantizedEmbedding(table, "int8", dtype), dtype).to(device)
+    return GGUFVocabulary(codes, QuantizedEmbedding(fill_gguf_floats(table), "int8", dtype), dtype).to(device)
 
 
 def _choose_matmul(model: nn.Module, method: str, dtype: torch.dtype) -> str:

@@ -285,8 +285,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in (this rank's slice of each), fusing q/k/v and gate/up on the way.
-        A `GroupQuantized` tensor (a GGUF loaded with keep_quantized, one rank only) fills the parameter with its
-        float values and is kept on the parameter's module, as `gguf_pieces[shard]`, for quantize_model."""
+        A `GroupQuantized` tensor (a GGUF loaded with keep_quantized, one rank only) is kept on the parameter's
+        module, as `gguf_pieces[shard]` with its rows `gguf_rows[shard]`, for quantize_model; its float values are
+        not written (`layers/quantization.fill_gguf_floats` writes them where a module keeps floats after all), so
+        the float copy of a quantized model never becomes resident memory: the load has no float-model peak."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
@@ -299,8 +301,11 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(tensor, GroupQuantized):
                 if self.tp.size > 1:
                     raise ValueError("quantized GGUF codes cannot be split over tensor-parallel ranks; load floats")
-                codes, tensor = tensor, tensor.dequantize()
-            tensor = self._rank_slice(name, tensor)
+                codes = tensor
+                if not name.endswith(".weight"):      # only matrices are kept as codes
+                    codes, tensor = None, tensor.dequantize()
+            else:
+                tensor = self._rank_slice(name, tensor)
             target = name
             for piece, (fused, shard) in _FUSED.items():
                 if f".{piece}." in name:
@@ -308,32 +313,38 @@ class LlamaForCausalLM(nn.Module):
                     param = params[target]
                     sizes = self._shard_sizes(target)
                     start = sum(sizes[:shard])
-                    param[start:start + sizes[shard]].copy_(tensor)
+                    if codes is None:
+                        param[start:start + sizes[shard]].copy_(tensor)
+                    elif tuple(codes.shape) != (sizes[shard], *param.shape[1:]):
+                        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(codes.shape)}, the model "
+                                         f"expects {(sizes[shard], *param.shape[1:])}")
                     loaded.add((target, shard))
-                    self._keep_codes(target, shard, len(sizes), codes)
+                    self._keep_codes(target, shard, len(sizes), codes, (start, start + sizes[shard]))
                     break
             else:
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 param = params[target]
-                if param.shape != tensor.shape:
+                if tuple(param.shape) != tuple(tensor.shape):
                     raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {tuple(param.shape)}")
-                param.copy_(tensor)
+                if codes is None:
+                    param.copy_(tensor)
                 loaded.add((target, 0))
-                self._keep_codes(target, 0, 1, codes)
+                self._keep_codes(target, 0, 1, codes, (0, param.shape[0]))
         expected = {(n, s) for n in params for s in range(len(self._shard_sizes(n)))}
         missing = sorted({n for n, _ in expected - loaded})
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {missing[:8]}")
 
-    def _keep_codes(self, target: str, shard: int, shards: int, codes: GroupQuantized | None) -> None:
-        if codes is None or not target.endswith(".weight"):
+    def _keep_codes(self, target: str, shard: int, shards: int, codes: GroupQuantized | None,
+                    rows: tuple[int, int]) -> None:
+        if codes is None:
             return
         module = self.get_submodule(target.removesuffix(".weight"))
         if not hasattr(module, "gguf_pieces"):
-            module.gguf_pieces = [None] * shards
-        module.gguf_pieces[shard] = codes
+            module.gguf_pieces, module.gguf_rows = [None] * shards, [None] * shards
+        module.gguf_pieces[shard], module.gguf_rows[shard] = codes, rows
 
     def _rank_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows or columns of a checkpoint tensor (all of it at size 1; biases slice with their rows)."""

@@ -10,6 +10,7 @@ own codes where the format maps exactly, else re-rounded slice by slice.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from dataclasses import replace
@@ -230,6 +231,24 @@ def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
+
+
+@contextlib.contextmanager
+def without_weight_init():
+    """Builds modules without initialising their parameters (as transformers' `no_init_weights`): every parameter
+    is then written by `load_weights` (which refuses a checkpoint that lacks one) or, for GGUF codes kept as they
+    are, never — so their pages are never touched and the float copy of a quantized model costs no memory. The
+    random init also cost time: ~0.4 s of a 135M model's load on a 2-core CPU."""
+    inits = {name: getattr(torch.nn.init, name) for name in
+             ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+              "xavier_normal_", "zeros_", "ones_", "constant_")}
+    for name in inits:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in inits.items():
+            setattr(torch.nn.init, name, fn)
 
 
 def iter_weights(files: ModelFiles | Path, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

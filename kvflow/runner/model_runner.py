@@ -23,7 +23,7 @@ from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.layers.quantization import quantize_model
 from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
-from kvflow.models.loader import ModelFiles, iter_weights, resolve_model_files, weight_quantization
+from kvflow.models.loader import ModelFiles, iter_weights, resolve_model_files, weight_quantization, without_weight_init
 from kvflow.models.model_config import ModelConfig
 from kvflow.runner.compiled_decode import CompiledDecode, model_identity, plain_module_state
 from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
@@ -54,7 +54,7 @@ class ModelRunner:
         self.threads = torch.get_num_threads()
 
         t0 = time.perf_counter()
-        with torch.device(self.device):
+        with torch.device(self.device), without_weight_init():
             model = model_config.arch.load_class()(model_config, max_model_len, tp)
         model.load_weights(iter_weights(files, keep_quantized=self.quantization == "gguf"))
         # weights in the compute dtype; the rotary tables stay float32 (norms compute in float32 inside)
