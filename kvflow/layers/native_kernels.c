@@ -435,6 +435,20 @@ static inline __attribute__((always_inline)) void scores_4x16(const float *const
     }
 }
 
+// BODY(M, D) with M = m (1..4) and D each a compile-time constant where they are the common values (head dims 64
+// and 128), so the always-inlined micro-kernels keep their accumulators in registers
+#define WITH_CONSTANT_M_AND_D(BODY)                                                                          \
+    do {                                                                                                     \
+        if (D == 64) {                                                                                       \
+            if (m == 4) BODY(4, 64); else if (m == 3) BODY(3, 64); else if (m == 2) BODY(2, 64); else BODY(1, 64); \
+        } else if (D == 128) {                                                                               \
+            if (m == 4) BODY(4, 128); else if (m == 3) BODY(3, 128); else if (m == 2) BODY(2, 128);          \
+            else BODY(1, 128);                                                                               \
+        } else {                                                                                             \
+            if (m == 4) BODY(4, D); else if (m == 3) BODY(3, D); else if (m == 2) BODY(2, D); else BODY(1, D); \
+        }                                                                                                    \
+    } while (0)
+
 #define SCORES_FOR(M, D) for (int64_t k0 = 0; k0 < keys; k0 += 16) scores_4x16(qs + v0, M, D, kt, k0, scale, out + v0)
 
 // scores out[v][0 .. keys) = scale * qs[v] . k_j for n query vectors and the group's first `keys` keys
@@ -442,28 +456,7 @@ static void group_scores(const float *const *qs, int64_t n, int64_t D, const flo
                          float *const *out) {
     for (int64_t v0 = 0; v0 < n; v0 += 4) {
         const int64_t m = n - v0 < 4 ? n - v0 : 4;
-        if (D == 64) {
-            switch (m) {
-            case 4: SCORES_FOR(4, 64); break;
-            case 3: SCORES_FOR(3, 64); break;
-            case 2: SCORES_FOR(2, 64); break;
-            default: SCORES_FOR(1, 64);
-            }
-        } else if (D == 128) {
-            switch (m) {
-            case 4: SCORES_FOR(4, 128); break;
-            case 3: SCORES_FOR(3, 128); break;
-            case 2: SCORES_FOR(2, 128); break;
-            default: SCORES_FOR(1, 128);
-            }
-        } else {
-            switch (m) {
-            case 4: SCORES_FOR(4, D); break;
-            case 3: SCORES_FOR(3, D); break;
-            case 2: SCORES_FOR(2, D); break;
-            default: SCORES_FOR(1, D);
-            }
-        }
+        WITH_CONSTANT_M_AND_D(SCORES_FOR);
     }
 }
 
@@ -501,28 +494,7 @@ static void group_values(float *const *acc, const float *alpha, const float *con
                          const float *vf, int64_t from, int64_t to) {
     for (int64_t v0 = 0; v0 < n; v0 += 4) {
         const int64_t m = n - v0 < 4 ? n - v0 : 4;
-        if (D == 64) {
-            switch (m) {
-            case 4: VALUES_FOR(4, 64); break;
-            case 3: VALUES_FOR(3, 64); break;
-            case 2: VALUES_FOR(2, 64); break;
-            default: VALUES_FOR(1, 64);
-            }
-        } else if (D == 128) {
-            switch (m) {
-            case 4: VALUES_FOR(4, 128); break;
-            case 3: VALUES_FOR(3, 128); break;
-            case 2: VALUES_FOR(2, 128); break;
-            default: VALUES_FOR(1, 128);
-            }
-        } else {
-            switch (m) {
-            case 4: VALUES_FOR(4, D); break;
-            case 3: VALUES_FOR(3, D); break;
-            case 2: VALUES_FOR(2, D); break;
-            default: VALUES_FOR(1, D);
-            }
-        }
+        WITH_CONSTANT_M_AND_D(VALUES_FOR);
     }
 }
 
