@@ -237,7 +237,11 @@ def test_prompt_logprobs_equal_transformers(tiny):
     for j in range(1, len(ids)):
         entry = {int(k): v for k, v in got[j].items()}
         assert entry[ids[j]]["logprob"] == pytest.approx(want[j - 1, ids[j]].item(), abs=1e-4)
-        assert entry[ids[j]]["rank"] == int((want[j - 1] > want[j - 1, ids[j]]).sum()) + 1
+        # the rank among ~49k near-flat logprobs of a random model: tokens within float rounding of the prompt
+        # token's logprob (1e-5, 10x finer than the logprob check) may fall on either side of it
+        target = want[j - 1, ids[j]]
+        assert (int((want[j - 1] > target + 1e-5).sum()) + 1 <= entry[ids[j]]["rank"]
+                <= int((want[j - 1] > target - 1e-5).sum()) + 1)
         top = want[j - 1].topk(3)
         assert {t for t in entry if entry[t]["rank"] <= 3} >= set(top.indices.tolist()) - {ids[j]}
         for t, lp in zip(top.indices.tolist(), top.values.tolist()):

@@ -142,6 +142,7 @@ def paged(seed: int, heads=9, kv_heads=3, head_dim=64, block_size=16, blocks=64)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(9, 3, 64, 0), (4, 4, 32, 0), (8, 1, 128, 0),
+                                                             (4, 2, 24, 0), (2, 1, 8, 0), (14, 2, 40, 0),
                                                              (4, 1, 256, 0), (4, 1, 256, 50), (9, 3, 64, 1)])
 def test_paged_attention_matches_float64(heads, kv_heads, head_dim, window):
     """`window` > 0 (a sliding-window layer): the row attends to its last `window` keys only."""

@@ -467,24 +467,24 @@ static inline __attribute__((always_inline)) void values_4x16(float *const *acc,
                                                              const float *const *p, int M, int64_t D,
                                                              const float *vf, int64_t from, int64_t to) {
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        // 16 dimensions, or the last 8 where D is an odd multiple of 8 (each lane's arithmetic is the same either way)
+        const int halves = d0 + 16 <= D ? 2 : 1;
         __m256 o[4][2];
         for (int v = 0; v < M; v++) {
             const __m256 r = _mm256_set1_ps(alpha[v]);
-            o[v][0] = _mm256_mul_ps(_mm256_loadu_ps(acc[v] + d0), r);
-            o[v][1] = _mm256_mul_ps(_mm256_loadu_ps(acc[v] + d0 + 8), r);
+            for (int u = 0; u < halves; u++) o[v][u] = _mm256_mul_ps(_mm256_loadu_ps(acc[v] + d0 + 8 * u), r);
         }
         for (int64_t j = from; j < to; j++) {
-            const __m256 a0 = _mm256_loadu_ps(vf + j * D + d0), a1 = _mm256_loadu_ps(vf + j * D + d0 + 8);
+            const __m256 a0 = _mm256_loadu_ps(vf + j * D + d0);
+            const __m256 a1 = halves == 2 ? _mm256_loadu_ps(vf + j * D + d0 + 8) : a0;
             for (int v = 0; v < M; v++) {
                 const __m256 w = _mm256_broadcast_ss(p[v] + j);
                 o[v][0] = _mm256_fmadd_ps(w, a0, o[v][0]);
-                o[v][1] = _mm256_fmadd_ps(w, a1, o[v][1]);
+                if (halves == 2) o[v][1] = _mm256_fmadd_ps(w, a1, o[v][1]);
             }
         }
-        for (int v = 0; v < M; v++) {
-            _mm256_storeu_ps(acc[v] + d0, o[v][0]);
-            _mm256_storeu_ps(acc[v] + d0 + 8, o[v][1]);
-        }
+        for (int v = 0; v < M; v++)
+            for (int u = 0; u < halves; u++) _mm256_storeu_ps(acc[v] + d0 + 8 * u, o[v][u]);
     }
 }
 
