@@ -61,7 +61,7 @@ def pick_kv_dtype(kv_cache_dtype: str, dtype_setting: str, device: torch.device,
     """The KV cache's element type. "auto": the compute dtype, except on a CPU that computes in float32 because
     dtype=auto chose it (4-bit codes on kvflow's kernels, or no fast bf16 matmul): there the cache holds 16 bits
     (bf16 where the CPU has it, else fp16), half the bytes to hold and to read per decoded token. Measured on the
-    embedded model (Zen 3): perplexity +0.013%, greedy output mostly the same (tests/test_quantization.py).
+    embedded model (Zen 3): perplexity +0.008%, greedy output mostly the same (tests/test_quantization.py).
     --dtype float32 keeps a float32 cache: the exact path against transformers."""
     if kv_cache_dtype != "auto":
         return KV_CACHE_DTYPES[kv_cache_dtype]
