@@ -148,24 +148,39 @@ def test_router_logits_do_not_depend_on_the_rows_beside():
 
 
 @pytest.mark.skipif(not native_kernels.usable(), reason="kvflow's kernels do not run here")
-def test_quantized_experts_are_bit_for_bit_batch_invariant():
-    """Experts on kvflow's kernels (4-bit codes, each row alone): a row's output bits are the same alone, in any
-    subset and in the whole step, whichever experts the other rows chose."""
-    from kvflow.layers.quantization import quantize_model
-
-    class Holder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.moe = _moe_layer()
-
-    model = Holder()
-    quantize_model(model, "int4", torch.float32)
+@pytest.mark.parametrize("bits", [4, 8, 5])
+def test_quantized_experts_in_one_native_call_are_bit_for_bit_batch_invariant(bits):
+    """Experts on kvflow's kernels (4-, 8- and 5-bit codes, each row alone), stacked into one native call per layer
+    (`use_native_kernels`): the call gives what the per-expert modules give (to float rounding: its SiLU is its own),
+    and a row's output bits are the same alone, in any subset and in the whole step, whichever experts the other
+    rows chose."""
+    from kvflow.layers.group_quant import GroupQuantized
     from kvflow.layers.int4 import Int4Linear
-    assert all(isinstance(e.gate_up_proj, Int4Linear) and e.gate_up_proj.native for e in model.moe.experts)
+    from kvflow.layers.quantization import NativeQ8Linear
+
+    layer = _moe_layer()
+    for expert in layer.experts:
+        for name in ("gate_up_proj", "down_proj"):
+            codes = GroupQuantized.round_to_nearest(getattr(expert, name).weight.detach(), bits=4 if bits == 4 else 8,
+                                                     group=32)
+            if bits == 5:       # 5-bit codes (Q5_0's): held and multiplied by the 5-bit kernel
+                codes = GroupQuantized(codes.codes.clamp(-16, 15), codes.scale, None, 32, 8)
+            setattr(expert, name, Int4Linear(codes, None, native=True) if bits == 4 else NativeQ8Linear(codes, None))
+    if bits == 5:
+        assert layer.experts[0].down_proj.code_bits == 5
     x = torch.randn(29, 64)
-    full = model.moe(x)
+    per_expert = layer(x)
+    assert layer.use_native_kernels() and layer.native and len(layer.experts) == 0
+    full = layer(x)
+    torch.testing.assert_close(full, per_expert, rtol=1e-5, atol=1e-5)
     for rows in ([0], [7], [3, 4, 5], list(range(1, 29, 2)), list(range(28, -1, -3))):
-        assert torch.equal(model.moe(x[rows]), full[rows]), rows
+        assert torch.equal(layer(x[rows]), full[rows]), rows
+
+
+def test_experts_off_kvflows_kernels_stay_modules():
+    """Float experts (no native codes) are not stacked: the layer keeps its modules and the Python grouping."""
+    layer = _moe_layer()
+    assert not layer.use_native_kernels() and not layer.native and len(layer.experts) == 8
 
 
 # ---- GGUF -------------------------------------------------------------------------------------------------------
@@ -294,13 +309,36 @@ def test_quantized_gguf_default_config_serves_the_files_codes_batch_invariant(tm
     gguf_path = write_gguf_from_hf(path, tmp_path / f"m-{ftype}.gguf", ftype=ftype)
     llm = LLM(str(gguf_path), max_model_len=128, kv_cache_memory="16MiB")
     assert llm.engine.runner.quantization == "gguf"
-    experts = [e for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE) for e in m.experts]
-    assert len(experts) == 16
-    assert all(isinstance(e.gate_up_proj, (Int4Linear, NativeQ8Linear)) for e in experts)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+    assert len(layers) == 2
+    if native_kernels.usable():      # stacked: one native call per layer
+        assert all(m.native and m.gate_up_codes.shape[0] == 8 for m in layers)
+    else:
+        experts = [e for m in layers for e in m.experts]
+        assert len(experts) == 16
+        assert all(isinstance(e.gate_up_proj, (Int4Linear, NativeQ8Linear)) for e in experts)
     batch = prompts()
     together = greedy(llm, batch, 10)
     if native_kernels.usable():
         assert together == [greedy(llm, [p], 10)[0] for p in batch]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not native_kernels.usable(), reason="kvflow's kernels do not run here")
+def test_compiled_decode_steps_of_a_quantized_moe_give_the_eager_tokens(tmp_path):
+    """With every expert in one native call per layer, the model's decode steps compile (the grouping by expert is
+    inside the call) and give the eager steps' greedy tokens, batched and alone."""
+    path = make_tiny_hf_model(tmp_path / "hf", family="qwen3_moe", seed=8, hidden_size=256,
+                              moe_intermediate_size=256)
+    gguf_path = write_gguf_from_hf(path, tmp_path / "m-q4_k.gguf", ftype="q4_k")
+    settings = dict(max_model_len=128, kv_cache_memory="16MiB", compile_batch_sizes=(1, 4))
+    eager = greedy(LLM(str(gguf_path), enforce_eager=True, **settings), prompts(), 12)
+    llm = LLM(str(gguf_path), enforce_eager=False, **settings)
+    compiled = llm.engine.runner.compiled_decode
+    assert compiled is not None and compiled.wait(timeout=600) and not compiled.failed
+    assert greedy(llm, prompts(), 12) == eager
+    assert greedy(llm, prompts()[1:2], 12) == eager[1:2]
+    assert compiled.steps > 0
 
 
 # ---- through the server and run-batch ----------------------------------------------------------------------------

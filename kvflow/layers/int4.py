@@ -143,7 +143,8 @@ class Int4Linear(nn.Module):
             halves = self.packed[ids].view(*ids.shape, g, native_kernels.GROUP // 2)
             codes = torch.cat([halves & 15, halves >> 4], dim=-1)
         codes = codes.reshape(*ids.shape, g, native_kernels.GROUP).to(torch.float32)
-        scale, minimum = (native_rows(native_kernels.widen_scales(t, self.out_features, g), ids)[..., None]
+        layout = "x16" if self.packed.dim() == 4 else "rows"     # from the codes: nothing for a compile to trace
+        scale, minimum = (native_rows(native_kernels.widen_scales(t, self.out_features, g, layout), ids)[..., None]
                           for t in (self.scale, self.minimum))
         return (codes * scale + minimum).view(*ids.shape, k)
 

@@ -6,6 +6,12 @@ Each expert is an ordinary module of two `nn.Linear`s (fused gate/up and down), 
 copies and a GGUF's own codes reach the experts as they reach every other matrix (`quantize_model`,
 `layers/swap.py`): under kvflow's kernels each row of an expert's call is computed alone.
 
+Where kvflow's kernels multiply every expert (`use_native_kernels`, called by the runner once the weights are
+quantized; SiLU experts in 4-, 5- or 8-bit codes), each kind of matrix of all the experts is stacked into one
+buffer and the whole grouping, the experts' matmuls, SiLU and the weighted sum run in one native call
+(`native_kernels.moe_experts`, moe_kernels.c): no Python per expert, and a graph a whole-step compile can trace
+(the grouping happens inside the call), so the model's decode steps compile as the dense models' do.
+
 Batch invariance: a row's output bits depend on that row alone where the expert matmuls do (kvflow's kernels):
 - the router's logits are one small float matmul done in blocks of `ROUTER_ROWS` rows of the same shape, so a
   row's logits do not depend on how many rows the step has;
@@ -23,6 +29,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvflow.layers import native_kernels
+from kvflow.layers.int4 import Int4Linear
+from kvflow.layers.quantization import NativeQ8Linear
 
 ROUTERS = ("softmax_topk", "softmax_topk_renormalized", "topk_softmax")
 ROUTER_ROWS = 8      # the router's matmul runs on blocks of this many rows (the last one padded)
@@ -82,13 +92,49 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, router: str,
                  norm_topk_prob: bool, act):
         super().__init__()
-        self.num_experts, self.top_k = num_experts, top_k
+        self.num_experts, self.top_k, self.intermediate_size = num_experts, top_k, intermediate_size
         self.gate = Router(hidden_size, num_experts, top_k, router, norm_topk_prob)
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size, act) for _ in range(num_experts))
+        self.native = False         # the experts stacked for one native call (use_native_kernels)
+        self.gate_up_bits = self.down_bits = 0
 
     def forward(self, x: torch.Tensor, meta=None) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if self.native:
+            rows = x.reshape(-1, x.shape[-1])
+            y = native_kernels.moe_experts(rows, ids, weights, self.gate_up_codes, self.gate_up_scale,
+                                           self.gate_up_minimum, self.gate_up_bits, self.down_codes, self.down_scale,
+                                           self.down_minimum, self.down_bits, self.intermediate_size)
+            return y.to(x.dtype).view(x.shape)
         return self.combine(x, self.run_experts(x, ids), weights)
+
+    def use_native_kernels(self) -> bool:
+        """Stack the experts for `native_kernels.moe_experts` where kvflow's kernels multiply all of them (every
+        expert's two matrices `Int4Linear` with native codes or `NativeQ8Linear`, one format per kind, no bias) and
+        their activation is SiLU (the one the native call computes); the expert modules are then dropped, their
+        weights living on only in the stacks. False (nothing changed) otherwise."""
+        if self.native:
+            return True
+        if not self.experts or any(e.act is not F.silu for e in self.experts):
+            return False
+        stacks = {}
+        for kind in ("gate_up", "down"):
+            layers = [getattr(e, f"{kind}_proj") for e in self.experts]
+            found = [_native_codes(layer) for layer in layers]
+            if any(f is None for f in found) or len({(bits, *(tuple(t.shape) + (t.dtype,) for t in ts))
+                                                     for bits, ts in found}) != 1:
+                return False
+            bits = found[0][0]
+            codes, scale, minimum = (torch.stack([ts[i] for _, ts in found]) for i in range(3))
+            stacks[kind] = bits, codes, scale, minimum
+        for kind, (bits, codes, scale, minimum) in stacks.items():
+            setattr(self, f"{kind}_bits", bits)
+            self.register_buffer(f"{kind}_codes", codes)
+            self.register_buffer(f"{kind}_scale", scale)
+            self.register_buffer(f"{kind}_minimum", minimum)
+        self.experts = nn.ModuleList()
+        self.native = True
+        return True
 
     def run_experts(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every (row, choice) pair's expert output, [T, k, hidden]: the pairs sorted by expert id (stable: rows in
@@ -117,3 +163,13 @@ class SparseMoE(nn.Module):
         for j in range(1, outputs.shape[1]):
             total = total + outputs[:, j] * w[:, j:j + 1]
         return total
+
+
+def _native_codes(layer: nn.Module) -> tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+    """(code bits, (codes, scale, minimum)) of a matrix kvflow's kernels multiply (minimum: an empty float32
+    tensor for the 8- and 5-bit codes, which have none), or None."""
+    if isinstance(layer, Int4Linear) and layer.native and layer.bias is None:
+        return 4, (layer.packed, layer.scale, layer.minimum)
+    if isinstance(layer, NativeQ8Linear) and layer.bias is None:
+        return layer.code_bits, (layer.codes, layer.scale, layer.codes.new_empty(0, dtype=torch.float32))
+    return None

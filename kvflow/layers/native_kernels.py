@@ -30,7 +30,8 @@ from kvflow import platform
 log = logging.getLogger("kvflow")
 
 SOURCE = Path(__file__).with_suffix(".c")
-SOURCES = [SOURCE, SOURCE.with_name("thread_pool.c")]      # the library is built from these (and the header)
+SOURCES = [SOURCE, SOURCE.with_name("thread_pool.c"), SOURCE.with_name("moe_kernels.c")]   # built from these (and
+# the header)
 HEADER = SOURCE.with_name("thread_pool.h")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-pthread"]
 GROUP = 32
@@ -114,6 +115,9 @@ def library() -> ctypes.CDLL | None:
     lib.kvflow_rms_norm.restype = None
     lib.kvflow_lora_add.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int]
     lib.kvflow_lora_add.restype = ctypes.c_int
+    lib.kvflow_moe_experts.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, _Experts, i64, _Experts, i64, ptr,
+                                       ctypes.c_int]
+    lib.kvflow_moe_experts.restype = ctypes.c_int
     lib.kvflow_pool_quiesce.argtypes = lib.kvflow_pool_workers.argtypes = lib.kvflow_pool_rows.argtypes = []
     lib.kvflow_pool_quiesce.restype = None
     lib.kvflow_pool_set_stall.argtypes = [ctypes.c_int]
@@ -128,6 +132,13 @@ def library() -> ctypes.CDLL | None:
 
 
 X16 = 16      # weight rows per register in the AVX-512 layout
+
+
+class _Experts(ctypes.Structure):
+    """moe_kernels.c's experts_t: one kind of matrix of every expert, stacked."""
+    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("minimum", ctypes.c_void_p),
+                ("codes_stride", ctypes.c_int64), ("scale_stride", ctypes.c_int64),
+                ("minimum_stride", ctypes.c_int64), ("kind", ctypes.c_int), ("flags", ctypes.c_int)]
 
 _threads: int | None = None
 
@@ -295,6 +306,8 @@ _OPS.define("q5_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor")
 _OPS.define("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor row_seq, "
             "Tensor positions, float scale, int window=0) -> Tensor")
 _OPS.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_OPS.define("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gu_codes, Tensor gu_scale, Tensor gu_minimum, "
+            "int gu_bits, Tensor dn_codes, Tensor dn_scale, Tensor dn_minimum, int dn_bits, int intermediate) -> Tensor")
 _OPS.define("lora_add(Tensor out, Tensor x, Tensor a, Tensor b, Tensor pieces, Tensor mask, int max_loras) -> Tensor")
 
 
@@ -347,6 +360,59 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out.to(dtype)
 
 
+_MOE_KINDS = {4: 0, 8: 1, 5: 2}        # moe_kernels.c's MOE_Q4, MOE_Q8, MOE_Q5 (| MOE_X16 = 4 for that layout)
+
+
+def _stacked(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, k: int) -> tuple:
+    """One kind of matrix of every expert, [E, ...] each (minimum: [E, 0] where the codes have none) ->
+    (_Experts, output rows), checked as `_run` checks one matrix: nothing is read past them."""
+    experts = codes.shape[0]
+    n = codes.shape[1] * X16 if codes.dim() == 5 else codes.shape[1]
+    groups = n * (k // GROUP)
+    tensors = [scale] + ([minimum] if bits == 4 else [])
+    forms = [_FORMS.get(t.dtype) for t in tensors]
+    if (bits not in _MOE_KINDS or None in forms or not all(t.is_contiguous() for t in (codes, *tensors))
+            or any(t.shape[0] != experts for t in tensors) or codes[0].numel() * 8 != n * k * bits
+            or any(t[0].numel() != (groups * 5 // 4 if f == 2 else groups) for t, f in zip(tensors, forms))
+            or (2 in forms and (k // GROUP) % 8)):
+        raise ValueError("native kernel: stacked experts' weights and scales not in one layout of this shape")
+    m = minimum if bits == 4 else None
+    spec = _Experts(codes.data_ptr(), scale.data_ptr(), m.data_ptr() if m is not None else None,
+                    codes[0].numel() * codes.element_size(), scale[0].numel() * scale.element_size(),
+                    m[0].numel() * m.element_size() if m is not None else 0,
+                    _MOE_KINDS[bits] | (4 if codes.dim() == 5 else 0),
+                    sum(f << (2 * i) for i, f in enumerate(forms)))
+    return spec, n
+
+
+def _moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gu_codes: torch.Tensor,
+                 gu_scale: torch.Tensor, gu_minimum: torch.Tensor, gu_bits: int, dn_codes: torch.Tensor,
+                 dn_scale: torch.Tensor, dn_minimum: torch.Tensor, dn_bits: int, intermediate: int) -> torch.Tensor:
+    """A mixture-of-experts layer's experts (moe_kernels.c): x [T, H] float32, each row's k choices `ids` [T, k]
+    and `weights` [T, k] (highest first) -> [T, H], sum_j weights[t, j] * down(SiLU(gate) * up) of expert
+    ids[t, j], in j order. The gate/up matrices [E] of [2I (padded), H], the down ones [E] of [H (padded), I],
+    stacked, in the layouts of `pack_q4` / `pack_q8` / `pack_q5` and `pack_scales`."""
+    x = x.float().contiguous()
+    T, H = x.shape
+    k = ids.shape[1]
+    gu, gu_rows = _stacked(gu_codes, gu_scale, gu_minimum, gu_bits, H)
+    dn, dn_rows = _stacked(dn_codes, dn_scale, dn_minimum, dn_bits, intermediate)
+    if gu_rows < 2 * intermediate or dn_rows < H or gu_codes.shape[0] != dn_codes.shape[0]:
+        raise ValueError("native kernel: the experts' gate/up and down matrices do not fit together")
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.float().contiguous()
+    y = torch.empty(T, H, dtype=torch.float32)
+    if T:
+        err = library().kvflow_moe_experts(x.data_ptr(), T, H, ids.data_ptr(), weights.data_ptr(), k,
+                                           gu_codes.shape[0], intermediate, gu, gu_rows, dn, dn_rows, y.data_ptr(),
+                                           threads())
+        if err == 2:
+            raise ValueError("native kernel: an expert id out of range")
+        if err:
+            raise MemoryError("native kernel: out of memory for the experts' activations")
+    return y
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps) over the last dimension, float32; each row in one fixed order, the same
     in eager and compiled steps."""
@@ -381,7 +447,8 @@ def _lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
 
 
 for _name, _kernel in (("q4_linear", _q4_linear), ("q8_linear", _q8_linear), ("q5_linear", _q5_linear),
-                       ("paged_attention", _paged_attention), ("rms_norm", _rms_norm), ("lora_add", _lora_add)):
+                       ("paged_attention", _paged_attention), ("rms_norm", _rms_norm), ("lora_add", _lora_add),
+                       ("moe_experts", _moe_experts)):
     _OPS.impl(_name, _kernel, "CPU")
 torch.library.register_fake("kvflow::q4_linear", lambda x, codes, scale, minimum:
                             x.new_empty(*x.shape[:-1], _out_rows(codes)), lib=_OPS)
@@ -392,12 +459,15 @@ torch.library.register_fake("kvflow::q5_linear", lambda x, codes, scale: x.new_e
 torch.library.register_fake("kvflow::paged_attention", lambda q, *rest: torch.empty_like(q), lib=_OPS)
 torch.library.register_fake("kvflow::rms_norm", lambda x, weight, eps: torch.empty_like(x), lib=_OPS)
 torch.library.register_fake("kvflow::lora_add", lambda out, *rest: out.new_empty(out.shape), lib=_OPS)
+torch.library.register_fake("kvflow::moe_experts", lambda x, *rest: x.new_empty(x.shape, dtype=torch.float32),
+                            lib=_OPS)
 q4_linear = torch.ops.kvflow.q4_linear.default
 q8_linear = torch.ops.kvflow.q8_linear.default
 q5_linear = torch.ops.kvflow.q5_linear.default
 paged_attention = torch.ops.kvflow.paged_attention.default
 rms_norm = torch.ops.kvflow.rms_norm.default
 lora_add = torch.ops.kvflow.lora_add.default
+moe_experts = torch.ops.kvflow.moe_experts.default
 
 
 # the KV cache element types the attention kernel reads, and its number for each (native_kernels.c's KV_F32 ..);

@@ -11,8 +11,9 @@ Checkpoint names reach `load_weights` in one form, `layers.N.mlp.gate.weight` (t
 Mixtral's `block_sparse_moe.experts.E.w1/w3/w2`, GraniteMoE's stacked `input_linear` / `output_linear`, a GGUF's
 stacked `ffn_*_exps`); llama.py fuses each expert's gate and up as it fuses the dense MLP's.
 
-Not here: tensor parallelism (experts are not split over ranks), LoRA on MoE models, compiled decode steps (the
-grouping by expert depends on the step's data, which a whole-graph compile cannot trace): each is refused or off.
+Compiled decode steps where kvflow's kernels hold every expert (layers/moe.py: the grouping by expert is then inside
+one native call); off otherwise (grouping in Python depends on the step's data, which a whole-graph compile cannot
+trace). Not here: tensor parallelism (experts are not split over ranks) and LoRA on MoE models: both refused.
 """
 from __future__ import annotations
 
@@ -53,8 +54,12 @@ class MoeDecoderLayer(nn.Module):
 
 class MoeForCausalLM(LlamaForCausalLM):
     decoder_layer = MoeDecoderLayer
-    # the runner compiles no decode graphs for this model (runner/model_runner.py): see the module docstring
-    compiled_decode = False
+
+    @property
+    def compiled_decode(self) -> bool:
+        """Whether the runner may compile decode graphs of this model (runner/model_runner.py): only where every
+        expert layer runs as one native call (see the module docstring)."""
+        return all(m.native for m in self.modules() if isinstance(m, SparseMoE))
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None):
         if tp is not None and tp.size > 1:

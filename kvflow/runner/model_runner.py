@@ -19,6 +19,7 @@ from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers import kv_int8, native_kernels
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
 from kvflow.layers.lora import LoRAStack, lora_mask
+from kvflow.layers.moe import SparseMoE
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.layers.quantization import quantize_model
@@ -96,9 +97,11 @@ class ModelRunner:
             small = self.step_threads(platform.SMALL_STEP_ROWS)
             log.info("threads: %d; steps of <= %d rows: %d for torch's ops, %d for kvflow's kernels%s", self.threads,
                      platform.SMALL_STEP_ROWS, *small, " (its thread pool)" if self.kernel_pool else "")
-        for norm in self.model.modules():
+        for norm in list(self.model.modules()):
             if isinstance(norm, RMSNorm):
                 norm.native = self.native_attention
+            elif isinstance(norm, SparseMoE) and native_kernels.library() is not None:
+                norm.use_native_kernels()      # one native call per layer where kvflow's kernels hold the experts
             elif isinstance(norm, LoRAStack):     # batch invariant where the base model is (layers/lora.py)
                 norm.batch_invariant = self.native_attention
                 norm.native = self.native_attention and self.dtype == torch.float32
@@ -118,8 +121,9 @@ class ModelRunner:
         if self.config.enforce_eager or self.device.type != "cpu" or self.tp.size > 1:
             return None
         if not getattr(self.model, "compiled_decode", True):
-            log.info("compiled decode steps: off for %s (its steps group rows by expert, which a whole-graph "
-                     "compile cannot trace)", self.model_config.architecture)
+            log.info("compiled decode steps: off for %s (its experts are not all on kvflow's kernels: grouping rows "
+                     "by expert in Python depends on the step's data, which a whole-graph compile cannot trace)",
+                     self.model_config.architecture)
             return None
         # no bucket beyond the first that holds max_num_seqs rows: no step could use it
         sizes = self.config.compile_batch_sizes

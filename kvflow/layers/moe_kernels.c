@@ -1,0 +1,116 @@
+// A mixture-of-experts layer's experts in one call (layers/moe.py's SparseMoE over kvflow's kernels): the step's
+// (row, choice) pairs grouped by expert (a stable counting sort: rows in step order within an expert), each expert
+// that any row chose multiplying its rows with the linear kernels of native_kernels.c (gate/up fused, SiLU(gate) *
+// up, down), and each row's k outputs summed in its own top-k order. Experts no row chose are not read.
+//
+// Why one call: at batch 1 a layer runs k experts of two matrices each, and through Python every one of them cost
+// its module calls and op dispatches (~0.5 ms a layer measured on a 24-layer, top-8 model), more than the matmuls.
+//
+// Batch invariance: the linear kernels compute each row alone, whatever the rows beside it; SiLU and the weighted
+// sum are per element, in a fixed order. So a row's bits depend on that row alone, at every step size.
+//
+// Weights: every expert's matrix of one kind in one stacked buffer, expert e at e * stride bytes (codes, scales
+// and minimums each), in the kernels' layouts (`kind`: MOE_Q4 / MOE_Q8 / MOE_Q5, plus MOE_X16 for AVX-512's).
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int kvflow_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, const void *m,
+                     int64_t N, float *y, int threads, int flags);
+int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const void *d, int64_t N,
+                     float *y, int threads, int flags);
+int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
+                     float *y, int threads, int flags);
+int kvflow_q4_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d,
+                         const void *m, int64_t N, float *y, int threads, int flags);
+int kvflow_q8_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
+                         float *y, int threads, int flags);
+int kvflow_q5_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
+                         float *y, int threads, int flags);
+
+enum { MOE_Q4 = 0, MOE_Q8 = 1, MOE_Q5 = 2, MOE_X16 = 4 };
+
+// One kind of matrix of every expert: [E] matrices of N (padded: `rows`) x K
+typedef struct {
+    const uint8_t *codes, *scale, *minimum;
+    int64_t codes_stride, scale_stride, minimum_stride;   // bytes from one expert's to the next's
+    int kind, flags;                                      // MOE_*; the scales' forms (native_kernels.c)
+} experts_t;
+
+static int expert_linear(const experts_t *w, int64_t e, const float *x, int64_t M, int64_t K, int64_t N, float *y,
+                         int threads) {
+    const uint8_t *c = w->codes + e * w->codes_stride, *d = w->scale + e * w->scale_stride;
+    const uint8_t *m = w->minimum ? w->minimum + e * w->minimum_stride : NULL;
+    switch (w->kind) {
+    case MOE_Q4: return kvflow_q4_linear(x, M, K, c, d, m, N, y, threads, w->flags);
+    case MOE_Q8: return kvflow_q8_linear(x, M, K, (const int8_t *)c, d, N, y, threads, w->flags);
+    case MOE_Q5: return kvflow_q5_linear(x, M, K, c, d, N, y, threads, w->flags);
+    case MOE_Q4 | MOE_X16: return kvflow_q4_linear_x16(x, M, K, c, d, m, N, y, threads, w->flags);
+    case MOE_Q8 | MOE_X16: return kvflow_q8_linear_x16(x, M, K, c, d, N, y, threads, w->flags);
+    case MOE_Q5 | MOE_X16: return kvflow_q5_linear_x16(x, M, K, c, d, N, y, threads, w->flags);
+    default: return 2;
+    }
+}
+
+// x [T, H]; ids [T, k] int64 (each 0..E-1), weights [T, k] float32, each row's choices highest weight first;
+// gate_up: [E] of [gu_rows >= 2I, H] (gate rows 0..I-1, up rows I..2I-1), down: [E] of [dn_rows >= H, I];
+// y [T, H] = sum_j weights[t, j] * down(SiLU(gate(x_t)) * up(x_t)) of expert ids[t, j], added in j order.
+// Returns 0, 1 (out of memory), 2 (an expert id out of range or an unknown kind).
+int kvflow_moe_experts(const float *x, int64_t T, int64_t H, const int64_t *ids, const float *weights, int64_t k,
+                       int64_t E, int64_t I, experts_t gate_up, int64_t gu_rows, experts_t down, int64_t dn_rows,
+                       float *y, int threads) {
+    const int64_t P = T * k;
+    int64_t *count = calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t *order = malloc((size_t)(P ? P : 1) * sizeof(int64_t));
+    float *out = malloc((size_t)(P ? P : 1) * (size_t)H * sizeof(float));
+    int err = !count || !order || !out;
+    for (int64_t p = 0; !err && p < P; p++)
+        if (ids[p] < 0 || ids[p] >= E) err = 2;
+    if (!err) {
+        for (int64_t p = 0; p < P; p++) count[ids[p] + 1]++;
+        for (int64_t e = 0; e < E; e++) count[e + 1] += count[e];          // count[e]: where expert e's pairs start
+        int64_t *next = malloc((size_t)E * sizeof(int64_t));
+        int64_t most = 0;
+        if (!next) err = 1;
+        else {
+            memcpy(next, count, (size_t)E * sizeof(int64_t));
+            for (int64_t p = 0; p < P; p++) order[next[ids[p]]++] = p;      // stable: pairs in step order
+            for (int64_t e = 0; e < E; e++)
+                if (count[e + 1] - count[e] > most) most = count[e + 1] - count[e];
+            free(next);
+        }
+        float *xs = err ? NULL : malloc((size_t)most * (size_t)H * sizeof(float));
+        float *h = err ? NULL : malloc((size_t)most * (size_t)gu_rows * sizeof(float));
+        float *a = err ? NULL : malloc((size_t)most * (size_t)I * sizeof(float));
+        float *o = err ? NULL : malloc((size_t)most * (size_t)dn_rows * sizeof(float));
+        if (!err && (!xs || !h || !a || !o)) err = 1;
+        for (int64_t e = 0; !err && e < E; e++) {
+            const int64_t n = count[e + 1] - count[e], *pairs = order + count[e];
+            if (!n) continue;
+            for (int64_t i = 0; i < n; i++) memcpy(xs + i * H, x + (pairs[i] / k) * H, (size_t)H * sizeof(float));
+            err = expert_linear(&gate_up, e, xs, n, H, gu_rows, h, threads);
+            if (err) break;
+            for (int64_t i = 0; i < n; i++) {
+                const float *g = h + i * gu_rows, *u = g + I;
+                float *ai = a + i * I;
+                for (int64_t c = 0; c < I; c++) ai[c] = g[c] / (1.0f + expf(-g[c])) * u[c];
+            }
+            err = expert_linear(&down, e, a, n, I, dn_rows, o, threads);
+            for (int64_t i = 0; !err && i < n; i++)
+                memcpy(out + pairs[i] * H, o + i * dn_rows, (size_t)H * sizeof(float));
+        }
+        free(xs); free(h); free(a); free(o);
+    }
+    for (int64_t t = 0; !err && t < T; t++) {
+        float *yt = y + t * H;
+        const float *o0 = out + t * k * H, w0 = weights[t * k];
+        for (int64_t c = 0; c < H; c++) yt[c] = o0[c] * w0;
+        for (int64_t j = 1; j < k; j++) {
+            const float *oj = out + (t * k + j) * H, wj = weights[t * k + j];
+            for (int64_t c = 0; c < H; c++) yt[c] += oj[c] * wj;
+        }
+    }
+    free(count); free(order); free(out);
+    return err;
+}
