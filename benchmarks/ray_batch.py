@@ -3,7 +3,7 @@ same batch file, output tokens per second both ways, and the check that both ans
 with equal bodies (greedy).
 
     python benchmarks/ray_batch.py [MODEL] [--lines 600] [--max-tokens 32] [--reps 3] [--nodes 2]
-                                   [--cpus-per-node 1] [--check-only]
+                                   [--cpus-per-node 1] [--check-only] [--kill-one]
 
 The cluster is the tests' (tests/ray_cluster.py): `--nodes` nodes of `--cpus-per-node` CPUs on this machine,
 loopback only; `--replicas` is the node count, one replica (one 1-thread engine, by default) per node. The
@@ -11,7 +11,8 @@ single engine runs with its defaults (every core). Each command is timed whole, 
 exit, so model loading and (for Ray) actor start-up count: that is what a user waits for. The figure reported
 beside it is the command's own "in N s" (from reading the file to the last line written). Lines are chat
 completions with `ignore_eos`, so each produces exactly --max-tokens tokens. Medians of --reps, the two
-commands alternating, nothing else running.
+commands alternating, nothing else running. `--kill-one`: in every Ray run one replica is SIGKILLed once results
+have begun to arrive (tests/ray_cluster.py's KILLER); Ray restarts it, and the check still holds.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from ray_cluster import RayCluster, env  # noqa: E402  (the tests' cluster: ports, temp dir, clean stop)
+from ray_cluster import KILLER, RayCluster, env  # noqa: E402  (the tests' cluster: ports, temp dir, clean stop)
 
 TOPICS = ["the ocean", "a city at night", "machine learning", "coffee", "mountains", "a lost key", "trains",
           "the moon", "friendship", "a library", "winter", "robots", "music", "gardening", "rivers", "chess"]
@@ -45,7 +46,6 @@ def write_batch(path: Path, n: int, max_tokens: int) -> None:
 
 
 def run_batch(model: list[str], inp: Path, out: Path, extra: list[str]) -> tuple[float, float]:
-    out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "kvflow.cli", "run-batch", *model, "-i", str(inp), "-o", str(out),
            "--served-model-name", "default", "--no-progress", *extra]
     t0 = time.perf_counter()
@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--cpus-per-node", type=int, default=1)
     ap.add_argument("--engine-args", default="", help="extra engine flags for both commands")
     ap.add_argument("--check-only", action="store_true", help="one run of each and the equality check")
+    ap.add_argument("--kill-one", action="store_true", help="SIGKILL one replica mid-run in each Ray run")
     args = ap.parse_args()
 
     model = [args.model] if args.model else []
@@ -119,7 +120,17 @@ def main() -> None:
             for name, extra in (("one engine", []),
                                 ("ray", ["--ray", cluster.address, "--replicas", str(args.nodes),
                                          "--num-cpus-per-replica", str(args.cpus_per_node)])):
-                wall, own = run_batch(model, inp, work / f"{name.replace(' ', '_')}.jsonl", engine + extra)
+                out = work / f"{name.replace(' ', '_')}.jsonl"
+                out.unlink(missing_ok=True)
+                killer = None
+                if extra and args.kill_one:
+                    killer = subprocess.Popen([sys.executable, "-c", KILLER, cluster.address, str(out)],
+                                              stdout=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+                    killer.stdout.readline()                  # "ready": it watches the actor table from now on
+                wall, own = run_batch(model, inp, out, engine + extra)
+                if killer is not None:
+                    events = killer.communicate(timeout=300)[0]
+                    print("  " + " ".join(events.split()), flush=True)
                 walls[name].append(wall)
                 inner[name].append(own)
                 print(f"  rep {rep + 1} {name:10s}: {wall:7.1f} s whole, {own:7.1f} s its own", flush=True)

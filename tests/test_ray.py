@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_cluster import REPO, RayCluster, env
+from ray_cluster import KILLER, REPO, RayCluster, env
 from tiny_models import make_tiny_hf_model
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed (kvflow[ray])")
@@ -165,40 +165,6 @@ def test_resumed_run_answers_every_line_once_in_input_order_equal_to_one_engine(
     assert got == single_engine
     assert got["line 6"]["status"] == 400
     assert sum(1 for k in got if k.startswith("embd-")) == 13
-
-
-# Connected once before the run starts, it watches the cluster's actor table (the GCS's, what `ray list actors`
-# shows) and SIGKILLs one of the run's two replicas as soon as both are up and results have begun to arrive; then
-# waits for Ray to restart it. Prints one JSON line per event.
-KILLER = """
-import json, os, signal, sys, time
-import ray
-from ray._private import state
-address, output = sys.argv[1], sys.argv[2]
-ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-def replicas():
-    return [a for a in state.actors().values() if "BatchReplica" in a["ActorClassName"]]
-before = {a["ActorID"] for a in replicas()}
-print(json.dumps({"event": "ready"}), flush=True)
-deadline = time.monotonic() + 300
-while time.monotonic() < deadline:
-    live = [a for a in replicas() if a["ActorID"] not in before and a["State"] == "ALIVE"]
-    written = len(open(output).read().splitlines()) if os.path.exists(output) else 0
-    if len(live) == 2 and written:
-        victim = live[0]
-        os.kill(victim["Pid"], signal.SIGKILL)
-        print(json.dumps({"event": "killed", "pid": victim["Pid"], "written": written}), flush=True)
-        break
-    time.sleep(0.02)
-else:
-    sys.exit("no two replicas with results within 300 s")
-while time.monotonic() < deadline:
-    again = [a for a in replicas() if a["ActorID"] == victim["ActorID"]][0]
-    if again["NumRestarts"] >= 1:
-        print(json.dumps({"event": "restarted", "restarts": again["NumRestarts"], "pid": again["Pid"]}), flush=True)
-        break
-    time.sleep(0.1)
-"""
 
 
 @needs_ray
