@@ -65,6 +65,11 @@ class ModelRunner:
                 rotary.float()
         if self.quantization:
             quantize_model(model, self.quantization, self.dtype)
+            if native_kernels.library() is not None:
+                # one native call per layer where kvflow's kernels hold the experts; before the heap is trimmed
+                # (below), so the per-expert buffers it frees go back to the OS
+                for moe in [m for m in model.modules() if isinstance(m, SparseMoE)]:
+                    moe.use_native_kernels()
         elif platform.small_batch_bf16_copies(config.dtype, self.device, self.dtype):
             enable_small_batch_bf16(model)
             log.info("float32 compute; steps of <= %d rows read bfloat16 copies of the weights (dtype=auto on a "
@@ -97,11 +102,9 @@ class ModelRunner:
             small = self.step_threads(platform.SMALL_STEP_ROWS)
             log.info("threads: %d; steps of <= %d rows: %d for torch's ops, %d for kvflow's kernels%s", self.threads,
                      platform.SMALL_STEP_ROWS, *small, " (its thread pool)" if self.kernel_pool else "")
-        for norm in list(self.model.modules()):
+        for norm in self.model.modules():
             if isinstance(norm, RMSNorm):
                 norm.native = self.native_attention
-            elif isinstance(norm, SparseMoE) and native_kernels.library() is not None:
-                norm.use_native_kernels()      # one native call per layer where kvflow's kernels hold the experts
             elif isinstance(norm, LoRAStack):     # batch invariant where the base model is (layers/lora.py)
                 norm.batch_invariant = self.native_attention
                 norm.native = self.native_attention and self.dtype == torch.float32
