@@ -371,15 +371,17 @@ def _stacked(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bi
     groups = n * (k // GROUP)
     tensors = [scale] + ([minimum] if bits == 4 else [])
     forms = [_FORMS.get(t.dtype) for t in tensors]
+    # elements per expert from the whole tensors' sizes (no per-expert views: this runs every layer of every step)
+    each = [t.numel() // experts if experts else 0 for t in (codes, *tensors)]
     if (bits not in _MOE_KINDS or None in forms or not all(t.is_contiguous() for t in (codes, *tensors))
-            or any(t.shape[0] != experts for t in tensors) or codes[0].numel() * 8 != n * k * bits
-            or any(t[0].numel() != (groups * 5 // 4 if f == 2 else groups) for t, f in zip(tensors, forms))
+            or any(t.shape[0] != experts for t in tensors) or each[0] * 8 != n * k * bits
+            or any(e != (groups * 5 // 4 if f == 2 else groups) for e, f in zip(each[1:], forms))
             or (2 in forms and (k // GROUP) % 8)):
         raise ValueError("native kernel: stacked experts' weights and scales not in one layout of this shape")
     m = minimum if bits == 4 else None
     spec = _Experts(codes.data_ptr(), scale.data_ptr(), m.data_ptr() if m is not None else None,
-                    codes[0].numel() * codes.element_size(), scale[0].numel() * scale.element_size(),
-                    m[0].numel() * m.element_size() if m is not None else 0,
+                    each[0] * codes.element_size(), each[1] * scale.element_size(),
+                    each[2] * m.element_size() if m is not None else 0,
                     _MOE_KINDS[bits] | (4 if codes.dim() == 5 else 0),
                     sum(f << (2 * i) for i, f in enumerate(forms)))
     return spec, n
