@@ -1,18 +1,21 @@
 """Where a decode step's time goes, and how close the matmuls run to this machine's peak.
 
-    python benchmarks/decode_profile.py [--batch 1 32] [--dtype float32 auto] [--steps 16] [--mode eager compiled]
-                                        [--small-step-threads 1 2]
+    python benchmarks/decode_profile.py [--batch 1 32] [--dtype float32 auto] [--steps 16]
+                                        [--mode native eager compiled] [--small-step-threads 1 2]
 
 For each dtype setting and batch size: the embedded SmolLM2 decodes `--steps` tokens for `batch` requests
 under torch.profiler. A step's wall time is split into matrix multiplication (aten::mm / addmm / linear's
 own kernels), attention (scaled_dot_product_attention and what it calls), the KV gather (aten::index),
 sampling, the other tensor ops (a compiled step's fused C++ kernels land here), and what no operator accounts for (Python, the scheduler, building the
-step's metadata). Matmul FLOP/s are the linears' FLOPs (2 x rows x weights per step) over the matmul time,
+step's metadata). Modes: `native` is the default engine where the whole decoder is one native call
+(runner/native_step.py; its time is the "native decoder step" bucket, the LM head and sampling stay operators);
+`eager` and `compiled` run the model layer by layer (KVFLOW_NATIVE_STEP=0), op by op or as compiled graphs. Matmul FLOP/s are the linears' FLOPs (2 x rows x weights per step) over the matmul time,
 next to the peak that a torch microbenchmark reaches here in float32 and bfloat16 (2048^3 F.linear).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -25,6 +28,7 @@ MATMUL = {"aten::mm", "aten::addmm", "aten::_addmm_activation", "mkldnn::_linear
           "aten::mkldnn_linear", "onednn::linear",
           "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",       # the GGUF default's 4/8-bit kernels
           "kvflow::q4_linear", "kvflow::q8_linear"}                               # (torch's, or kvflow's on AVX2)
+NATIVE_STEP = "kvflow::decoder_step"      # the whole decoder in one native call (runner/native_step.py): its kernels
 ATTENTION = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
              "aten::_scaled_dot_product_attention_math", "aten::bmm", "aten::baddbmm", "aten::_softmax",
              "kvflow::paged_attention"}                                              # kvflow's, on AVX2
@@ -53,6 +57,15 @@ def linear_weights(llm: LLM) -> int:
 
 
 def profile_decode(llm: LLM, batch: int, steps: int) -> dict:
+    runner = llm.engine.runner
+    native = runner.native_step is not None
+    if native:      # the native call as one operator under the profiler: its kernels, not Python around them
+        call = runner.native_step.__call__
+
+        def recorded(*args):
+            with torch.profiler.record_function(NATIVE_STEP):
+                return call(*args)
+        runner.native_step = recorded
     prompts = [f"Q{i}: write a short story about the number {i}." for i in range(batch)]
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate(prompts, warm)
@@ -73,10 +86,16 @@ def profile_decode(llm: LLM, batch: int, steps: int) -> dict:
         wall = time.perf_counter() - t
     while engine.has_unfinished_requests():
         engine.step()
+    if native:
+        runner.native_step = call.__self__
     buckets = {"matmul": 0.0, "attention": 0.0, "kv gather": 0.0, "sampling": 0.0, "other ops": 0.0}
+    if native:
+        buckets = {"native decoder step": 0.0, **buckets}
     for e in prof.key_averages():
         us = e.self_cpu_time_total
-        if e.key in MATMUL:
+        if e.key == NATIVE_STEP:
+            buckets["native decoder step"] += us
+        elif e.key in MATMUL:
             buckets["matmul"] += us
         elif e.key in ATTENTION:
             buckets["attention"] += us
@@ -99,17 +118,24 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--dtype", nargs="+", default=["float32", "auto"])
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--mode", nargs="+", default=["eager", "compiled"],
-                    help="eager (--enforce-eager), compiled (waits until every compiled decode bucket is ready)")
+    ap.add_argument("--mode", nargs="+", default=["native", "eager", "compiled"],
+                    help="native (the whole decoder in one native call, where it runs), eager (layer by layer, "
+                         "--enforce-eager), compiled (layer by layer; waits until every compiled decode bucket is "
+                         "ready)")
     ap.add_argument("--small-step-threads", type=int, nargs="+", default=[0],
                     help="EngineConfig.small_step_threads to compare, e.g. 1 2 (0: the engine's default)")
     args = ap.parse_args()
     print(f"peak (2048^3 F.linear, {torch.get_num_threads()} threads): float32 {peak_gflops(torch.float32):.0f} "
           f"GFLOP/s, bfloat16 {peak_gflops(torch.bfloat16):.0f} GFLOP/s")
     for dtype, mode, small in ((d, m, t) for d in args.dtype for m in args.mode for t in args.small_step_threads):
-        llm = LLM(dtype=dtype, max_model_len=512, kv_cache_memory="256MiB", enforce_eager=mode == "eager",
+        os.environ["KVFLOW_NATIVE_STEP"] = "1" if mode == "native" else "0"
+        llm = LLM(dtype=dtype, max_model_len=512, kv_cache_memory="256MiB", enforce_eager=mode != "compiled",
                   compile_batch_sizes=tuple(args.batch), small_step_threads=small or None)
         torch_threads, kernel_threads = llm.engine.runner.step_threads(1)
+        if mode == "native" and llm.engine.runner.native_step is None:
+            print(f"dtype={dtype}: the native step does not run here (see the boot log)")
+            del llm
+            continue
         mode_name = f"{mode}, small steps: {torch_threads} torch / {kernel_threads} kernel threads"
         compiled = llm.engine.runner.compiled_decode
         if compiled is not None:

@@ -30,8 +30,8 @@ from kvflow import platform
 log = logging.getLogger("kvflow")
 
 SOURCE = Path(__file__).with_suffix(".c")
-SOURCES = [SOURCE, SOURCE.with_name("thread_pool.c"), SOURCE.with_name("moe_kernels.c")]   # built from these (and
-# the header)
+SOURCES = [SOURCE, SOURCE.with_name("thread_pool.c"), SOURCE.with_name("moe_kernels.c"),
+           SOURCE.with_name("decoder_step.c")]       # built from these (and the header)
 HEADER = SOURCE.with_name("thread_pool.h")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-pthread"]
 GROUP = 32
@@ -118,6 +118,8 @@ def library() -> ctypes.CDLL | None:
     lib.kvflow_moe_experts.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, _Experts, i64, _Experts, i64, ptr,
                                        ctypes.c_int]
     lib.kvflow_moe_experts.restype = ctypes.c_int
+    lib.kvflow_decoder_step.argtypes = [ptr, ptr, ptr, ptr]
+    lib.kvflow_decoder_step.restype = ctypes.c_int
     lib.kvflow_pool_quiesce.argtypes = lib.kvflow_pool_workers.argtypes = lib.kvflow_pool_rows.argtypes = []
     lib.kvflow_pool_quiesce.restype = None
     lib.kvflow_pool_set_stall.argtypes = [ctypes.c_int]
@@ -485,20 +487,27 @@ def attention_supports(head_dim: int, kv_dtype: torch.dtype, group: int = 1) -> 
 _FORMS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
 
 
+def linear_flags(codes: torch.Tensor, k: int, bits: int, *scales: torch.Tensor) -> int:
+    """The kernels' `flags` for these scales (bits 0-1: d's form, 2-3: m's), after checking that codes and scales
+    are one layout of an [out rows, k] matrix of `bits`-bit codes: a kernel never reads past them."""
+    n = _out_rows(codes)
+    forms = [_FORMS.get(s.dtype) for s in scales]       # float32, fp16, or two levels (uint8 + fp16, 10 bits each)
+    if None in forms or not all(s.is_contiguous() for s in (codes, *scales)):
+        raise ValueError("native kernel: scales must be contiguous float32, float16 or pack_scales' two levels")
+    groups = n * (k // GROUP)
+    if (k % GROUP or any(s.numel() != (groups * 5 // 4 if f == 2 else groups) for s, f in zip(scales, forms))
+            or codes.numel() * 8 != n * k * bits or (2 in forms and (k // GROUP) % 8)):
+        raise ValueError("native kernel: weights and scales not in one layout of this shape")
+    return sum(f << (2 * i) for i, f in enumerate(forms))
+
+
 def _run(fn, x: torch.Tensor, codes: torch.Tensor, *scales: torch.Tensor, bits: int | None = None) -> torch.Tensor:
     """`bits`: the codes' width (default: 4 with a minimum, 8 without)."""
     bits = bits or (4 if len(scales) == 2 else 8)
     k = x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
     n = _out_rows(codes)
-    forms = [_FORMS.get(s.dtype) for s in scales]       # float32, fp16, or two levels (uint8 + fp16, 10 bits each)
-    if None in forms or not all(s.is_contiguous() for s in scales):
-        raise ValueError("native kernel: scales must be contiguous float32, float16 or pack_scales' two levels")
-    groups = n * (k // GROUP)
-    if (any(s.numel() != (groups * 5 // 4 if f == 2 else groups) for s, f in zip(scales, forms))
-            or codes.numel() * 8 != n * k * bits or (2 in forms and (k // GROUP) % 8)):
-        raise ValueError("native kernel: weights and scales not in one layout of this shape")  # never read past them
-    flags = sum(f << (2 * i) for i, f in enumerate(forms))         # bits 0-1: d's form, 2-3: m's
+    flags = linear_flags(codes, k, bits, *scales)
     y = torch.empty(rows.shape[0], n, dtype=torch.float32)
     if rows.shape[0]:
         err = fn(rows.data_ptr(), rows.shape[0], k, codes.data_ptr(), *[s.data_ptr() for s in scales],

@@ -27,6 +27,7 @@ from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
 from kvflow.models.loader import ModelFiles, iter_weights, resolve_model_files, weight_quantization, without_weight_init
 from kvflow.models.model_config import ModelConfig
 from kvflow.runner.compiled_decode import CompiledDecode, model_identity, plain_module_state
+from kvflow.runner.native_step import NativeDecoderStep
 from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
 from kvflow.runner.sampler import Sampler, prompt_logprobs
 
@@ -114,7 +115,16 @@ class ModelRunner:
                      model_config.num_hidden_layers,
                      "kvflow's kernel, its window argument" if self.native_attention else "sliding masks")
         self.sampler = Sampler(self.device, config.seed) if tp.is_first else None
-        self.compiled_decode = self._start_compiled_decode(files)
+        # the whole decoder in one native call where it computes this model (runner/native_step.py); then there is
+        # nothing to compile
+        self.native_step, why_not = NativeDecoderStep.build(
+            self.model, kv_dtype=self.kv_dtype, block_size=self.block_size, dtype=self.dtype,
+            kernel_pool=self.kernel_pool, tp_size=tp.size, lora=bool(self.lora))
+        if self.native_step is not None:
+            log.info("decoder steps: one native call each (runner/native_step.py); no compiled graphs needed")
+        elif self.kernel_pool:
+            log.info("decoder steps: layer by layer (the native step does not run here: %s)", why_not)
+        self.compiled_decode = None if self.native_step else self._start_compiled_decode(files)
 
     # ---- compiled decode steps ---------------------------------------------------------------------
     def _start_compiled_decode(self, files: ModelFiles) -> CompiledDecode | None:
@@ -335,7 +345,10 @@ class ModelRunner:
             torch.set_num_threads(threads)
         native_kernels.set_threads(kernel_threads)
         hidden = None
-        if bucket:
+        if self.native_step is not None:
+            ids, pos, meta, logits_indices = self.prepare_inputs(batch)
+            hidden = self.native_step(ids, pos, meta)
+        elif bucket:
             ids, pos, meta, logits_indices = self.prepare_inputs(batch, pad_to=bucket)
             hidden = self.compiled_decode(ids, pos, meta)
         if hidden is None:

@@ -1,0 +1,210 @@
+// A whole step of a Llama-family decoder in one native call: for every layer RMSNorm, the fused QKV projection
+// (+ bias), rotary embedding, the K/V written into the paged cache, paged attention, the output projection and the
+// residual, RMSNorm, gate/up, SiLU(gate) * up, down and the residual; then the final RMSNorm.
+//
+// Why: driven from Python, a batch-1 step of the embedded model is ~210 operator calls, each with Python, the
+// dispatcher and ctypes around a kernel of a few microseconds, and that came to as much time as the matmuls
+// (docs/performance.md, "Where a decode step's time goes"). Here Python hands over the step's tensors once.
+//
+// The kernels are native_kernels.c's, called as the layers call them, so the matmuls, attention and norms are the
+// same bits as the module path's; the elementwise work is written as torch's eager ops compute it (each product
+// and sum rounded on its own: no contraction into FMAs, below; SiLU with torch's own vector exp, passed in), so
+// the whole step is the same bits too. Every row is computed alone, in one fixed order (batch invariance holds).
+// What the caller checks (runner/native_step.py): the model is one this step computes, and the cache holds
+// float32, bfloat16 or float16.
+#pragma GCC optimize("fp-contract=off")
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int kvflow_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, const void *m,
+                     int64_t N, float *y, int threads, int flags);
+int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const void *d, int64_t N, float *y,
+                     int threads, int flags);
+int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
+                     float *y, int threads, int flags);
+int kvflow_q4_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, const void *m,
+                         int64_t N, float *y, int threads, int flags);
+int kvflow_q8_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
+                         float *y, int threads, int flags);
+int kvflow_q5_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
+                         float *y, int threads, int flags);
+int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const void *k_cache,
+                           const void *v_cache, int64_t block_size, const int64_t *tables, int64_t width,
+                           const int64_t *row_seq, const int64_t *positions, float scale, float *out, int threads,
+                           int form, int64_t window);
+void kvflow_rms_norm(const float *x, int64_t M, int64_t H, const float *w, float eps, float *y, int threads);
+
+enum { W_Q4 = 0, W_Q8 = 1, W_Q5 = 2, W_X16 = 4 };     // the weight's codes (native_kernels.py: pack_q4 / q8 / q5)
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };          // native_kernels.c's forms that this step writes
+
+typedef struct {
+    const void *codes, *scale, *minimum;   // minimum: 4-bit codes only
+    const float *bias;                     // NULL: none
+    int64_t rows, width;                   // output features, and the kernel's output width (x16: padded to 16)
+    int kind, flags;                       // W_* (| W_X16); the scales' forms (native_kernels.c)
+} step_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    float input_eps, post_eps, scale;      // scale: the attention's softmax scale
+    int64_t window;                        // sliding window (0: none)
+    void *k_cache, *v_cache;               // [blocks, block_size, kv_heads, head_dim]
+    step_linear qkv, o, gate_up, down;
+} step_layer;
+
+typedef struct {
+    int64_t layers, T, hidden, heads, kv_heads, head_dim, rotary_dim, intermediate, block_size, table_width;
+    int kv_form, threads;
+    const float *cos, *sin_signed;         // [positions, rotary_dim] (layers/rotary.py: the sign in the table)
+    const int64_t *positions, *slots, *tables, *row_seq;
+    const float *final_norm;
+    float final_eps;
+    const void *exp_vec;                   // torch's vector exp (Sleef's, 8 or 16 lanes); NULL: libm's only
+    int exp_lanes;
+} step_shape;
+
+static int linear(const step_linear *w, const float *x, int64_t M, int64_t K, float *y, int threads) {
+    const int x16 = w->kind & W_X16;
+    int err;
+    switch (w->kind & 3) {
+    case W_Q4:
+        err = (x16 ? kvflow_q4_linear_x16 : kvflow_q4_linear)(x, M, K, w->codes, w->scale, w->minimum, w->width, y,
+                                                              threads, w->flags);
+        break;
+    case W_Q8:
+        err = x16 ? kvflow_q8_linear_x16(x, M, K, w->codes, w->scale, w->width, y, threads, w->flags)
+                  : kvflow_q8_linear(x, M, K, w->codes, w->scale, w->width, y, threads, w->flags);
+        break;
+    default:
+        err = (x16 ? kvflow_q5_linear_x16 : kvflow_q5_linear)(x, M, K, w->codes, w->scale, w->width, y, threads,
+                                                              w->flags);
+    }
+    if (!err && w->bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < w->rows; n++) y[m * w->width + n] += w->bias[n];
+    return err;
+}
+
+// one head's rotation, as RotaryEmbedding.rotate: x * cos + swap_halves(x) * sin_signed over the first R dims
+static void rotate(const float *x, const float *cos, const float *sin, int64_t D, int64_t R, float *out) {
+    const int64_t half = R / 2;
+    for (int64_t i = 0; i < R; i++) out[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
+    for (int64_t i = R; i < D; i++) out[i] = x[i];
+}
+
+// float32 -> the cache's element type, as torch's `_store` converts (float16: clamped to its range first)
+static void store(const float *x, int64_t n, void *dst, int form) {
+    if (form == KV_F32) {
+        memcpy(dst, x, (size_t)n * sizeof(float));
+    } else if (form == KV_F16) {
+        uint16_t *d = dst;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = x[i] < -65504.0f ? -65504.0f : x[i] > 65504.0f ? 65504.0f : x[i];
+            d[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+        }
+    } else {                                // bfloat16, round to nearest even (torch's conversion)
+        uint16_t *d = dst;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t u;
+            memcpy(&u, &x[i], 4);
+            d[i] = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+        }
+    }
+}
+
+// out = SiLU(gate) * up as torch's eager ops compute it (ATen's silu kernel: x / (1 + exp(-x)) over vectors of its
+// CPU capability, two at a time with Sleef's exp, the rest one by one with libm's; then the product)
+typedef __m256 (*exp8_fn)(__m256);
+typedef __m512 (*exp16_fn)(__m512);
+
+__attribute__((target("avx512f"))) static int64_t silu_mul16(const float *gate, const float *up, int64_t n,
+                                                             float *out, exp16_fn exp16) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32)
+        for (int64_t v = j; v < j + 32; v += 16) {
+            const __m512 x = _mm512_loadu_ps(gate + v);
+            const __m512 e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign)));
+            _mm512_storeu_ps(out + v, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + v)));
+        }
+    return j;
+}
+
+static void silu_mul(const float *gate, const float *up, int64_t n, float *out, const step_shape *s) {
+    int64_t j = 0;
+    if (s->exp_vec && s->exp_lanes == 8) {
+        const exp8_fn exp8 = (exp8_fn)s->exp_vec;
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; j + 16 <= n; j += 16)
+            for (int64_t v = j; v < j + 16; v += 8) {
+                const __m256 x = _mm256_loadu_ps(gate + v);
+                const __m256 e = exp8(_mm256_xor_ps(x, sign));
+                _mm256_storeu_ps(out + v, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)),
+                                                        _mm256_loadu_ps(up + v)));
+            }
+    } else if (s->exp_vec && s->exp_lanes == 16) {
+        j = silu_mul16(gate, up, n, out, (exp16_fn)s->exp_vec);
+    }
+    for (; j < n; j++) out[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+}
+
+static void add_rows(float *h, const float *y, int64_t M, int64_t H, int64_t ld) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < H; j++) h[m * H + j] += y[m * ld + j];
+}
+
+// h [T, hidden]: the embedded tokens in, the residual stream after the last layer out (overwritten); out [T, hidden]:
+// the final norm of it. Nonzero: out of memory (1), or a kernel refused the shapes (2).
+int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h, float *out) {
+    const int64_t T = s->T, H = s->hidden, Hq = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->intermediate;
+    const int threads = s->threads;
+    if (T == 0) return 0;
+    int64_t widest = 0;                     // the largest projection output, for one scratch buffer
+    for (int64_t l = 0; l < s->layers; l++) {
+        const step_layer *L = &layers[l];
+        const int64_t w[4] = {L->qkv.width, L->o.width, L->gate_up.width, L->down.width};
+        for (int i = 0; i < 4; i++) widest = w[i] > widest ? w[i] : widest;
+    }
+    const int64_t elem = s->kv_form == KV_F32 ? 4 : 2, row_bytes = Hkv * D * elem;
+    float *normed = malloc((size_t)(T * H) * sizeof(float));
+    float *proj = malloc((size_t)(T * widest) * sizeof(float));
+    float *q = malloc((size_t)(T * Hq * D) * sizeof(float));
+    float *attn = malloc((size_t)(T * Hq * D) * sizeof(float));
+    float *act = malloc((size_t)(T * I) * sizeof(float));
+    float *k = malloc((size_t)(Hkv * D) * sizeof(float));
+    int err = !normed || !proj || !q || !attn || !act || !k;
+    for (int64_t l = 0; l < s->layers && !err; l++) {
+        const step_layer *L = &layers[l];
+        kvflow_rms_norm(h, T, H, L->input_norm, L->input_eps, normed, threads);
+        if ((err = linear(&L->qkv, normed, T, H, proj, threads))) break;
+        for (int64_t t = 0; t < T; t++) {
+            const float *row = proj + t * L->qkv.width;
+            const int64_t p = s->positions[t], slot = s->slots[t];
+            const float *cos = s->cos + p * s->rotary_dim, *sin = s->sin_signed + p * s->rotary_dim;
+            for (int64_t j = 0; j < Hq; j++) rotate(row + j * D, cos, sin, D, s->rotary_dim, q + (t * Hq + j) * D);
+            for (int64_t j = 0; j < Hkv; j++) rotate(row + (Hq + j) * D, cos, sin, D, s->rotary_dim, k + j * D);
+            store(k, Hkv * D, (char *)L->k_cache + slot * row_bytes, s->kv_form);
+            store(row + (Hq + Hkv) * D, Hkv * D, (char *)L->v_cache + slot * row_bytes, s->kv_form);
+        }
+        err = kvflow_paged_attention(q, T, Hq, Hkv, D, L->k_cache, L->v_cache, s->block_size, s->tables,
+                                     s->table_width, s->row_seq, s->positions, L->scale, attn, threads, s->kv_form,
+                                     L->window);
+        if (err || (err = linear(&L->o, attn, T, Hq * D, proj, threads))) break;
+        add_rows(h, proj, T, H, L->o.width);
+        kvflow_rms_norm(h, T, H, L->post_norm, L->post_eps, normed, threads);
+        if ((err = linear(&L->gate_up, normed, T, H, proj, threads))) break;
+        for (int64_t t = 0; t < T; t++) {
+            const float *gate = proj + t * L->gate_up.width;
+            silu_mul(gate, gate + I, I, act + t * I, s);
+        }
+        if ((err = linear(&L->down, act, T, I, proj, threads))) break;
+        add_rows(h, proj, T, H, L->down.width);
+    }
+    if (!err) kvflow_rms_norm(h, T, H, s->final_norm, s->final_eps, out, threads);
+    free(normed); free(proj); free(q); free(attn); free(act); free(k);
+    return err;
+}

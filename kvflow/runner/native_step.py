@@ -1,0 +1,185 @@
+"""A step's whole decoder in one native call (layers/decoder_step.c), for the Llama-family models whose every
+matmul, norm and attention already runs on kvflow's kernels: Python embeds the tokens, hands the step's tensors
+over once, and gets the final hidden states back; the LM head and sampling stay as they are.
+
+Why: driven layer by layer from Python, a batch-1 step of the embedded model spent about as long around its ~210
+operator calls as in them (docs/performance.md, "Where a decode step's time goes"). With this step there is also
+nothing left to compile: the runner starts no compile process where it is built.
+
+`NativeDecoderStep.build` says which models it takes, and why not (logged at boot); every other model, and any
+machine where the kernels cannot be built, runs the modules as before. `KVFLOW_NATIVE_STEP=0` turns it off. The
+same kernels run either way, and the elementwise work is computed as torch's eager ops compute it (SiLU with
+torch's own vector exp), so both paths give the same bits.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvflow.layers import native_kernels
+from kvflow.layers.int4 import Int4Linear
+from kvflow.layers.norm import RMSNorm
+from kvflow.layers.quantization import NativeQ8Linear
+from kvflow.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+
+_W_Q4, _W_Q8, _W_Q5, _W_X16 = 0, 1, 2, 4
+_KV_FORMS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_ptr, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("codes", _ptr), ("scale", _ptr), ("minimum", _ptr), ("bias", _ptr), ("rows", _i64),
+                ("width", _i64), ("kind", _int), ("flags", _int)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("input_eps", _f32), ("post_eps", _f32),
+                ("scale", _f32), ("window", _i64), ("k_cache", _ptr), ("v_cache", _ptr), ("qkv", _Linear),
+                ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("layers", _i64), ("T", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
+                ("head_dim", _i64), ("rotary_dim", _i64), ("intermediate", _i64), ("block_size", _i64),
+                ("table_width", _i64), ("kv_form", _int), ("threads", _int), ("cos", _ptr), ("sin_signed", _ptr),
+                ("positions", _ptr), ("slots", _ptr), ("tables", _ptr), ("row_seq", _ptr), ("final_norm", _ptr),
+                ("final_eps", _f32), ("exp_vec", _ptr), ("exp_lanes", _int)]
+
+
+@functools.cache
+def torch_vector_exp() -> tuple[int | None, int]:
+    """(address, lanes) of the vector exp that torch's eager float32 kernels call on this CPU (Sleef's, from
+    libtorch_cpu: ATen's vectors are 8 lanes under its AVX2 capability, 16 under AVX512), or (None, 0) where torch
+    runs its scalar code or the symbol is not there: then libm's exp, which torch's kernels also use for the tails."""
+    lanes = {"AVX2": 8, "AVX512": 16}.get(torch.backends.cpu.get_cpu_capability(), 0)
+    if not lanes:
+        return None, 0
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        return ctypes.cast(getattr(lib, f"Sleef_expf{lanes}_u10"), ctypes.c_void_p).value, lanes
+    except (OSError, AttributeError):
+        return None, 0
+
+
+class Unsupported(Exception):
+    """What keeps a model off the native step (the reason is logged)."""
+
+
+def _linear(module: nn.Module, in_features: int, bias_allowed: bool = False) -> _Linear:
+    bias = getattr(module, "bias", None)
+    if bias is not None and not (bias_allowed and bias.dtype == torch.float32 and bias.is_contiguous()):
+        raise Unsupported(f"a bias on {type(module).__name__} outside the QKV projection")
+    if type(module) is Int4Linear and module.native:
+        codes, scales, kind = module.packed, (module.scale, module.minimum), _W_Q4
+        bits = 4
+    elif type(module) is NativeQ8Linear:
+        codes, scales, bits = module.codes, (module.scale,), module.code_bits
+        kind = _W_Q5 if bits == 5 else _W_Q8
+    else:
+        raise Unsupported(f"a {type(module).__name__} projection (not on kvflow's kernels)")
+    if module.in_features != in_features:
+        raise Unsupported("a projection of unexpected shape")
+    flags = native_kernels.linear_flags(codes, in_features, bits, *scales)
+    width = native_kernels.padded_rows(module.out_features, "x16" if codes.dim() == 4 else "rows")
+    return _Linear(codes.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr() if len(scales) > 1 else None,
+                   bias.data_ptr() if bias is not None else None, module.out_features, width,
+                   kind | (_W_X16 if codes.dim() == 4 else 0), flags)
+
+
+def _norm(module: nn.Module) -> RMSNorm:
+    if type(module) is not RMSNorm or not module.native or module.weight.dtype != torch.float32:
+        raise Unsupported("a norm not on kvflow's kernel")
+    return module
+
+
+class NativeDecoderStep:
+    """Holds the model's weights' and caches' addresses in decoder_step.c's structs (they live as long as the model;
+    the runner builds this after the KV cache is allocated and changes neither after)."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_dtype: torch.dtype, block_size: int):
+        cfg = model.config
+        self.model = model
+        self.lib = native_kernels.library()
+        layers = []
+        for layer in model.layers:
+            if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
+                raise Unsupported("a decoder layer other than Llama's")
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.q_norm is not None or attn.clip_qkv is not None or attn.qkv_lora or attn.o_lora:
+                raise Unsupported("Q/K norms, QKV clipping or LoRA terms")
+            if mlp.gate_up_lora or mlp.down_lora or cfg.hidden_act != "silu":
+                raise Unsupported(f"an MLP of {cfg.hidden_act} or with LoRA terms")
+            if attn.rotary is not model.rotary or attn.attn.k_cache is None:
+                raise Unsupported("a layer with its own rotary tables, or no KV cache")
+            for cache in (attn.attn.k_cache, attn.attn.v_cache):
+                if cache.dtype != kv_dtype or not cache.is_contiguous():
+                    raise Unsupported("a KV cache of another element type or layout")
+            inp, post = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+            q_size = attn.num_heads * attn.head_dim
+            layers.append(_Layer(inp.weight.data_ptr(), post.weight.data_ptr(), inp.eps, post.eps, attn.attn.scale,
+                                 attn.attn.sliding_window, attn.attn.k_cache.data_ptr(),
+                                 attn.attn.v_cache.data_ptr(), _linear(attn.qkv_proj, cfg.hidden_size, True),
+                                 _linear(attn.o_proj, q_size), _linear(mlp.gate_up_proj, cfg.hidden_size),
+                                 _linear(mlp.down_proj, mlp.intermediate_size)))
+            if (layers[-1].qkv.rows != q_size + 2 * attn.num_kv_heads * attn.head_dim
+                    or layers[-1].gate_up.rows != 2 * mlp.intermediate_size
+                    or layers[-1].o.rows != cfg.hidden_size or layers[-1].down.rows != cfg.hidden_size):
+                raise Unsupported("projections of unexpected shapes")
+        final = _norm(model.norm)
+        first = model.layers[0]
+        rotary = model.rotary
+        for table in (rotary.cos, rotary.sin_signed):
+            if table.dtype != torch.float32 or not table.is_contiguous():
+                raise Unsupported("rotary tables not float32")
+        self.layers = (_Layer * len(layers))(*layers)
+        self.shape = _Shape(layers=len(layers), hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
+                            kv_heads=first.self_attn.num_kv_heads, head_dim=first.self_attn.head_dim,
+                            rotary_dim=rotary.cos.shape[1], intermediate=first.mlp.intermediate_size,
+                            block_size=block_size, kv_form=_KV_FORMS[kv_dtype], cos=rotary.cos.data_ptr(),
+                            sin_signed=rotary.sin_signed.data_ptr(), final_norm=final.weight.data_ptr(),
+                            final_eps=final.eps)
+        self.shape.exp_vec, self.shape.exp_lanes = torch_vector_exp()
+        self.steps = 0          # steps run (tests and benchmarks read it)
+
+    @classmethod
+    def build(cls, model: nn.Module, *, kv_dtype: torch.dtype, block_size: int, dtype: torch.dtype,
+              kernel_pool: bool, tp_size: int, lora: bool) -> tuple[NativeDecoderStep | None, str]:
+        """The step for this model, or None and why not."""
+        if os.environ.get("KVFLOW_NATIVE_STEP", "1") == "0":
+            return None, "KVFLOW_NATIVE_STEP=0"
+        if not kernel_pool or native_kernels.library() is None:
+            return None, "not every matmul, norm and attention runs on kvflow's kernels here"
+        if type(model) is not LlamaForCausalLM:
+            return None, f"{type(model).__name__} is not a Llama-family decoder that it computes"
+        if dtype != torch.float32 or tp_size != 1 or lora or kv_dtype not in _KV_FORMS:
+            return None, "it computes float32 on one rank, without LoRA, over a float32/bf16/fp16 KV cache"
+        try:
+            return cls(model, kv_dtype, block_size), ""
+        except (Unsupported, ValueError) as e:
+            return None, str(e)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The final hidden states [T, hidden] of the step (after the last norm), as the model's forward."""
+        h = self.model.embed(ids).float().contiguous()
+        out = torch.empty_like(h)
+        T = h.shape[0]
+        if T:
+            tables = meta.seq_tables.contiguous()
+            row_seq, slots = meta.row_seq.contiguous(), meta.slot_mapping.contiguous()
+            positions = meta.positions.contiguous()
+            s = self.shape
+            s.T, s.table_width, s.threads = T, tables.shape[1], native_kernels.threads()
+            s.positions, s.slots = positions.data_ptr(), slots.data_ptr()
+            s.tables, s.row_seq = tables.data_ptr(), row_seq.data_ptr()
+            err = self.lib.kvflow_decoder_step(ctypes.byref(s), self.layers, h.data_ptr(), out.data_ptr())
+            if err == 2:
+                raise ValueError("native step: attention of this shape is not supported")
+            if err:
+                raise MemoryError("native step: out of memory")
+        self.steps += 1
+        return out

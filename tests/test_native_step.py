@@ -1,0 +1,111 @@
+"""The decoder step as one native call (runner/native_step.py over layers/decoder_step.c). Where it builds (a
+Llama-family decoder whose every matmul, norm and attention is kvflow's kernel, float32 compute, one rank, no LoRA)
+it is the default, and it gives the layer-by-layer path's bits: the same tokens and the same logprobs, in steps that
+mix decodes with prefill chunks, for each KV element type it writes, each weight format and family it takes, and on
+two threads with pool workers made to stall. Everywhere else the layer-by-layer path serves (the fallback)."""
+from __future__ import annotations
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.layers import native_kernels
+from tiny_models import make_tiny_hf_model, write_gguf_from_hf
+
+pytestmark = pytest.mark.skipif(
+    not native_kernels.usable(),
+    reason="kvflow's kernels cannot run on this machine (no AVX2/FMA or no C compiler): no native step to test")
+
+TEXTS = ["The capital of France is", "def fibonacci(n):",
+         "Write a long story about a lighthouse keeper who finds a map in a bottle, and tell it in detail. " * 3,
+         "1, 2, 3, 4, 5,", "Why is the sky blue? " * 6]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
+
+
+def answers(llm: LLM, prompts) -> list:
+    """Each prompt's tokens and every logprob reported (bit-equal floats: the same logits)."""
+    outs = llm.generate(prompts, GREEDY)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def both_paths(monkeypatch, model: str | None, **kwargs) -> tuple[list, list]:
+    """The same prompts on the native step and on the layer-by-layer path (KVFLOW_NATIVE_STEP=0), each engine
+    with small chunks, so steps mix decodes and prefill chunks."""
+    kwargs = dict(max_model_len=512, kv_cache_memory="64MiB", max_num_batched_tokens=40, **kwargs)
+    results = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("KVFLOW_NATIVE_STEP", native)
+        with LLM(model, **kwargs) as llm:
+            runner = llm.engine.runner
+            assert (runner.native_step is not None) == (native == "1")
+            prompts = [llm.tokenizer.encode(t) for t in TEXTS]
+            results.append(answers(llm, prompts))
+            if runner.native_step is not None:
+                assert runner.native_step.steps >= 12       # every step ran natively
+                assert runner.compiled_decode is None        # nothing left to compile
+    assert max(len(p) for p in prompts) > 40
+    return results[0], results[1]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16", "bfloat16", "float32"])
+def test_the_default_engine_runs_the_native_step_with_the_layer_by_layer_bits(monkeypatch, kv_cache_dtype):
+    native, layered = both_paths(monkeypatch, None, kv_cache_dtype=kv_cache_dtype)
+    assert native == layered
+
+
+@pytest.fixture(scope="module")
+def family_ggufs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("native-step")
+    files = {}
+    for family, ftype in [("llama", "q4_0"), ("llama", "q8_0"), ("llama", "q5_0"), ("qwen2", "q4_1"),
+                          ("phi3", "q4_0")]:
+        overrides = {"sliding_window": 24} if family == "phi3" else {}
+        hf = make_tiny_hf_model(out / family, family, **overrides)
+        files[f"{family}-{ftype}"] = str(write_gguf_from_hf(hf, out / f"{family}-{ftype}.gguf", ftype=ftype))
+    return files
+
+
+@pytest.mark.parametrize("name", ["llama-q4_0", "llama-q8_0", "llama-q5_0", "qwen2-q4_1", "phi3-q4_0"])
+def test_each_weight_format_and_family_it_takes_gives_the_same_bits(monkeypatch, family_ggufs, name):
+    """4-, 5- and 8-bit codes; Qwen2's QKV bias; Phi-3's sliding window (the long prompts pass it)."""
+    native, layered = both_paths(monkeypatch, family_ggufs[name])
+    assert native == layered
+
+
+def test_two_threads_with_stalling_workers_give_one_threads_bits():
+    """A step's kernels on kvflow's pool: a worker preempted mid-chunk (simulated: it sleeps 300 us before each
+    commit) has its chunks taken back by the caller, and every bit stays the one-thread step's."""
+    lib = native_kernels.library()
+    with LLM(max_model_len=512, kv_cache_memory="64MiB", small_step_threads=1) as one:
+        prompts = [one.tokenizer.encode(t) for t in TEXTS]
+        want = answers(one, prompts)
+    with LLM(max_model_len=512, kv_cache_memory="64MiB") as llm:
+        assert llm.engine.runner.native_step is not None
+        assert llm.engine.runner.step_threads(1)[1] == llm.engine.runner.threads
+        try:
+            lib.kvflow_pool_set_stall(300)
+            assert answers(llm, prompts) == want
+        finally:
+            lib.kvflow_pool_set_stall(0)
+
+
+@pytest.mark.parametrize("case", ["env", "lora", "float-weights", "gemma3"])
+def test_where_the_native_step_does_not_build_the_layer_by_layer_path_serves(tmp_path, monkeypatch, caplog, case):
+    """The fallback: turned off, or a model it does not compute (LoRA terms, float weights that are not kvflow's
+    kernels', Gemma 3's extra norms): no native step, and the engine answers as before."""
+    kwargs = dict(max_model_len=256, kv_cache_memory="32MiB")
+    model = None
+    if case == "env":
+        monkeypatch.setenv("KVFLOW_NATIVE_STEP", "0")
+    elif case == "lora":
+        kwargs.update(enable_lora=True, max_lora_rank=8)
+    elif case == "float-weights":
+        model = str(make_tiny_hf_model(tmp_path / "llama", "llama"))
+    else:
+        hf = make_tiny_hf_model(tmp_path / "gemma3", "gemma3")
+        model = str(write_gguf_from_hf(hf, tmp_path / "gemma3.gguf", ftype="q8_0"))
+    with caplog.at_level("INFO", logger="kvflow"), LLM(model, **kwargs) as llm:
+        assert llm.engine.runner.native_step is None
+        out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+    if case in ("env", "lora", "gemma3"):      # kvflow's kernels serve these: the boot log says why not
+        assert "the native step does not run here" in caplog.text
