@@ -37,7 +37,16 @@
 // Calls of up to this many rows (a decode step's) run on kvflow's thread pool (thread_pool.c says why), bigger ones
 // on OpenMP's threads; every kernel gives the same bits either way. platform.SMALL_STEP_ROWS is the same number.
 #define POOL_ROWS 8
-#define CHUNK_BYTES 16384 // weight bytes per pool chunk: a few microseconds of work, many chunks per call
+// Weight bytes per pool chunk: CHUNKS_PER_THREAD chunks for each thread of a call, within [CHUNK_MIN_BYTES,
+// CHUNK_MAX_BYTES]. Each chunk costs a claim on the shared counter, state changes whose cache lines move between the
+// cores, and a fresh DRAM stream (~0.3 us in all): with a fixed 16 KiB (~1 us of DRAM reads for a thread), a batch-1
+// step's 120 matmuls of the embedded model ran at ~20 GB/s on two threads, no faster than on one; at 4 chunks a
+// thread, 26-30 GB/s, and the offline batch-1 token 7.0-7.6 -> 5.3-5.5 ms (Zen 4, 2 cores, 2026-12-06). 2 chunks a
+// thread were as fast alone but slower beside a busy core (a preempted worker's chunk is a bigger share of the
+// call: 7.2-8.4 against 6.8-7.3 ms).
+#define CHUNK_MIN_BYTES 16384
+#define CHUNK_MAX_BYTES 262144
+#define CHUNKS_PER_THREAD 4
 
 int kvflow_pool_rows(void) { return POOL_ROWS; }
 
@@ -185,7 +194,7 @@ static inline void row_times_block(int bits, const uint8_t *w, scales_t wd, scal
 }
 
 // A linear call on the pool, either layout: the weight is N / unit units of `unit` output columns (a row; a block of
-// 16 rows for x16) of unit_bytes each, and chunk c is units [c * per, (c + 1) * per), ~CHUNK_BYTES of weights
+// 16 rows for x16) of unit_bytes each, and chunk c is units [c * per, (c + 1) * per) (chunk_units)
 typedef struct {
     int bits;
     const uint8_t *codes;
@@ -209,6 +218,13 @@ static pool_region linear_region(const void *ctx, int64_t c) {
     return (pool_region){u0 * j->unit, j->M, n * j->unit, j->N};
 }
 
+// units of unit_bytes per chunk for a call over `units` of them on `threads`
+static inline int64_t chunk_units(int64_t units, int64_t unit_bytes, int threads) {
+    int64_t bytes = units * unit_bytes / (threads * CHUNKS_PER_THREAD);
+    bytes = bytes < CHUNK_MIN_BYTES ? CHUNK_MIN_BYTES : bytes > CHUNK_MAX_BYTES ? CHUNK_MAX_BYTES : bytes;
+    return bytes / unit_bytes > 1 ? bytes / unit_bytes : 1;
+}
+
 // quantizes x into the pool's buffers (a worker late from this call may still read them) and runs `chunk` over
 // the weight's units; the caller holds the pool (pool_acquire)
 static int pool_linear(pool_chunk_fn chunk, int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
@@ -223,7 +239,7 @@ static int pool_linear(pool_chunk_fn chunk, int bits, const float *x, int64_t M,
     int failed = !q || !d || !s || (x16 && !qs);
     if (!failed) {
         quantize_activations(x, M, K, q, d, s, qs, 1);
-        const int64_t per = CHUNK_BYTES / unit_bytes > 1 ? CHUNK_BYTES / unit_bytes : 1, units = N / unit;
+        const int64_t units = N / unit, per = chunk_units(units, unit_bytes, threads);
         const linear_job job = {bits, codes, scales_of(wd, flags & 3, N, G), scales_of(wm, (flags >> 2) & 3, N, G),
                                 G, K, M, N, unit, unit_bytes, per, q, d, s, qs};
         failed = pool_run(chunk, linear_region, &job, sizeof job, (units + per - 1) / per, y, threads);
