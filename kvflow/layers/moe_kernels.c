@@ -16,18 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int kvflow_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, const void *m,
-                     int64_t N, float *y, int threads, int flags);
-int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const void *d, int64_t N,
-                     float *y, int threads, int flags);
-int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
-                     float *y, int threads, int flags);
-int kvflow_q4_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d,
-                         const void *m, int64_t N, float *y, int threads, int flags);
-int kvflow_q8_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
-                         float *y, int threads, int flags);
-int kvflow_q5_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
-                         float *y, int threads, int flags);
+#include "linear_kernels.h"
 
 enum { MOE_Q4 = 0, MOE_Q8 = 1, MOE_Q5 = 2, MOE_X16 = 4 };
 

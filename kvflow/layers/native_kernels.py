@@ -32,7 +32,7 @@ log = logging.getLogger("kvflow")
 SOURCE = Path(__file__).with_suffix(".c")
 SOURCES = [SOURCE, SOURCE.with_name("thread_pool.c"), SOURCE.with_name("moe_kernels.c"),
            SOURCE.with_name("decoder_step.c")]       # built from these (and the header)
-HEADER = SOURCE.with_name("thread_pool.h")
+HEADERS = [SOURCE.with_name("thread_pool.h"), SOURCE.with_name("linear_kernels.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-pthread"]
 GROUP = 32
 
@@ -85,7 +85,7 @@ def library() -> ctypes.CDLL | None:
     if compiler is None:
         log.info("native kernels: no C compiler found; torch's int4/int8 kernels instead")
         return None
-    source = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
+    source = b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow")
     target = cache / f"native_kernels-{key}.so"
