@@ -16,7 +16,6 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "linear_kernels.h"
@@ -141,26 +140,36 @@ static void add_rows(float *h, const float *y, int64_t M, int64_t H, int64_t ld)
         for (int64_t j = 0; j < H; j++) h[m * H + j] += y[m * ld + j];
 }
 
-// h [T, hidden]: the embedded tokens in, the residual stream after the last layer out (overwritten); out [T, hidden]:
-// the final norm of it. Nonzero: out of memory (1), or a kernel refused the shapes (2).
-int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h, float *out) {
-    const int64_t T = s->T, H = s->hidden, Hq = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->intermediate;
-    const int threads = s->threads;
-    if (T == 0) return 0;
-    int64_t widest = 0;                     // the largest projection output, for one scratch buffer
+// The scratch a step of T rows works in, in floats: the normed rows, the widest projection's output, q and the
+// attention's output, the MLP's activations, and one row's rotated keys. The caller owns it (runner/native_step.py
+// keeps one that grows), so a step allocates nothing.
+static int64_t widest_projection(const step_shape *s, const step_layer *layers) {
+    int64_t widest = 0;
     for (int64_t l = 0; l < s->layers; l++) {
         const step_layer *L = &layers[l];
         const int64_t w[4] = {L->qkv.width, L->o.width, L->gate_up.width, L->down.width};
         for (int i = 0; i < 4; i++) widest = w[i] > widest ? w[i] : widest;
     }
+    return widest;
+}
+
+int64_t kvflow_decoder_step_scratch(const step_shape *s, const step_layer *layers, int64_t T) {
+    return T * (s->hidden + widest_projection(s, layers) + 2 * s->heads * s->head_dim + s->intermediate)
+           + s->kv_heads * s->head_dim;
+}
+
+// h [T, hidden]: the embedded tokens in, the residual stream after the last layer out (overwritten); out [T, hidden]:
+// the final norm of it; scratch: kvflow_decoder_step_scratch(s, layers, T) floats. Nonzero: a kernel ran out of
+// memory (1) or refused the shapes (2).
+int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h, float *out, float *scratch) {
+    const int64_t T = s->T, H = s->hidden, Hq = s->heads, Hkv = s->kv_heads, D = s->head_dim, I = s->intermediate;
+    const int threads = s->threads;
+    if (T == 0) return 0;
+    const int64_t widest = widest_projection(s, layers);
     const int64_t elem = s->kv_form == KV_F32 ? 4 : 2, row_bytes = Hkv * D * elem;
-    float *normed = malloc((size_t)(T * H) * sizeof(float));
-    float *proj = malloc((size_t)(T * widest) * sizeof(float));
-    float *q = malloc((size_t)(T * Hq * D) * sizeof(float));
-    float *attn = malloc((size_t)(T * Hq * D) * sizeof(float));
-    float *act = malloc((size_t)(T * I) * sizeof(float));
-    float *k = malloc((size_t)(Hkv * D) * sizeof(float));
-    int err = !normed || !proj || !q || !attn || !act || !k;
+    float *normed = scratch, *proj = normed + T * H, *q = proj + T * widest, *attn = q + T * Hq * D;
+    float *act = attn + T * Hq * D, *k = act + T * I;
+    int err = 0;
     for (int64_t l = 0; l < s->layers && !err; l++) {
         const step_layer *L = &layers[l];
         kvflow_rms_norm(h, T, H, L->input_norm, L->input_eps, normed, threads);
@@ -189,6 +198,5 @@ int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h,
         add_rows(h, proj, T, H, L->down.width);
     }
     if (!err) kvflow_rms_norm(h, T, H, s->final_norm, s->final_eps, out, threads);
-    free(normed); free(proj); free(q); free(attn); free(act); free(k);
     return err;
 }

@@ -41,7 +41,7 @@
 // CHUNK_MAX_BYTES]. Each chunk costs a claim on the shared counter, state changes whose cache lines move between the
 // cores, and a fresh DRAM stream (~0.3 us in all): with a fixed 16 KiB (~1 us of DRAM reads for a thread), a batch-1
 // step's 120 matmuls of the embedded model ran at ~20 GB/s on two threads, no faster than on one; at 4 chunks a
-// thread, 26-30 GB/s, and the offline batch-1 token 7.0-7.6 -> 5.3-5.5 ms (Zen 4, 2 cores, 2026-12-06). 2 chunks a
+// thread, 26-30 GB/s, and the offline batch-1 token 7.0-7.6 -> 5.0-5.5 ms (Zen 4, 2 cores, 2026-12-06). 2 chunks a
 // thread were as fast alone but slower beside a busy core (a preempted worker's chunk is a bigger share of the
 // call: 7.2-8.4 against 6.8-7.3 ms).
 #define CHUNK_MIN_BYTES 16384

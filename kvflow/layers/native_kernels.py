@@ -118,8 +118,10 @@ def library() -> ctypes.CDLL | None:
     lib.kvflow_moe_experts.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, _Experts, i64, _Experts, i64, ptr,
                                        ctypes.c_int]
     lib.kvflow_moe_experts.restype = ctypes.c_int
-    lib.kvflow_decoder_step.argtypes = [ptr, ptr, ptr, ptr]
+    lib.kvflow_decoder_step.argtypes = [ptr, ptr, ptr, ptr, ptr]
     lib.kvflow_decoder_step.restype = ctypes.c_int
+    lib.kvflow_decoder_step_scratch.argtypes = [ptr, ptr, i64]
+    lib.kvflow_decoder_step_scratch.restype = i64
     lib.kvflow_pool_quiesce.argtypes = lib.kvflow_pool_workers.argtypes = lib.kvflow_pool_rows.argtypes = []
     lib.kvflow_pool_quiesce.restype = None
     lib.kvflow_pool_set_stall.argtypes = [ctypes.c_int]

@@ -145,6 +145,7 @@ class NativeDecoderStep:
                             final_eps=final.eps)
         self.shape.exp_vec, self.shape.exp_lanes = torch_vector_exp()
         self.steps = 0          # steps run (tests and benchmarks read it)
+        self.scratch = torch.empty(0)       # the step's working memory, grown to the largest step seen
 
     @classmethod
     def build(cls, model: nn.Module, *, kv_dtype: torch.dtype, block_size: int, dtype: torch.dtype,
@@ -171,15 +172,19 @@ class NativeDecoderStep:
         if T:
             tables = meta.seq_tables.contiguous()
             row_seq, slots = meta.row_seq.contiguous(), meta.slot_mapping.contiguous()
-            positions = meta.positions.contiguous()
+            positions = positions.contiguous()
             s = self.shape
             s.T, s.table_width, s.threads = T, tables.shape[1], native_kernels.threads()
             s.positions, s.slots = positions.data_ptr(), slots.data_ptr()
             s.tables, s.row_seq = tables.data_ptr(), row_seq.data_ptr()
-            err = self.lib.kvflow_decoder_step(ctypes.byref(s), self.layers, h.data_ptr(), out.data_ptr())
+            need = self.lib.kvflow_decoder_step_scratch(ctypes.byref(s), self.layers, T)
+            if need > self.scratch.numel():
+                self.scratch = torch.empty(need, dtype=torch.float32)
+            err = self.lib.kvflow_decoder_step(ctypes.byref(s), self.layers, h.data_ptr(), out.data_ptr(),
+                                               self.scratch.data_ptr())
             if err == 2:
                 raise ValueError("native step: attention of this shape is not supported")
             if err:
-                raise MemoryError("native step: out of memory")
+                raise MemoryError("native step: a kernel ran out of memory")
         self.steps += 1
         return out
