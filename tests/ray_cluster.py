@@ -42,6 +42,19 @@ def node_ports(min_worker: int) -> list[str]:
             "--min-worker-port", str(min_worker), "--max-worker-port", str(min_worker + 200)]
 
 
+def worker_port_base(seed: int, nodes: int) -> int:
+    """The first of `nodes` worker port ranges (201 ports each), below the kernel's ephemeral range: the other
+    ports are bound ephemeral ones (`free_ports`), so a range there could hold one of them and Ray refuses to start
+    ("worker_ports is trying to use a port number ... used by other components")."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    span = 200 * nodes + 1
+    slots = max(1, (low - 10000) // span)
+    return 10000 + (seed % slots) * span
+
+
 def env() -> dict:
     # the workers import this checkout's kvflow; Ray reports no usage and keeps its memory small
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(":"),
@@ -58,7 +71,7 @@ class RayCluster:
         # a short path: Ray's unix sockets live under it (108 bytes at most)
         cluster = cls(tempfile.mkdtemp(prefix="kvray", dir="/tmp"))
         port = free_ports(1)[0]
-        base = 40000 + (port % 100) * 200           # worker port ranges of their own
+        base = worker_port_base(port, nodes)
         common = ["--num-cpus", str(cpus_per_node), "--object-store-memory", OBJECT_STORE, "--disable-usage-stats"]
         try:
             cluster._ray("start", "--head", "--port", str(port), "--include-dashboard=false",
