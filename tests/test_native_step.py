@@ -57,16 +57,19 @@ def family_ggufs(tmp_path_factory):
     out = tmp_path_factory.mktemp("native-step")
     files = {}
     for family, ftype in [("llama", "q4_0"), ("llama", "q8_0"), ("llama", "q5_0"), ("qwen2", "q4_1"),
-                          ("phi3", "q4_0")]:
+                          ("phi3", "q4_0"), ("qwen3", "q4_0"), ("gemma3", "q8_0")]:
         overrides = {"sliding_window": 24} if family == "phi3" else {}
         hf = make_tiny_hf_model(out / family, family, **overrides)
         files[f"{family}-{ftype}"] = str(write_gguf_from_hf(hf, out / f"{family}-{ftype}.gguf", ftype=ftype))
     return files
 
 
-@pytest.mark.parametrize("name", ["llama-q4_0", "llama-q8_0", "llama-q5_0", "qwen2-q4_1", "phi3-q4_0"])
+@pytest.mark.parametrize("name", ["llama-q4_0", "llama-q8_0", "llama-q5_0", "qwen2-q4_1", "phi3-q4_0", "qwen3-q4_0",
+                                  "gemma3-q8_0"])
 def test_each_weight_format_and_family_it_takes_gives_the_same_bits(monkeypatch, family_ggufs, name):
-    """4-, 5- and 8-bit codes; Qwen2's QKV bias; Phi-3's sliding window (the long prompts pass it)."""
+    """4-, 5- and 8-bit codes; Qwen2's QKV bias; Phi-3's sliding window (the long prompts pass it); Qwen3's per-head
+    Q/K norms; Gemma 3's scaled embedding, sandwich norms, tanh-GELU, head_dim 256 and local layers with their own
+    RoPE base and a 16-token window."""
     native, layered = both_paths(monkeypatch, family_ggufs[name])
     assert native == layered
 
@@ -88,10 +91,10 @@ def test_two_threads_with_stalling_workers_give_one_threads_bits():
             lib.kvflow_pool_set_stall(0)
 
 
-@pytest.mark.parametrize("case", ["env", "lora", "float-weights", "gemma3"])
+@pytest.mark.parametrize("case", ["env", "lora", "float-weights", "moe"])
 def test_where_the_native_step_does_not_build_the_layer_by_layer_path_serves(tmp_path, monkeypatch, caplog, case):
     """The fallback: turned off, or a model it does not compute (LoRA terms, float weights that are not kvflow's
-    kernels', Gemma 3's extra norms): no native step, and the engine answers as before."""
+    kernels', a mixture of experts): no native step, and the engine answers as before."""
     kwargs = dict(max_model_len=256, kv_cache_memory="32MiB")
     model = None
     if case == "env":
@@ -101,11 +104,11 @@ def test_where_the_native_step_does_not_build_the_layer_by_layer_path_serves(tmp
     elif case == "float-weights":
         model = str(make_tiny_hf_model(tmp_path / "llama", "llama"))
     else:
-        hf = make_tiny_hf_model(tmp_path / "gemma3", "gemma3")
-        model = str(write_gguf_from_hf(hf, tmp_path / "gemma3.gguf", ftype="q8_0"))
+        hf = make_tiny_hf_model(tmp_path / "olmoe", "olmoe")
+        model = str(write_gguf_from_hf(hf, tmp_path / "olmoe.gguf", ftype="q8_0"))
     with caplog.at_level("INFO", logger="kvflow"), LLM(model, **kwargs) as llm:
         assert llm.engine.runner.native_step is None
         out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
-    if case in ("env", "lora", "gemma3"):      # kvflow's kernels serve these: the boot log says why not
+    if case in ("env", "lora", "moe"):      # kvflow's kernels serve these: the boot log says why not
         assert "the native step does not run here" in caplog.text

@@ -1,6 +1,8 @@
 // A whole step of a Llama-family decoder in one native call: for every layer RMSNorm, the fused QKV projection
-// (+ bias), rotary embedding, the K/V written into the paged cache, paged attention, the output projection and the
-// residual, RMSNorm, gate/up, SiLU(gate) * up, down and the residual; then the final RMSNorm.
+// (+ bias), the per-head Q/K norms where the model has them (Qwen3, Gemma 3), rotary embedding (each layer its own
+// tables: Gemma 3's local layers have their own base), the K/V written into the paged cache, paged attention, the
+// output projection (normed again on Gemma 3's "sandwich") and the residual, RMSNorm, gate/up, SiLU(gate) * up or
+// tanh-GELU(gate) * up, down (normed again on Gemma 3) and the residual; then the final RMSNorm.
 //
 // Why: driven from Python, a batch-1 step of the embedded model is ~210 operator calls, each with Python, the
 // dispatcher and ctypes around a kernel of a few microseconds, and that came to as much time as the matmuls
@@ -31,21 +33,31 @@ typedef struct {
 } step_linear;
 
 typedef struct {
-    const float *input_norm, *post_norm;
-    float input_eps, post_eps, scale;      // scale: the attention's softmax scale
+    const float *weight;                   // NULL: the layer has no such norm
+    float eps;
+} step_norm;
+
+typedef struct {
+    // input: before attention; mlp_in: before the MLP (Llama's post_attention_layernorm); attn_out / mlp_out: on
+    // the attention's and the MLP's outputs before each residual add (Gemma 3's post-attention and
+    // post-feedforward norms); q / k: over each head of q and of k before rotary (Qwen3, Gemma 3)
+    step_norm input, mlp_in, attn_out, mlp_out, q, k;
+    float scale;                           // the attention's softmax scale
     int64_t window;                        // sliding window (0: none)
+    const float *cos, *sin_signed;         // [positions, rotary_dim] (layers/rotary.py: the sign in the table)
     void *k_cache, *v_cache;               // [blocks, block_size, kv_heads, head_dim]
     step_linear qkv, o, gate_up, down;
 } step_layer;
 
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
 typedef struct {
     int64_t layers, T, hidden, heads, kv_heads, head_dim, rotary_dim, intermediate, block_size, table_width;
-    int kv_form, threads;
-    const float *cos, *sin_signed;         // [positions, rotary_dim] (layers/rotary.py: the sign in the table)
+    int kv_form, threads, act;
     const int64_t *positions, *slots, *tables, *row_seq;
     const float *final_norm;
     float final_eps;
-    const void *exp_vec;                   // torch's vector exp (Sleef's, 8 or 16 lanes); NULL: libm's only
+    const void *exp_vec, *tanh_vec;        // torch's vector exp and tanh (Sleef's, exp_lanes wide); NULL: libm's only
     int exp_lanes;
 } step_shape;
 
@@ -135,14 +147,81 @@ static void silu_mul(const float *gate, const float *up, int64_t n, float *out, 
     for (; j < n; j++) out[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
 }
 
+// out = GELU_tanh(gate) * up as torch's eager ops compute it (ATen's GeluKernel, approximate="tanh": 0.5 * x *
+// (1 + tanh(kBeta * (x + kKappa * x^3))) over vectors of its CPU capability, two at a time with Sleef's tanh, the
+// rest one by one with libm's; then the product). ATen's AVX2 and AVX512 builds contract x + kKappa * x^3 into
+// one FMA (GCC's default), in the vectors and in the tail alike; its scalar-only build does not.
+#define GELU_BETA ((float)(1.41421356237309504880 * 1.12837916709551257390 * 0.5))   // M_SQRT2 * M_2_SQRTPI / 2
+#define GELU_KAPPA 0.044715f
+
+__attribute__((target("avx512f"))) static int64_t gelu_mul16(const float *gate, const float *up, int64_t n,
+                                                             float *out, exp16_fn tanh16) {
+    const __m512 beta = _mm512_set1_ps(GELU_BETA), kappa = _mm512_set1_ps(GELU_KAPPA);
+    const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32)
+        for (int64_t v = j; v < j + 32; v += 16) {
+            const __m512 x = _mm512_loadu_ps(gate + v);
+            const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+            const __m512 inner = _mm512_mul_ps(beta, _mm512_fmadd_ps(kappa, cube, x));
+            const __m512 g = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, tanh16(inner)));
+            _mm512_storeu_ps(out + v, _mm512_mul_ps(g, _mm512_loadu_ps(up + v)));
+        }
+    return j;
+}
+
+static void gelu_mul(const float *gate, const float *up, int64_t n, float *out, const step_shape *s) {
+    int64_t j = 0;
+    if (s->tanh_vec && s->exp_lanes == 8) {
+        const exp8_fn tanh8 = (exp8_fn)s->tanh_vec;
+        const __m256 beta = _mm256_set1_ps(GELU_BETA), kappa = _mm256_set1_ps(GELU_KAPPA);
+        const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
+        for (; j + 16 <= n; j += 16)
+            for (int64_t v = j; v < j + 16; v += 8) {
+                const __m256 x = _mm256_loadu_ps(gate + v);
+                const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+                const __m256 inner = _mm256_mul_ps(beta, _mm256_fmadd_ps(kappa, cube, x));
+                const __m256 g = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh8(inner)));
+                _mm256_storeu_ps(out + v, _mm256_mul_ps(g, _mm256_loadu_ps(up + v)));
+            }
+    } else if (s->tanh_vec && s->exp_lanes == 16) {
+        j = gelu_mul16(gate, up, n, out, (exp16_fn)s->tanh_vec);
+    }
+    for (; j < n; j++) {
+        const float x = gate[j], cube = x * x * x;
+        const float inner = GELU_BETA * (s->tanh_vec ? fmaf(GELU_KAPPA, cube, x) : x + GELU_KAPPA * cube);
+        out[j] = 0.5f * x * (1.0f + tanhf(inner)) * up[j];
+    }
+}
+
 static void add_rows(float *h, const float *y, int64_t M, int64_t H, int64_t ld) {
     for (int64_t m = 0; m < M; m++)
         for (int64_t j = 0; j < H; j++) h[m * H + j] += y[m * ld + j];
 }
 
+// out [M, H] = the norm of x's M rows of H, x's rows `ld` apart (a projection's output, padded to its width)
+static void norm_rows(const float *x, int64_t M, int64_t H, int64_t ld, const step_norm *n, float *out, int threads) {
+    if (ld == H) {
+        kvflow_rms_norm(x, M, H, n->weight, n->eps, out, threads);
+        return;
+    }
+    for (int64_t m = 0; m < M; m++) kvflow_rms_norm(x + m * ld, 1, H, n->weight, n->eps, out + m * H, threads);
+}
+
+// h += y's rows, or their norm first where the layer norms its block's output (Gemma 3)
+static void add_block_output(float *h, const float *y, int64_t M, int64_t H, int64_t ld, const step_norm *n,
+                             float *tmp, int threads) {
+    if (n->weight) {
+        norm_rows(y, M, H, ld, n, tmp, threads);
+        add_rows(h, tmp, M, H, H);
+    } else {
+        add_rows(h, y, M, H, ld);
+    }
+}
+
 // The scratch a step of T rows works in, in floats: the normed rows, the widest projection's output, q and the
-// attention's output, the MLP's activations, and one row's rotated keys. The caller owns it (runner/native_step.py
-// keeps one that grows), so a step allocates nothing.
+// attention's output, the MLP's activations, and one row's normed and rotated heads. The caller owns it
+// (runner/native_step.py keeps one that grows), so a step allocates nothing.
 static int64_t widest_projection(const step_shape *s, const step_layer *layers) {
     int64_t widest = 0;
     for (int64_t l = 0; l < s->layers; l++) {
@@ -155,7 +234,7 @@ static int64_t widest_projection(const step_shape *s, const step_layer *layers) 
 
 int64_t kvflow_decoder_step_scratch(const step_shape *s, const step_layer *layers, int64_t T) {
     return T * (s->hidden + widest_projection(s, layers) + 2 * s->heads * s->head_dim + s->intermediate)
-           + s->kv_heads * s->head_dim;
+           + (s->heads + 2 * s->kv_heads) * s->head_dim;
 }
 
 // h [T, hidden]: the embedded tokens in, the residual stream after the last layer out (overwritten); out [T, hidden]:
@@ -168,18 +247,23 @@ int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h,
     const int64_t widest = widest_projection(s, layers);
     const int64_t elem = s->kv_form == KV_F32 ? 4 : 2, row_bytes = Hkv * D * elem;
     float *normed = scratch, *proj = normed + T * H, *q = proj + T * widest, *attn = q + T * Hq * D;
-    float *act = attn + T * Hq * D, *k = act + T * I;
+    float *act = attn + T * Hq * D, *heads = act + T * I, *k = heads + (Hq + Hkv) * D;
     int err = 0;
     for (int64_t l = 0; l < s->layers && !err; l++) {
         const step_layer *L = &layers[l];
-        kvflow_rms_norm(h, T, H, L->input_norm, L->input_eps, normed, threads);
+        kvflow_rms_norm(h, T, H, L->input.weight, L->input.eps, normed, threads);
         if ((err = linear(&L->qkv, normed, T, H, proj, threads))) break;
         for (int64_t t = 0; t < T; t++) {
-            const float *row = proj + t * L->qkv.width;
+            const float *row = proj + t * L->qkv.width, *qs = row, *ks = row + Hq * D;
             const int64_t p = s->positions[t], slot = s->slots[t];
-            const float *cos = s->cos + p * s->rotary_dim, *sin = s->sin_signed + p * s->rotary_dim;
-            for (int64_t j = 0; j < Hq; j++) rotate(row + j * D, cos, sin, D, s->rotary_dim, q + (t * Hq + j) * D);
-            for (int64_t j = 0; j < Hkv; j++) rotate(row + (Hq + j) * D, cos, sin, D, s->rotary_dim, k + j * D);
+            const float *cos = L->cos + p * s->rotary_dim, *sin = L->sin_signed + p * s->rotary_dim;
+            if (L->q.weight) {             // each head normed alone, then rotated (as the layer does)
+                kvflow_rms_norm(qs, Hq, D, L->q.weight, L->q.eps, heads, 1);
+                kvflow_rms_norm(ks, Hkv, D, L->k.weight, L->k.eps, heads + Hq * D, 1);
+                qs = heads, ks = heads + Hq * D;
+            }
+            for (int64_t j = 0; j < Hq; j++) rotate(qs + j * D, cos, sin, D, s->rotary_dim, q + (t * Hq + j) * D);
+            for (int64_t j = 0; j < Hkv; j++) rotate(ks + j * D, cos, sin, D, s->rotary_dim, k + j * D);
             store(k, Hkv * D, (char *)L->k_cache + slot * row_bytes, s->kv_form);
             store(row + (Hq + Hkv) * D, Hkv * D, (char *)L->v_cache + slot * row_bytes, s->kv_form);
         }
@@ -187,15 +271,18 @@ int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h,
                                      s->table_width, s->row_seq, s->positions, L->scale, attn, threads, s->kv_form,
                                      L->window);
         if (err || (err = linear(&L->o, attn, T, Hq * D, proj, threads))) break;
-        add_rows(h, proj, T, H, L->o.width);
-        kvflow_rms_norm(h, T, H, L->post_norm, L->post_eps, normed, threads);
+        add_block_output(h, proj, T, H, L->o.width, &L->attn_out, normed, threads);
+        kvflow_rms_norm(h, T, H, L->mlp_in.weight, L->mlp_in.eps, normed, threads);
         if ((err = linear(&L->gate_up, normed, T, H, proj, threads))) break;
         for (int64_t t = 0; t < T; t++) {
             const float *gate = proj + t * L->gate_up.width;
-            silu_mul(gate, gate + I, I, act + t * I, s);
+            if (s->act == ACT_GELU_TANH)
+                gelu_mul(gate, gate + I, I, act + t * I, s);
+            else
+                silu_mul(gate, gate + I, I, act + t * I, s);
         }
         if ((err = linear(&L->down, act, T, I, proj, threads))) break;
-        add_rows(h, proj, T, H, L->down.width);
+        add_block_output(h, proj, T, H, L->down.width, &L->mlp_out, normed, threads);
     }
     if (!err) kvflow_rms_norm(h, T, H, s->final_norm, s->final_eps, out, threads);
     return err;

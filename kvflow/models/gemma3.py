@@ -57,12 +57,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed(input_ids)
-        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        h = self.input_embeddings(input_ids)
         rope, rope_local = self.rotary.lookup(positions), self.rotary_local.lookup(positions)
         for layer in self.layers:
             h = layer(rope, h, meta, rope_local)
         return self.norm(h)
+
+    def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        return h * torch.tensor(self.embed_scale, dtype=h.dtype)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

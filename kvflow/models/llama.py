@@ -198,11 +198,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """`meta`: the step's attention metadata, passed explicitly, so a compiled graph reads no module state
         and a background compile cannot see another thread's step."""
-        h = self.embed(input_ids)
+        h = self.input_embeddings(input_ids)
         rope = self.rotary.lookup(positions)
         for layer in self.layers:
             h = layer(rope, h, meta)
         return self.norm(h)
+
+    def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """What the first layer reads (the runner's native step starts here too)."""
+        return self.embed(input_ids)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

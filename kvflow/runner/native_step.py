@@ -1,6 +1,7 @@
-"""A step's whole decoder in one native call (layers/decoder_step.c), for the Llama-family models whose every
-matmul, norm and attention already runs on kvflow's kernels: Python embeds the tokens, hands the step's tensors
-over once, and gets the final hidden states back; the LM head and sampling stay as they are.
+"""A step's whole decoder in one native call (layers/decoder_step.c), for the Llama-family and Gemma 3 models
+whose every matmul, norm and attention already runs on kvflow's kernels: Python embeds the tokens (scaled, on
+Gemma 3), hands the step's tensors over once, and gets the final hidden states back; the LM head and sampling stay
+as they are.
 
 Why: driven layer by layer from Python, a batch-1 step of the embedded model spent about as long around its ~210
 operator calls as in them (docs/performance.md, "Where a decode step's time goes"). With this step there is also
@@ -25,6 +26,7 @@ from kvflow.layers import native_kernels
 from kvflow.layers.int4 import Int4Linear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.quantization import NativeQ8Linear
+from kvflow.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
 from kvflow.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 
 _W_Q4, _W_Q8, _W_Q5, _W_X16 = 0, 1, 2, 4
@@ -37,33 +39,44 @@ class _Linear(ctypes.Structure):
                 ("width", _i64), ("kind", _int), ("flags", _int)]
 
 
+class _Norm(ctypes.Structure):
+    _fields_ = [("weight", _ptr), ("eps", _f32)]
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("input_eps", _f32), ("post_eps", _f32),
-                ("scale", _f32), ("window", _i64), ("k_cache", _ptr), ("v_cache", _ptr), ("qkv", _Linear),
-                ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+    _fields_ = [("input", _Norm), ("mlp_in", _Norm), ("attn_out", _Norm), ("mlp_out", _Norm), ("q", _Norm),
+                ("k", _Norm), ("scale", _f32), ("window", _i64), ("cos", _ptr), ("sin_signed", _ptr),
+                ("k_cache", _ptr), ("v_cache", _ptr), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear)]
 
 
 class _Shape(ctypes.Structure):
     _fields_ = [("layers", _i64), ("T", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
                 ("head_dim", _i64), ("rotary_dim", _i64), ("intermediate", _i64), ("block_size", _i64),
-                ("table_width", _i64), ("kv_form", _int), ("threads", _int), ("cos", _ptr), ("sin_signed", _ptr),
-                ("positions", _ptr), ("slots", _ptr), ("tables", _ptr), ("row_seq", _ptr), ("final_norm", _ptr),
-                ("final_eps", _f32), ("exp_vec", _ptr), ("exp_lanes", _int)]
+                ("table_width", _i64), ("kv_form", _int), ("threads", _int), ("act", _int), ("positions", _ptr),
+                ("slots", _ptr), ("tables", _ptr), ("row_seq", _ptr), ("final_norm", _ptr), ("final_eps", _f32),
+                ("exp_vec", _ptr), ("tanh_vec", _ptr), ("exp_lanes", _int)]
+
+
+_ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 @functools.cache
-def torch_vector_exp() -> tuple[int | None, int]:
-    """(address, lanes) of the vector exp that torch's eager float32 kernels call on this CPU (Sleef's, from
-    libtorch_cpu: ATen's vectors are 8 lanes under its AVX2 capability, 16 under AVX512), or (None, 0) where torch
-    runs its scalar code or the symbol is not there: then libm's exp, which torch's kernels also use for the tails."""
+def torch_vector_math() -> tuple[int | None, int | None, int]:
+    """(exp address, tanh address, lanes) of the vector functions that torch's eager float32 kernels call on this
+    CPU (Sleef's, from libtorch_cpu: ATen's vectors are 8 lanes under its AVX2 capability, 16 under AVX512), or
+    (None, None, 0) where torch runs its scalar code or the symbols are not there: then libm's, which torch's
+    kernels also use for the tails."""
     lanes = {"AVX2": 8, "AVX512": 16}.get(torch.backends.cpu.get_cpu_capability(), 0)
     if not lanes:
-        return None, 0
+        return None, None, 0
     try:
         lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        return ctypes.cast(getattr(lib, f"Sleef_expf{lanes}_u10"), ctypes.c_void_p).value, lanes
+        exp, tanh = (ctypes.cast(getattr(lib, f"Sleef_{f}f{lanes}_u10"), ctypes.c_void_p).value
+                     for f in ("exp", "tanh"))
+        return exp, tanh, lanes
     except (OSError, AttributeError):
-        return None, 0
+        return None, None, 0
 
 
 class Unsupported(Exception):
@@ -91,10 +104,13 @@ def _linear(module: nn.Module, in_features: int, bias_allowed: bool = False) -> 
                    kind | (_W_X16 if codes.dim() == 4 else 0), flags)
 
 
-def _norm(module: nn.Module) -> RMSNorm:
-    if type(module) is not RMSNorm or not module.native or module.weight.dtype != torch.float32:
+def _norm(module: nn.Module | None, width: int) -> _Norm:
+    if module is None:
+        return _Norm(None, 0.0)
+    if (type(module) is not RMSNorm or not module.native or module.weight.dtype != torch.float32
+            or module.weight.shape != (width,)):
         raise Unsupported("a norm not on kvflow's kernel")
-    return module
+    return _Norm(module.weight.data_ptr(), module.eps)
 
 
 class NativeDecoderStep:
@@ -105,45 +121,61 @@ class NativeDecoderStep:
         cfg = model.config
         self.model = model
         self.lib = native_kernels.library()
+        gemma = type(model) is Gemma3ForCausalLM
+        layer_type = Gemma3DecoderLayer if gemma else DecoderLayer
+        rotaries = []
         layers = []
+        H = cfg.hidden_size
         for layer in model.layers:
-            if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
-                raise Unsupported("a decoder layer other than Llama's")
+            if type(layer) is not layer_type or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
+                raise Unsupported("a decoder layer other than Llama's or Gemma 3's")
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.q_norm is not None or attn.clip_qkv is not None or attn.qkv_lora or attn.o_lora:
-                raise Unsupported("Q/K norms, QKV clipping or LoRA terms")
-            if mlp.gate_up_lora or mlp.down_lora or cfg.hidden_act != "silu":
+            if attn.qk_norm_whole or attn.clip_qkv is not None or attn.qkv_lora or attn.o_lora:
+                raise Unsupported("Q/K norms over all heads at once, QKV clipping or LoRA terms")
+            if mlp.gate_up_lora or mlp.down_lora or cfg.hidden_act not in _ACTS:
                 raise Unsupported(f"an MLP of {cfg.hidden_act} or with LoRA terms")
-            if attn.rotary is not model.rotary or attn.attn.k_cache is None:
+            # the tables the model's forward rotates this layer with
+            rotary = model.rotary_local if gemma and layer.sliding else model.rotary
+            if (not gemma and attn.rotary is not model.rotary) or attn.attn.k_cache is None:
                 raise Unsupported("a layer with its own rotary tables, or no KV cache")
             for cache in (attn.attn.k_cache, attn.attn.v_cache):
                 if cache.dtype != kv_dtype or not cache.is_contiguous():
                     raise Unsupported("a KV cache of another element type or layout")
-            inp, post = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
-            q_size = attn.num_heads * attn.head_dim
-            layers.append(_Layer(inp.weight.data_ptr(), post.weight.data_ptr(), inp.eps, post.eps, attn.attn.scale,
-                                 attn.attn.sliding_window, attn.attn.k_cache.data_ptr(),
-                                 attn.attn.v_cache.data_ptr(), _linear(attn.qkv_proj, cfg.hidden_size, True),
-                                 _linear(attn.o_proj, q_size), _linear(mlp.gate_up_proj, cfg.hidden_size),
-                                 _linear(mlp.down_proj, mlp.intermediate_size)))
-            if (layers[-1].qkv.rows != q_size + 2 * attn.num_kv_heads * attn.head_dim
+            for table in (rotary.cos, rotary.sin_signed):
+                if table.dtype != torch.float32 or not table.is_contiguous():
+                    raise Unsupported("rotary tables not float32")
+            rotaries.append(rotary)
+            D = attn.head_dim
+            q_size = attn.num_heads * D
+            norms = dict(input=_norm(layer.input_layernorm, H), q=_norm(attn.q_norm, D), k=_norm(attn.k_norm, D))
+            if gemma:
+                norms.update(attn_out=_norm(layer.post_attention_layernorm, H),
+                             mlp_in=_norm(layer.pre_feedforward_layernorm, H),
+                             mlp_out=_norm(layer.post_feedforward_layernorm, H))
+            else:
+                norms.update(mlp_in=_norm(layer.post_attention_layernorm, H), attn_out=_norm(None, H),
+                             mlp_out=_norm(None, H))
+            layers.append(_Layer(**norms, scale=attn.attn.scale, window=attn.attn.sliding_window,
+                                 cos=rotary.cos.data_ptr(), sin_signed=rotary.sin_signed.data_ptr(),
+                                 k_cache=attn.attn.k_cache.data_ptr(), v_cache=attn.attn.v_cache.data_ptr(),
+                                 qkv=_linear(attn.qkv_proj, H, True), o=_linear(attn.o_proj, q_size),
+                                 gate_up=_linear(mlp.gate_up_proj, H),
+                                 down=_linear(mlp.down_proj, mlp.intermediate_size)))
+            if (layers[-1].qkv.rows != q_size + 2 * attn.num_kv_heads * D
                     or layers[-1].gate_up.rows != 2 * mlp.intermediate_size
-                    or layers[-1].o.rows != cfg.hidden_size or layers[-1].down.rows != cfg.hidden_size):
+                    or layers[-1].o.rows != H or layers[-1].down.rows != H):
                 raise Unsupported("projections of unexpected shapes")
-        final = _norm(model.norm)
         first = model.layers[0]
-        rotary = model.rotary
-        for table in (rotary.cos, rotary.sin_signed):
-            if table.dtype != torch.float32 or not table.is_contiguous():
-                raise Unsupported("rotary tables not float32")
+        if len({r.cos.shape[1] for r in rotaries}) != 1:
+            raise Unsupported("layers rotating different widths")
         self.layers = (_Layer * len(layers))(*layers)
-        self.shape = _Shape(layers=len(layers), hidden=cfg.hidden_size, heads=first.self_attn.num_heads,
+        self.shape = _Shape(layers=len(layers), hidden=H, heads=first.self_attn.num_heads,
                             kv_heads=first.self_attn.num_kv_heads, head_dim=first.self_attn.head_dim,
-                            rotary_dim=rotary.cos.shape[1], intermediate=first.mlp.intermediate_size,
-                            block_size=block_size, kv_form=_KV_FORMS[kv_dtype], cos=rotary.cos.data_ptr(),
-                            sin_signed=rotary.sin_signed.data_ptr(), final_norm=final.weight.data_ptr(),
-                            final_eps=final.eps)
-        self.shape.exp_vec, self.shape.exp_lanes = torch_vector_exp()
+                            rotary_dim=rotaries[0].cos.shape[1], intermediate=first.mlp.intermediate_size,
+                            block_size=block_size, kv_form=_KV_FORMS[kv_dtype], act=_ACTS[cfg.hidden_act])
+        final = _norm(model.norm, H)
+        self.shape.final_norm, self.shape.final_eps = final.weight, final.eps
+        self.shape.exp_vec, self.shape.tanh_vec, self.shape.exp_lanes = torch_vector_math()
         self.steps = 0          # steps run (tests and benchmarks read it)
         self.scratch = torch.empty(0)       # the step's working memory, grown to the largest step seen
 
@@ -155,7 +187,7 @@ class NativeDecoderStep:
             return None, "KVFLOW_NATIVE_STEP=0"
         if not kernel_pool or native_kernels.library() is None:
             return None, "not every matmul, norm and attention runs on kvflow's kernels here"
-        if type(model) is not LlamaForCausalLM:
+        if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM):
             return None, f"{type(model).__name__} is not a Llama-family decoder that it computes"
         if dtype != torch.float32 or tp_size != 1 or lora or kv_dtype not in _KV_FORMS:
             return None, "it computes float32 on one rank, without LoRA, over a float32/bf16/fp16 KV cache"
@@ -166,7 +198,7 @@ class NativeDecoderStep:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The final hidden states [T, hidden] of the step (after the last norm), as the model's forward."""
-        h = self.model.embed(ids).float().contiguous()
+        h = self.model.input_embeddings(ids).float().contiguous()
         out = torch.empty_like(h)
         T = h.shape[0]
         if T:
