@@ -116,6 +116,33 @@ def test_weights_in_the_wrong_layout_are_refused_not_read_past():
         native_kernels.q4_linear(torch.randn(2, 64), packed[0], scale[:1], minimum)
 
 
+def q4_0_weights(n: int, k: int, layout: str, seed: int = 0):
+    """Packed 4-bit codes, fp16 d, and the minimums -8 d (GGUF Q4_0's) both stored and not (`minimums`)."""
+    codes, scale, _, _ = q4_weights(n, k, layout, seed)
+    scale = native_kernels.pack_scales(scale.half().float(), layout, compact=True)
+    stored = -8 * scale
+    return native_kernels.pack_q4(codes, layout), scale, stored, native_kernels.minimums(stored, scale)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_q4_0_minimums_not_stored_give_the_stored_ones_bits(layout):
+    """GGUF Q4_0's minimums are -8 d: held as nothing (native_kernels.minimums) and made from d in the kernels,
+    they give the bits of the same matrix with them stored, at pool and OpenMP sizes, and in the MoE op."""
+    codes, scale, stored, none = q4_0_weights(40, 96, layout)
+    assert none.numel() == 0 and native_kernels.minimums(-7 * scale, scale).numel() > 0    # others are kept
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(1)) * 3
+    for rows in (1, 5, 70):
+        assert torch.equal(native_kernels.q4_linear(x[:rows], codes, scale, none),
+                           native_kernels.q4_linear(x[:rows], codes, scale, stored))
+    # two experts of hidden 96 and intermediate 32: gate/up [64, 96], down [96, 32]
+    gu, dn = q4_0_weights(64, 96, layout, 2), q4_0_weights(96, 32, layout, 3)
+    ids, weights = torch.tensor([[0, 1], [1, 0], [1, 1]]), torch.tensor([[0.75, 0.25], [0.5, 0.5], [0.9, 0.1]])
+    both = lambda t: torch.stack([t, t])
+    results = [native_kernels.moe_experts(x[:3], ids, weights, both(gu[0]), both(gu[1]), both(gu[m]), 4,
+                                          both(dn[0]), both(dn[1]), both(dn[m]), 4, 32) for m in (2, 3)]
+    assert torch.equal(results[0], results[1])
+
+
 def test_native_int4_linear_holds_the_same_values_and_stays_close_to_float():
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(192, 256, generator=g) * 0.05

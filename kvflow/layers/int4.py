@@ -98,9 +98,10 @@ class Int4Linear(nn.Module):
             # 32; float32 otherwise. The kernel widens them exactly, so the results are the same bits either way
             self.register_buffer("scale", native_kernels.pack_scales(weight.scale, compact=True,
                                                                      parts=weight.scale_parts))
+            # Q4_0's minimums (-8d each) are not stored: the kernels make them from d (native_kernels.minimums)
             minimum_parts = weight.zero_parts if weight.offset == 0 else None
-            self.register_buffer("minimum", native_kernels.pack_scales(weight.minimum(), compact=True,
-                                                                       parts=minimum_parts))
+            self.register_buffer("minimum", native_kernels.minimums(
+                native_kernels.pack_scales(weight.minimum(), compact=True, parts=minimum_parts), self.scale))
             return
         self.uses_kernel = weight.codes.device.type == "cpu" and kernel_supports(k, weight.group)
         pad_to = max(ROW_PADDING, packed_layout()[0]) if self.uses_kernel else 1
@@ -120,8 +121,9 @@ class Int4Linear(nn.Module):
             n = self.out_features
             codes = native_kernels.unpack_q4(self.packed, n, k).view(n, k // self.group, self.group).to(dtype)
             g = k // self.group
-            scale, minimum = (native_kernels.unpack_scales(native_kernels.widen_scales(t, n, g), n)[..., None].to(dtype)
-                              for t in (self.scale, self.minimum))
+            scale = native_kernels.widen_scales(self.scale, n, g)
+            minimum = native_kernels.minimum_values(native_kernels.widen_scales(self.minimum, n, g), scale)
+            scale, minimum = (native_kernels.unpack_scales(t, n)[..., None].to(dtype) for t in (scale, minimum))
             return (codes * scale + minimum).view(n, k)
         if self.uses_kernel:
             codes = _unpack(self.packed, n, k, packed_layout())
@@ -144,8 +146,10 @@ class Int4Linear(nn.Module):
             codes = torch.cat([halves & 15, halves >> 4], dim=-1)
         codes = codes.reshape(*ids.shape, g, native_kernels.GROUP).to(torch.float32)
         layout = "x16" if self.packed.dim() == 4 else "rows"     # from the codes: nothing for a compile to trace
-        scale, minimum = (native_rows(native_kernels.widen_scales(t, self.out_features, g, layout), ids)[..., None]
-                          for t in (self.scale, self.minimum))
+        scale = native_kernels.widen_scales(self.scale, self.out_features, g, layout)
+        minimum = native_kernels.minimum_values(
+            native_kernels.widen_scales(self.minimum, self.out_features, g, layout), scale)
+        scale, minimum = (native_rows(t, ids)[..., None] for t in (scale, minimum))
         return (codes * scale + minimum).view(*ids.shape, k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

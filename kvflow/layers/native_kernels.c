@@ -77,18 +77,33 @@ typedef struct {
     const void *p;              // float32, fp16, or the uint8 multipliers
     const uint16_t *super;      // form 2: the fp16 super-scales, after the N * G multipliers
     int form;
+    int minus8;                 // a minimum of form 3: -8 times these scales (which are d's)
 } scales_t;
 
 static inline scales_t scales_of(const void *p, int form, int64_t N, int64_t G) {
-    scales_t s = {p, form == 2 ? (const uint16_t *)((const uint8_t *)p + N * G) : NULL, form};
+    scales_t s = {p, form == 2 ? (const uint16_t *)((const uint8_t *)p + N * G) : NULL, form, 0};
     return s;
+}
+
+// A 4-bit matrix's minimums: stored in one of the scales' forms, or (form 3) not stored because every one is -8
+// times its group's d (GGUF Q4_0: code * d - 8d): then read as d's, times -8. A power of two, so the same float32
+// values as stored ones, and 2 bytes a group (10% of a Q4_0 matrix) less to stream.
+static inline scales_t minimums_of(const void *p, int form, scales_t d, int64_t N, int64_t G) {
+    if (form != 3) return scales_of(p, form, N, G);
+    d.minus8 = 1;
+    return d;
 }
 
 // element i = n * G + g of a per-group scale array (rows layout)
 static inline float scale_at(scales_t s, int64_t i) {
-    if (s.form == 1) return _cvtsh_ss(((const uint16_t *)s.p)[i]);
-    if (s.form == 2) return (float)((const uint8_t *)s.p)[i] * _cvtsh_ss(s.super[i / 8]);
-    return ((const float *)s.p)[i];
+    float v;
+    if (s.form == 1)
+        v = _cvtsh_ss(((const uint16_t *)s.p)[i]);
+    else if (s.form == 2)
+        v = (float)((const uint8_t *)s.p)[i] * _cvtsh_ss(s.super[i / 8]);
+    else
+        v = ((const float *)s.p)[i];
+    return s.minus8 ? -8.0f * v : v;
 }
 
 static inline float hsum(__m256 v) {
@@ -240,7 +255,8 @@ static int pool_linear(pool_chunk_fn chunk, int bits, const float *x, int64_t M,
     if (!failed) {
         quantize_activations(x, M, K, q, d, s, qs, 1);
         const int64_t units = N / unit, per = chunk_units(units, unit_bytes, threads);
-        const linear_job job = {bits, codes, scales_of(wd, flags & 3, N, G), scales_of(wm, (flags >> 2) & 3, N, G),
+        const scales_t sd = scales_of(wd, flags & 3, N, G);
+        const linear_job job = {bits, codes, sd, minimums_of(wm, (flags >> 2) & 3, sd, N, G),
                                 G, K, M, N, unit, unit_bytes, per, q, d, s, qs};
         failed = pool_run(chunk, linear_region, &job, sizeof job, (units + per - 1) / per, y, threads);
     }
@@ -272,7 +288,7 @@ static int linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t 
         return 1;
     }
     quantize_activations(x, M, K, q, d, s, NULL, threads);
-    const scales_t sd = scales_of(wd, flags & 3, N, G), sm = scales_of(wm, (flags >> 2) & 3, N, G);
+    const scales_t sd = scales_of(wd, flags & 3, N, G), sm = minimums_of(wm, (flags >> 2) & 3, sd, N, G);
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
         #pragma omp parallel for schedule(static) num_threads(threads)
@@ -807,13 +823,17 @@ int kvflow_lora_add(const float *x, int64_t M, int64_t K, const float *a, const 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static inline __m512 load16(scales_t s, int64_t at, int64_t g) {
     const int64_t i = at + g * X16;
-    if (s.form == 1) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s.p + i)));
-    if (s.form == 2) {      // super-scales [N/16, G/8, 16]: this block's start at at / 8
+    __m512 v;
+    if (s.form == 1) {
+        v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s.p + i)));
+    } else if (s.form == 2) {      // super-scales [N/16, G/8, 16]: this block's start at at / 8
         const __m512 mult = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)s.p + i))));
         const __m512 sup = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s.super + at / 8 + (g / 8) * X16)));
-        return _mm512_mul_ps(mult, sup);
+        v = _mm512_mul_ps(mult, sup);
+    } else {
+        v = _mm512_loadu_ps((const float *)s.p + i);
     }
-    return _mm512_loadu_ps((const float *)s.p + i);
+    return s.minus8 ? _mm512_mul_ps(v, _mm512_set1_ps(-8.0f)) : v;
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
@@ -904,7 +924,7 @@ static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint
         return 1;
     }
     quantize_activations(x, M, K, q, d, s, qs, threads);
-    const scales_t sd = scales_of(wd, flags & 3, N, G), sm = scales_of(wm, (flags >> 2) & 3, N, G);
+    const scales_t sd = scales_of(wd, flags & 3, N, G), sm = minimums_of(wm, (flags >> 2) & 3, sd, N, G);
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
         #pragma omp parallel for schedule(static) num_threads(threads)

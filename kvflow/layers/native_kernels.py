@@ -374,12 +374,12 @@ def _stacked(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bi
     n = codes.shape[1] * X16 if codes.dim() == 5 else codes.shape[1]
     groups = n * (k // GROUP)
     tensors = [scale] + ([minimum] if bits == 4 else [])
-    forms = [_FORMS.get(t.dtype) for t in tensors]
+    forms = [_form(t, i == 1) for i, t in enumerate(tensors)]
     # elements per expert from the whole tensors' sizes (no per-expert views: this runs every layer of every step)
     each = [t.numel() // experts if experts else 0 for t in (codes, *tensors)]
     if (bits not in _MOE_KINDS or None in forms or not all(t.is_contiguous() for t in (codes, *tensors))
             or any(t.shape[0] != experts for t in tensors) or each[0] * 8 != n * k * bits
-            or any(e != (groups * 5 // 4 if f == 2 else groups) for e, f in zip(each[1:], forms))
+            or any(e != {2: groups * 5 // 4, MINUS_8_D: 0}.get(f, groups) for e, f in zip(each[1:], forms))
             or (2 in forms and (k // GROUP) % 8)):
         raise ValueError("native kernel: stacked experts' weights and scales not in one layout of this shape")
     m = minimum if bits == 4 else None
@@ -489,15 +489,36 @@ def attention_supports(head_dim: int, kv_dtype: torch.dtype, group: int = 1) -> 
 _FORMS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
 
 
+MINUS_8_D = 3      # a minimum's form (flags bits 2-3): not stored, -8 times d (GGUF Q4_0; `minimums_of` in the C)
+
+
+def minimums(minimum: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What a 4-bit matrix holds as its minimums, `pack_scales`'d: nothing (an empty tensor, the kernels' form
+    MINUS_8_D) where every one is -8 times its group's scale, as GGUF's Q4_0 defines them; else `minimum` as is."""
+    same_form = minimum.dtype == scale.dtype != torch.uint8 and minimum.shape == scale.shape
+    return minimum.new_empty(0) if same_form and torch.equal(minimum.float(), -8.0 * scale.float()) else minimum
+
+
+def minimum_values(minimum: torch.Tensor, scale_values: torch.Tensor) -> torch.Tensor:
+    """A matrix's minimums as float32 in the layout of `scale_values` (its widened scales), stored or not."""
+    return -8.0 * scale_values if minimum.numel() == 0 else minimum.float()
+
+
+def _form(t: torch.Tensor, minimum: bool) -> int | None:
+    return MINUS_8_D if minimum and t.numel() == 0 else _FORMS.get(t.dtype)
+
+
 def linear_flags(codes: torch.Tensor, k: int, bits: int, *scales: torch.Tensor) -> int:
     """The kernels' `flags` for these scales (bits 0-1: d's form, 2-3: m's), after checking that codes and scales
     are one layout of an [out rows, k] matrix of `bits`-bit codes: a kernel never reads past them."""
     n = _out_rows(codes)
-    forms = [_FORMS.get(s.dtype) for s in scales]       # float32, fp16, or two levels (uint8 + fp16, 10 bits each)
+    # float32, fp16, or two levels (uint8 + fp16, 10 bits each); a 4-bit minimum also MINUS_8_D (nothing stored)
+    forms = [_form(s, i == 1 and bits == 4) for i, s in enumerate(scales)]
     if None in forms or not all(s.is_contiguous() for s in (codes, *scales)):
         raise ValueError("native kernel: scales must be contiguous float32, float16 or pack_scales' two levels")
     groups = n * (k // GROUP)
-    if (k % GROUP or any(s.numel() != (groups * 5 // 4 if f == 2 else groups) for s, f in zip(scales, forms))
+    if (k % GROUP or any(s.numel() != {2: groups * 5 // 4, MINUS_8_D: 0}.get(f, groups)
+                         for s, f in zip(scales, forms))
             or codes.numel() * 8 != n * k * bits or (2 in forms and (k // GROUP) % 8)):
         raise ValueError("native kernel: weights and scales not in one layout of this shape")
     return sum(f << (2 * i) for i, f in enumerate(forms))
