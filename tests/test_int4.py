@@ -8,7 +8,7 @@ from torch import nn
 
 from kvflow import LLM, SamplingParams
 from kvflow.layers import int4, native_kernels
-from kvflow.layers.group_quant import GroupQuantized
+from kvflow.layers.group_quant import CODES, GroupQuantized
 from kvflow.layers.int4 import Int4Linear, choose_kernel_rows, packed_layout
 from kvflow.layers.quantization import (GGUFVocabulary, NativeQ8Linear, QuantizedEmbedding, QuantizedLinear,
                                        quantize_model)
@@ -42,7 +42,7 @@ def test_gguf_codes_dequantize_to_the_files_values(tiny_hf, tmp_path, ftype):
     path = write_gguf_from_hf(tiny_hf, tmp_path / f"m-{ftype}.gguf", ftype=ftype)
     files = resolve_model_files(path)
     floats = dict(iter_weights(files))
-    codes = {n: w for n, w in iter_weights(files, keep_quantized=True) if isinstance(w, GroupQuantized)}
+    codes = {n: w.resolve() for n, w in iter_weights(files, keep_quantized=True) if isinstance(w, CODES)}
     assert "model.layers.0.self_attn.q_proj.weight" in codes and "model.embed_tokens.weight" in codes
     for name, gq in codes.items():
         assert gq.exact and gq.bits == (8 if ftype == "q8_0" else 4), name

@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from kvflow.layers.group_quant import GroupQuantized
+from kvflow.layers.group_quant import CODES, GroupQuantized
 from kvflow.models.gguf_codes import group_quantized
 from kvflow.models.gguf_reader import dequantize
 from kvflow.models.loader import iter_weights, resolve_model_files
@@ -67,7 +67,7 @@ def test_q4_k_file_kept_as_its_own_codes(wide_hf, tmp_path):
     files = resolve_model_files(path)
     assert {files.gguf.tensors[n].qtype for n in files.gguf.tensors if len(files.gguf.tensors[n].shape) == 2} == {T.Q4_K}
     floats = dict(iter_weights(files))
-    codes = {n: w for n, w in iter_weights(files, keep_quantized=True) if isinstance(w, GroupQuantized)}
+    codes = {n: w.resolve() for n, w in iter_weights(files, keep_quantized=True) if isinstance(w, CODES)}
     assert "model.layers.0.self_attn.q_proj.weight" in codes and "model.embed_tokens.weight" in codes
     for name, gq in codes.items():
         assert gq.exact and gq.bits == 4 and gq.offset == 0, name
@@ -150,7 +150,7 @@ def test_untied_8_bit_head_multiplies_the_files_codes(tmp_path, ftype):
     head = llm.engine.runner.model.lm_head
     assert isinstance(head, NativeQ8Linear)
     files = resolve_model_files(path)
-    want = dict(iter_weights(files, keep_quantized=True))["lm_head.weight"]
+    want = dict(iter_weights(files, keep_quantized=True))["lm_head.weight"].resolve()
     assert head.code_bits == (5 if ftype == "q5_0" else 8)                        # Q5_0: held in 5 bits
     assert torch.equal(head.int8_codes(torch.arange(want.shape[0])), want.codes)
 
@@ -183,7 +183,7 @@ def test_tied_table_is_held_once_and_looks_up_the_files_values(wide_hf, tmp_path
     if ftype in ("q8_0", "q4_0", "q4_1"):
         assert {t.dtype for t in table.buffers() if t.is_floating_point()} == {torch.float16}
     files = resolve_model_files(path)
-    gq = dict(iter_weights(files, keep_quantized=True))["model.embed_tokens.weight"]
+    gq = dict(iter_weights(files, keep_quantized=True))["model.embed_tokens.weight"].resolve()
     ids = torch.tensor([[0, 5, vocab - 1], [3, 3, 1000]])
     want = gq.dequantize()[ids]
     if gq.exact:

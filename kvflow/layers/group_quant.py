@@ -107,3 +107,30 @@ class GroupQuantized:
         scale = ((hi - lo) / 15).clamp(min=1e-12)
         codes = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
         return GroupQuantized(codes.view(n, k), scale, lo + 8 * scale, group, 4, exact=False)
+
+    def resolve(self) -> "GroupQuantized":
+        return self
+
+
+class DeferredCodes:
+    """A `GroupQuantized` matrix not decoded yet: the loader yields one per GGUF matrix it keeps as codes, holding
+    only the file's bytes (a view of the mapped file), and the quantization step decodes it (`resolve`) when it
+    builds that matrix's module. Why: decoded codes take a byte a weight (Q5_0, Q8_0) and were all resident at
+    once between loading and quantizing, so a load peaked ~0.5 GiB above the steady state on a 0.5B model; one at
+    a time, the peak is one matrix's. Row picks (`take_rows`: permuted or split rows) are deferred too."""
+
+    def __init__(self, decode, shape: tuple[int, int]):
+        self._decode = decode          # () -> GroupQuantized
+        self.shape = tuple(shape)
+
+    def resolve(self) -> GroupQuantized:
+        return self._decode()
+
+    def take_rows(self, index: torch.Tensor) -> "DeferredCodes":
+        return DeferredCodes(lambda: self.resolve().take_rows(index), (len(index), self.shape[1]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.resolve().dequantize(dtype)
+
+
+CODES = (GroupQuantized, DeferredCodes)     # what a loaded matrix kept as codes may be

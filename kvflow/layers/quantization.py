@@ -214,7 +214,7 @@ def fill_gguf_floats(module: nn.Module) -> nn.Module:
         with torch.no_grad():
             for codes, (start, end) in zip(pieces, sub.gguf_rows):
                 if codes is not None:
-                    sub.weight[start:end].copy_(codes.dequantize())
+                    sub.weight[start:end].copy_(codes.dequantize())     # (DeferredCodes decode here)
         sub.gguf_floats_filled = True
     return module
 
@@ -225,6 +225,7 @@ def _gguf_codes(module: nn.Module) -> GroupQuantized | None:
     pieces = getattr(module, "gguf_pieces", None)
     if not pieces or any(p is None for p in pieces):
         return None
+    pieces = [p.resolve() for p in pieces]         # the loader's DeferredCodes, decoded now (one matrix at a time)
     if len({(p.bits, p.group) for p in pieces}) > 1:      # e.g. Q4_K q/k with a Q6_K v: the finer format for all
         return GroupQuantized.cat([_as_8_bit(p) for p in pieces])
     return GroupQuantized.cat(pieces)

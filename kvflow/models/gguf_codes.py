@@ -22,6 +22,11 @@ def _fp16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
+def keeps_codes(qtype: int, shape: tuple[int, ...]) -> bool:
+    """`group_quantized` decodes this matrix (else: None)."""
+    return len(shape) == 2 and (qtype == Q4_K or qtype in _GROUP_BLOCKS)
+
+
 def group_quantized(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> GroupQuantized | None:
     """A Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K matrix's blocks as codes and per-group scales (None for other types),
     codes untouched, every scale and zero the float32 value gguf's dequantize computes (group_quant.py's table):
@@ -32,13 +37,11 @@ def group_quantized(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> Grou
     exactly Q8_0's format. Q4_K (ggml's block_q4_K) is a group-32 4-bit asymmetric format once its two levels of
     scales are multiplied out: sub-block j of a block has scale d * sc[j] and minimum -(dmin * m[j]), and its
     codes are the low (j even) or high (j odd) nibbles of bytes 32 * (j // 2) .. + 31."""
-    if len(shape) != 2:
+    if not keeps_codes(qtype, shape):
         return None
     n, k = shape
     if qtype == Q4_K:
         return _q4_k(torch.from_numpy(raw).view(n, k // 256, Q4_K_BYTES), n, k)
-    if qtype not in _GROUP_BLOCKS:
-        return None
     block_bytes, codes_at, has_min, bits = _GROUP_BLOCKS[qtype]
     blocks = torch.from_numpy(raw).view(n, k // 32, block_bytes)
     d = _fp16(blocks[..., :2])

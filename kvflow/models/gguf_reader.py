@@ -37,15 +37,19 @@ class GGUFFile:
     metadata: dict[str, Any]
     tensors: dict[str, GGUFTensorInfo]
 
-    def raw(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The tensor's bytes as a fresh uint8 array, [rows, bytes per row]."""
-        with open(self.path, "rb") as f:
-            f.seek(info.offset)
-            buf = f.read(info.nbytes)
-        if len(buf) != info.nbytes:
-            raise ValueError(f"{self.path}: tensor {info.name} runs past the end of the file (truncated?)")
+    def raw(self, info: GGUFTensorInfo, row_range: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor's bytes as a fresh uint8 array, [rows, bytes per row]; `row_range`: rows [start, stop) of it
+        only (rows over every dimension but the last: an expert's slice of a stacked tensor)."""
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
-        return np.frombuffer(buf, dtype=np.uint8).reshape(rows, -1).copy()
+        start, stop = row_range or (0, rows)
+        row_bytes = info.nbytes // rows
+        nbytes = (stop - start) * row_bytes
+        with open(self.path, "rb") as f:
+            f.seek(info.offset + start * row_bytes)
+            buf = f.read(nbytes)
+        if len(buf) != nbytes:
+            raise ValueError(f"{self.path}: tensor {info.name} runs past the end of the file (truncated?)")
+        return np.frombuffer(buf, dtype=np.uint8).reshape(stop - start, -1).copy()
 
 
 def read_gguf(path: Path) -> GGUFFile:

@@ -25,7 +25,7 @@ from torch import nn
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.attention import PagedAttention
 from kvflow.layers.attention_metadata import AttentionMetadata
-from kvflow.layers.group_quant import GroupQuantized
+from kvflow.layers.group_quant import CODES, GroupQuantized
 from kvflow.layers.lora import LoRAStack
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
@@ -302,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name:
                 continue
             codes = None
-            if isinstance(tensor, GroupQuantized):
+            if isinstance(tensor, CODES):
                 if self.tp.size > 1:
                     raise ValueError("quantized GGUF codes cannot be split over tensor-parallel ranks; load floats")
                 codes = tensor

@@ -5,7 +5,7 @@ Two formats: a Hugging Face folder (config.json + *.safetensors, sharded or not)
 `model_files.resolve_model_files`; the functions here take that `ModelFiles` (`iter_weights` also a path).
 GGUF weights come out dequantized to float32, with HF names and HF shapes ([out, in]), and with
 llama.cpp's Q/K row permutation undone for the llama family, so a model sees one layout whatever the file.
-With `keep_quantized`, 2-D quantized GGUF tensors come out as `GroupQuantized` codes instead (below): the file's
+With `keep_quantized`, 2-D quantized GGUF tensors come out as codes instead (`DeferredCodes`, below): the file's
 own codes where the format maps exactly, else re-rounded slice by slice.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Iterator
 
 import torch
 
-from kvflow.layers.group_quant import GroupQuantized
-from kvflow.models.gguf_codes import group_quantized
+from kvflow.layers.group_quant import CODES, DeferredCodes, GroupQuantized
+from kvflow.models.gguf_codes import group_quantized, keeps_codes
 from kvflow.models.gguf_reader import GGUFFile, GGUFTensorInfo, dequantize
 from kvflow.models.model_config import ModelConfig
 from kvflow.models.model_files import ModelFiles, default_model_path, resolve_model_files  # noqa: F401
@@ -105,7 +105,7 @@ def _iter_gguf(g: GGUFFile, config: ModelConfig, keep_quantized: bool) -> Iterat
         heads = (config.num_attention_heads if ".self_attn.q_proj." in name
                  else config.num_key_value_heads if ".self_attn.k_proj." in name else 0)
         if arch.permuted_qk and heads:
-            if isinstance(w, GroupQuantized):      # a row permutation: codes and scales move with their rows
+            if isinstance(w, CODES):      # a row permutation: codes and scales move with their rows
                 w = w.take_rows(unpermute_qk(torch.arange(w.shape[0]), heads))
             else:
                 w = unpermute_qk(w, heads)
@@ -136,7 +136,7 @@ def split_fused(weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig
         start = 0
         for piece, size in zip(_SPLIT[fused], sizes):
             rows = torch.arange(start, start + size)
-            part = w.take_rows(rows) if isinstance(w, GroupQuantized) else w[start:start + size]
+            part = w.take_rows(rows) if isinstance(w, CODES) else w[start:start + size]
             yield name.replace(fused, piece), part
             start += size
 
@@ -171,32 +171,33 @@ def canonical_experts(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[t
 
 
 def _gguf_experts(g: GGUFFile, info: GGUFTensorInfo, keep_quantized: bool
-                  ) -> Iterator[torch.Tensor | GroupQuantized]:
+                  ) -> Iterator[torch.Tensor | DeferredCodes]:
     """A stacked [experts, rows, columns] tensor (`ffn_*_exps`) as one 2-D matrix per expert: its rows are whole
     blocks of the file's format, so each expert's slice of the bytes is a matrix in that format (codes kept exactly
-    where a 2-D matrix's would be)."""
+    where a 2-D matrix's would be), read from the file on its own."""
     experts, rows, cols = info.shape
-    raw = g.raw(info)          # [experts * rows, bytes per row]
     piece = replace(info, shape=(rows, cols), nbytes=info.nbytes // experts)
     for e in range(experts):
-        yield _matrix(raw[e * rows:(e + 1) * rows], piece, keep_quantized)
+        yield _matrix(lambda e=e: g.raw(info, (e * rows, (e + 1) * rows)), piece, keep_quantized)
 
 
-def _gguf_tensor(g: GGUFFile, info: GGUFTensorInfo, keep_quantized: bool) -> torch.Tensor | GroupQuantized:
-    return _matrix(g.raw(info), info, keep_quantized)
+def _gguf_tensor(g: GGUFFile, info: GGUFTensorInfo, keep_quantized: bool) -> torch.Tensor | DeferredCodes:
+    return _matrix(lambda: g.raw(info), info, keep_quantized)
 
 
-def _matrix(raw, info: GGUFTensorInfo, keep_quantized: bool) -> torch.Tensor | GroupQuantized:
+def _matrix(read, info: GGUFTensorInfo, keep_quantized: bool) -> torch.Tensor | DeferredCodes:
+    """`read()`: the matrix's bytes. A matrix kept as codes is read and decoded only when its module is built
+    (`DeferredCodes`: so no more than one matrix's decoded codes is resident at a time)."""
     from gguf import GGMLQuantizationType
 
     kind = GGMLQuantizationType(info.qtype).name
     quantized = keep_quantized and len(info.shape) == 2 and kind not in _FLOAT_TYPES
-    codes = group_quantized(raw, info.qtype, info.shape) if quantized else None
-    if codes is not None:
-        return codes
+    if quantized and keeps_codes(info.qtype, info.shape):
+        return DeferredCodes(lambda: group_quantized(read(), info.qtype, info.shape), info.shape)
     if quantized and info.shape[1] % 32 == 0:
-        return _rerounded(raw, info, bits=4 if kind in _FOUR_BITS_OR_FEWER else 8)
-    return torch.from_numpy(dequantize(raw, info.qtype, info.shape))
+        bits = 4 if kind in _FOUR_BITS_OR_FEWER else 8
+        return DeferredCodes(lambda: _rerounded(read(), info, bits), info.shape)
+    return torch.from_numpy(dequantize(read(), info.qtype, info.shape))
 
 
 def _rerounded(raw, info: GGUFTensorInfo, bits: int) -> GroupQuantized:
@@ -253,7 +254,8 @@ def without_weight_init():
 
 def iter_weights(files: ModelFiles | Path, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every weight. Safetensors: stored dtype. GGUF: float32, llama Q/K un-permuted; with
-    `keep_quantized`, each quantized matrix as `GroupQuantized` (its float values: `.dequantize()`)."""
+    `keep_quantized`, each quantized matrix as `DeferredCodes` (`.resolve()`: its `GroupQuantized`; its float
+    values: `.dequantize()`)."""
     if not isinstance(files, ModelFiles):
         path = Path(files)
         if path.is_dir() and not (path / "config.json").is_file():
