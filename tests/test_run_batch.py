@@ -245,9 +245,12 @@ def test_an_interrupted_run_keeps_what_finished_and_a_rerun_completes_it(model_p
     inp.write_text("".join(line(f"c{i}", "/v1/completions", {"model": "tiny", "prompt": f"count {i}",
                                                               "max_tokens": 60, "ignore_eos": True}) + "\n"
                            for i in range(60)))
+    # SIGINT as a terminal delivers it: a suite started in the background of a shell inherits it ignored (and so
+    # would the child, which then never sees the interrupt)
     proc = subprocess.Popen([sys.executable, "-m", "kvflow.cli", "run-batch", "-i", str(inp), "-o", str(out),
                              str(model_path), *FLAGS, "--max-concurrency", "2"], cwd=REPO, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while not (out.exists() and out.read_text().count("\n") >= 3):
         assert proc.poll() is None and time.monotonic() < deadline
