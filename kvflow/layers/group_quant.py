@@ -113,9 +113,9 @@ class GroupQuantized:
 
 
 class DeferredCodes:
-    """A `GroupQuantized` matrix not decoded yet: the loader yields one per GGUF matrix it keeps as codes, holding
-    only the file's bytes (a view of the mapped file), and the quantization step decodes it (`resolve`) when it
-    builds that matrix's module. Why: decoded codes take a byte a weight (Q5_0, Q8_0) and were all resident at
+    """A `GroupQuantized` matrix not read yet: the loader yields one per GGUF matrix it keeps as codes, holding only
+    how to read and decode it (`decode`: the file's bytes are read then), and the quantization step calls it
+    (`resolve`) when it builds that matrix's module. Why: decoded codes take a byte a weight (Q5_0, Q8_0) and were all resident at
     once between loading and quantizing, so a load peaked ~0.5 GiB above the steady state on a 0.5B model; one at
     a time, the peak is one matrix's. Row picks (`take_rows`: permuted or split rows) are deferred too."""
 

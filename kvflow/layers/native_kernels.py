@@ -379,7 +379,7 @@ def _stacked(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bi
     each = [t.numel() // experts if experts else 0 for t in (codes, *tensors)]
     if (bits not in _MOE_KINDS or None in forms or not all(t.is_contiguous() for t in (codes, *tensors))
             or any(t.shape[0] != experts for t in tensors) or each[0] * 8 != n * k * bits
-            or any(e != {2: groups * 5 // 4, MINUS_8_D: 0}.get(f, groups) for e, f in zip(each[1:], forms))
+            or any(e != _scale_elements(f, groups) for e, f in zip(each[1:], forms))
             or (2 in forms and (k // GROUP) % 8)):
         raise ValueError("native kernel: stacked experts' weights and scales not in one layout of this shape")
     m = minimum if bits == 4 else None
@@ -508,6 +508,11 @@ def _form(t: torch.Tensor, minimum: bool) -> int | None:
     return MINUS_8_D if minimum and t.numel() == 0 else _FORMS.get(t.dtype)
 
 
+def _scale_elements(form: int, groups: int) -> int:
+    """Elements a scale array of this form holds for `groups` groups (two levels: 10 bits a group, as bytes)."""
+    return {2: groups * 5 // 4, MINUS_8_D: 0}.get(form, groups)
+
+
 def linear_flags(codes: torch.Tensor, k: int, bits: int, *scales: torch.Tensor) -> int:
     """The kernels' `flags` for these scales (bits 0-1: d's form, 2-3: m's), after checking that codes and scales
     are one layout of an [out rows, k] matrix of `bits`-bit codes: a kernel never reads past them."""
@@ -517,8 +522,7 @@ def linear_flags(codes: torch.Tensor, k: int, bits: int, *scales: torch.Tensor) 
     if None in forms or not all(s.is_contiguous() for s in (codes, *scales)):
         raise ValueError("native kernel: scales must be contiguous float32, float16 or pack_scales' two levels")
     groups = n * (k // GROUP)
-    if (k % GROUP or any(s.numel() != {2: groups * 5 // 4, MINUS_8_D: 0}.get(f, groups)
-                         for s, f in zip(scales, forms))
+    if (k % GROUP or any(s.numel() != _scale_elements(f, groups) for s, f in zip(scales, forms))
             or codes.numel() * 8 != n * k * bits or (2 in forms and (k // GROUP) % 8)):
         raise ValueError("native kernel: weights and scales not in one layout of this shape")
     return sum(f << (2 * i) for i, f in enumerate(forms))

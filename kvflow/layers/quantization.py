@@ -214,7 +214,7 @@ def fill_gguf_floats(module: nn.Module) -> nn.Module:
         with torch.no_grad():
             for codes, (start, end) in zip(pieces, sub.gguf_rows):
                 if codes is not None:
-                    sub.weight[start:end].copy_(codes.dequantize())     # (DeferredCodes decode here)
+                    sub.weight[start:end].copy_(codes.dequantize())
         sub.gguf_floats_filled = True
     return module
 
