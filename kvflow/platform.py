@@ -110,31 +110,9 @@ def release_freed_memory() -> None:
         pass
 
 
-SMALL_STEP_ROWS = 8      # EngineConfig.small_step_threads applies to steps of up to this many rows (and kvflow's
-                         # kernels run calls of up to this many rows on their own pool: native_kernels.c's POOL_ROWS)
-
-# Set in an engine process, whose HTTP frontend shares this machine's cores (engine_process.main)
+# Set in an engine process, whose HTTP frontend shares this machine's cores (engine_process.main); the kernel plan
+# gives such a process's small steps one core fewer where they run on OpenMP (runner/kernel_plan.py)
 frontend_shares_cores = False
-
-
-def step_threads(rows: int, threads: int, small_step_threads: int | None, kernel_pool: bool) -> tuple[int, int]:
-    """(torch's threads, kvflow's kernels' threads) for a CPU step of `rows` rows, of the `threads` this process
-    runs on. A small step is ~200 short kernel calls. On kvflow's pool (native_kernels.c; `kernel_pool`) its
-    kernels take every core, or `small_step_threads`: a preempted thread delays nobody there, so the frontend and
-    other processes cost a share of a core, not a time slice per call; torch's own ops in such a step are tiny
-    (adds, activations) and run on one thread, since each of their OpenMP regions waits for all of its threads.
-    Without the pool, small steps take `small_step_threads`, or in a server every core but one for the frontend
-    (measured on 2-core Zen 5, embedded model in Q4_0, one stream, eager, OpenMP: TPOT 13.0 ms on one thread,
-    12.3-85 ms on two, 375 ms on two beside a busy process). Bigger steps: every thread for both."""
-    if rows > SMALL_STEP_ROWS:
-        return threads, threads
-    if kernel_pool:
-        return 1, min(small_step_threads or threads, threads)
-    if small_step_threads:
-        small = min(small_step_threads, threads)
-    else:
-        small = max(1, threads - 1) if frontend_shares_cores else threads
-    return small, small
 
 
 def available_memory(device: torch.device) -> int:

@@ -275,7 +275,7 @@ def test_default_engine_greedy_output_does_not_depend_on_what_shares_the_step():
     # where kvflow's kernels can run, the default engine runs them (on AVX-512 machines too: float32 compute)
     runner = llm.engine.runner
     assert runner.native_attention and runner.dtype == torch.float32
-    # and its small steps' kernels on kvflow's pool with every thread, torch's own ops on one (platform.step_threads)
+    # and its small steps' kernels on kvflow's pool with every thread, torch's own ops on one (KernelPlan.step_threads)
     assert runner.kernel_pool and runner.step_threads(1) == (1, runner.threads)
     assert runner.step_threads(150) == (runner.threads, runner.threads)
     prompts = [f"Q{i}: tell me about {topic}, in detail." for i, topic in

@@ -35,7 +35,7 @@
 #define QK 32
 #define ROW_BLOCK 64      // rows of activations per pass over the weights: their int8 copy stays in L2
 // Calls of up to this many rows (a decode step's) run on kvflow's thread pool (thread_pool.c says why), bigger ones
-// on OpenMP's threads; every kernel gives the same bits either way. platform.SMALL_STEP_ROWS is the same number.
+// on OpenMP's threads; every kernel gives the same bits either way. runner/kernel_plan.py's SMALL_STEP_ROWS is the same number.
 #define POOL_ROWS 8
 // Weight bytes per pool chunk: CHUNKS_PER_THREAD chunks for each thread of a call, within [CHUNK_MIN_BYTES,
 // CHUNK_MAX_BYTES]. Each chunk costs a claim on the shared counter, state changes whose cache lines move between the

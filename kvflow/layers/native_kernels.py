@@ -148,8 +148,8 @@ _threads: int | None = None
 
 
 def set_threads(n: int | None) -> None:
-    """Threads for the kernels' calls from now on (the runner sets them per step: platform.step_threads); None:
-    torch's thread count. Calls of up to platform.SMALL_STEP_ROWS rows run on kvflow's pool (native_kernels.c)."""
+    """Threads for the kernels' calls from now on (the runner sets them per step: KernelPlan.step_threads); None:
+    torch's thread count. Calls of up to kernel_plan.SMALL_STEP_ROWS rows run on kvflow's pool (native_kernels.c)."""
     global _threads
     _threads = n
 

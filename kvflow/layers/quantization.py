@@ -175,7 +175,7 @@ def _probe(kernel: str, matmul, matrix: QuantizedRows, tolerance: float, **like)
 
 def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
     """Swap the model's linear layers, embedding and LM head for quantized ones, in place.
-    Returns how the quantized linear layers multiply (for the boot log).
+    Returns how the quantized linear layers multiply (the kernel plan's `matmuls`, logged at boot).
 
     int8 / fp8: per-channel codes rounded from the float weights. int4: group-32 codes rounded to nearest from the
     float weights (layers whose K is not a multiple of 32 take int8). gguf: the file's own codes, as
@@ -198,9 +198,7 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
         swap_matrices(model, linear=lambda layer: _int4_linear(layer, method, native),
                       table=lambda table: _vocabulary(table, method, dtype, tied, native))
         fill_gguf_floats(model)         # whatever kept its floats (a module the swap did not visit)
-    how = _choose_matmul(model, method, dtype)
-    log.info("quantization: %s", how)
-    return how
+    return _choose_matmul(model, method, dtype)
 
 
 def fill_gguf_floats(module: nn.Module) -> nn.Module:

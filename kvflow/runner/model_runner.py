@@ -27,6 +27,7 @@ from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
 from kvflow.models.loader import ModelFiles, iter_weights, resolve_model_files, weight_quantization, without_weight_init
 from kvflow.models.model_config import ModelConfig
 from kvflow.runner.compiled_decode import CompiledDecode, model_identity, plain_module_state
+from kvflow.runner.kernel_plan import KernelPlan, attention_on_kvflow_kernels
 from kvflow.runner.native_step import NativeDecoderStep
 from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
 from kvflow.runner.sampler import Sampler, prompt_logprobs
@@ -53,7 +54,7 @@ class ModelRunner:
         # the processes sharing this machine's cores: its tensor-parallel ranks, or the data-parallel engines
         self.processes_here = tp.local_size * config.data_parallel_size
         platform.setup_threads(self.device, self.processes_here)
-        self.threads = torch.get_num_threads()
+        threads = torch.get_num_threads()
 
         t0 = time.perf_counter()
         with torch.device(self.device), without_weight_init():
@@ -64,8 +65,9 @@ class ModelRunner:
         for rotary in model.modules():
             if isinstance(rotary, RotaryEmbedding):
                 rotary.float()
+        matmuls = f"{str(self.dtype).removeprefix('torch.')} weights, torch's matmuls"
         if self.quantization:
-            quantize_model(model, self.quantization, self.dtype)
+            matmuls = quantize_model(model, self.quantization, self.dtype)
             if native_kernels.library() is not None:
                 # one native call per layer where kvflow's kernels hold the experts; before the heap is trimmed
                 # (below), so the per-expert buffers it frees go back to the OS
@@ -73,8 +75,8 @@ class ModelRunner:
                     moe.use_native_kernels()
         elif platform.small_batch_bf16_copies(config.dtype, self.device, self.dtype):
             enable_small_batch_bf16(model)
-            log.info("float32 compute; steps of <= %d rows read bfloat16 copies of the weights (dtype=auto on a "
-                     "CPU without native bf16 matmul; dtype=float32 turns this off)", SMALL_BATCH_ROWS)
+            matmuls = (f"float32 compute; steps of <= {SMALL_BATCH_ROWS} rows read bfloat16 copies of the weights "
+                       "(dtype=auto on a CPU without native bf16 matmul; dtype=float32 turns this off)")
         # LoRA: a term beside each projection, its slots all zero until set_lora_slot (layers/lora.py)
         self.lora = (config.max_loras, config.max_lora_rank) if config.enable_lora else None
         if self.lora:
@@ -89,55 +91,69 @@ class ModelRunner:
 
         self.num_blocks = self._allocate_kv_cache()
         platform.release_freed_memory()
-        # kvflow's attention kernel where its linear kernels run: faster than gathering the context for SDPA, and
-        # each row's result depends on that row alone (batch invariance; native_kernels.c)
-        self.native_attention = (native_kernels.wanted(self.device, self.dtype, self.quantization)
-                                 and native_kernels.library() is not None
-                                 and native_kernels.attention_supports(model_config.head_dim, self.kv_dtype,
-                                                                   model_config.num_attention_heads
-                                                                   // model_config.num_key_value_heads))
+        native_attention = attention_on_kvflow_kernels(
+            self.device, self.dtype, self.quantization, model_config.head_dim, self.kv_dtype,
+            model_config.num_attention_heads // model_config.num_key_value_heads)
         # every matmul, attention and norm of a step is kvflow's (4-bit codes on its kernels): small steps run them
-        # on kvflow's thread pool (platform.step_threads)
-        self.kernel_pool = self.native_attention and self.quantization in ("gguf", "int4")
-        if self.device.type == "cpu":
-            small = self.step_threads(platform.SMALL_STEP_ROWS)
-            log.info("threads: %d; steps of <= %d rows: %d for torch's ops, %d for kvflow's kernels%s", self.threads,
-                     platform.SMALL_STEP_ROWS, *small, " (its thread pool)" if self.kernel_pool else "")
+        # on kvflow's thread pool (KernelPlan.step_threads)
+        kernel_pool = native_attention and self.quantization in ("gguf", "int4")
         for norm in self.model.modules():
             if isinstance(norm, RMSNorm):
-                norm.native = self.native_attention
+                norm.native = native_attention
             elif isinstance(norm, LoRAStack):     # batch invariant where the base model is (layers/lora.py)
-                norm.batch_invariant = self.native_attention
-                norm.native = self.native_attention and self.dtype == torch.float32
+                norm.batch_invariant = native_attention
+                norm.native = native_attention and self.dtype == torch.float32
+        sliding = ""
         if self.sliding_window:
-            log.info("sliding-window attention: %d tokens on %d of %d layers (%s); the KV cache keeps every block",
-                     self.sliding_window, model_config.layer_types.count("sliding_attention"),
-                     model_config.num_hidden_layers,
-                     "kvflow's kernel, its window argument" if self.native_attention else "sliding masks")
+            sliding = (f"; a {self.sliding_window}-token sliding window on "
+                       f"{model_config.layer_types.count('sliding_attention')} of {model_config.num_hidden_layers} "
+                       f"layers ({'the kernel' if native_attention else 'sliding masks'}), the KV cache keeping "
+                       "every block")
         self.sampler = Sampler(self.device, config.seed) if tp.is_first else None
         # the whole decoder in one native call where it computes this model (runner/native_step.py); then there is
         # nothing to compile
         self.native_step, why_not = NativeDecoderStep.build(
             self.model, kv_dtype=self.kv_dtype, block_size=self.block_size, dtype=self.dtype,
-            kernel_pool=self.kernel_pool, tp_size=tp.size, lora=bool(self.lora))
-        if self.native_step is not None:
-            log.info("decoder steps: one native call each (runner/native_step.py); no compiled graphs needed")
-        elif self.kernel_pool:
-            log.info("decoder steps: layer by layer (the native step does not run here: %s)", why_not)
-        self.compiled_decode = None if self.native_step else self._start_compiled_decode(files)
+            kernel_pool=kernel_pool, tp_size=tp.size, lora=bool(self.lora))
+        decode_step = ("native" if self.native_step is not None
+                       else "compiled" if self._compiles_decode_steps() else "layers")
+        self.plan = KernelPlan(
+            device=self.device, matmuls=matmuls,
+            isa=native_kernels.isa() if native_kernels.wanted(self.device, self.dtype, self.quantization)
+            and native_kernels.library() is not None else None,
+            native_attention=native_attention, kernel_pool=kernel_pool, decode_step=decode_step,
+            why_not_native_step=why_not, threads=threads, small_step_threads=config.small_step_threads,
+            frontend_shares_cores=platform.frontend_shares_cores, sliding_window=sliding)
+        log.info("%s", self.plan.describe())
+        self.compiled_decode = self._start_compiled_decode(files) if decode_step == "compiled" else None
+
+    @property
+    def native_attention(self) -> bool:
+        return self.plan.native_attention
+
+    @property
+    def kernel_pool(self) -> bool:
+        return self.plan.kernel_pool
+
+    @property
+    def threads(self) -> int:
+        return self.plan.threads
 
     # ---- compiled decode steps ---------------------------------------------------------------------
-    def _start_compiled_decode(self, files: ModelFiles) -> CompiledDecode | None:
-        """CPU, one rank: compile decode steps in the background (runner/compiled_decode.py). On CUDA the eager
-        step stays (CUDA graphs are their own piece of work); under tensor parallelism the all-reduces stay
-        outside any graph."""
+    def _compiles_decode_steps(self) -> bool:
+        """CPU, one rank, not --enforce-eager: decode steps are compiled in the background
+        (runner/compiled_decode.py). On CUDA the eager step stays (CUDA graphs are their own piece of work); under
+        tensor parallelism the all-reduces stay outside any graph."""
         if self.config.enforce_eager or self.device.type != "cpu" or self.tp.size > 1:
-            return None
+            return False
         if not getattr(self.model, "compiled_decode", True):
             log.info("compiled decode steps: off for %s (its experts are not all on kvflow's kernels: grouping rows "
                      "by expert in Python depends on the step's data, which a whole-graph compile cannot trace)",
                      self.model_config.architecture)
-            return None
+            return False
+        return True
+
+    def _start_compiled_decode(self, files: ModelFiles) -> CompiledDecode:
         # no bucket beyond the first that holds max_num_seqs rows: no step could use it
         sizes = self.config.compile_batch_sizes
         fits = [b for b in sizes if b >= self.config.max_num_seqs]
@@ -165,10 +181,8 @@ class ModelRunner:
         return self.compiled_decode.poll() if self.compiled_decode is not None else False
 
     def step_threads(self, rows: int) -> tuple[int, int]:
-        """(torch's threads, kvflow's kernels' threads) for a step of `rows` rows (platform.step_threads decides)."""
-        if self.device.type != "cpu":
-            return self.threads, self.threads
-        return platform.step_threads(rows, self.threads, self.config.small_step_threads, self.kernel_pool)
+        """(torch's threads, kvflow's kernels' threads) for a step of `rows` rows (the kernel plan decides)."""
+        return self.plan.step_threads(rows)
 
     def threads_for(self, rows: int) -> int:
         """torch's threads for a step of `rows` rows (what a compiled graph bakes in)."""

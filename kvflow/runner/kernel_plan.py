@@ -1,0 +1,85 @@
+"""The kernel plan: which kernels compute this model here, and how many threads each step takes.
+
+Built once at load by the runner (ModelRunner.__init__), logged at boot as one block, and read from then on: the runner
+asks it for every step's threads, the compiled graphs bake its thread counts in, and the tests of "the default
+engine" read it to know which path this machine takes. Each choice it holds is made in one function:
+- the weight matrices' kernels by format, step size and CPU: `quantize_model` (layers/quantization.py, with
+  layers/int4.py for torch's int4 kernel), whose account the plan keeps as `matmuls`;
+- whether kvflow's own kernels run here at all, and their vector ISA: `native_kernels.wanted` / `native_kernels.isa`;
+- attention and norms on kvflow's kernels, the small-step thread pool, and threads per step: here;
+- the decode step as one native call: `NativeDecoderStep.build` (runner/native_step.py) says whether it computes
+  this model; else compiled graphs where the runner compiles them, else the model's layers one by one.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvflow.layers import native_kernels
+
+SMALL_STEP_ROWS = 8      # EngineConfig.small_step_threads applies to steps of up to this many rows (and kvflow's
+                         # kernels run calls of up to this many rows on their own pool: native_kernels.c's POOL_ROWS)
+
+
+def attention_on_kvflow_kernels(device: torch.device, dtype: torch.dtype, quantization: str | None, head_dim: int,
+                                kv_dtype: torch.dtype, group: int) -> bool:
+    """kvflow's paged-attention kernel (and its norms) where its linear kernels run: faster than gathering the
+    context for SDPA, and each row's result depends on that row alone (batch invariance; native_kernels.c)."""
+    return (native_kernels.wanted(device, dtype, quantization) and native_kernels.library() is not None
+            and native_kernels.attention_supports(head_dim, kv_dtype, group))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    device: torch.device
+    isa: str | None               # kvflow's kernels' vector ISA here ("avx512": VNNI, x16 layout; "avx2"); None: off
+    matmuls: str                  # how the weight matrices multiply, by format and step size
+    native_attention: bool        # attention and norms on kvflow's kernels; else SDPA over the gathered context
+    kernel_pool: bool             # every matmul, attention and norm on kvflow's kernels: small steps on its pool
+    decode_step: str              # "native", "compiled" or "layers"
+    why_not_native_step: str      # "" where the step is one native call
+    threads: int                  # this process's cores for the model (platform.setup_threads)
+    small_step_threads: int | None
+    frontend_shares_cores: bool   # an engine process beside its HTTP frontend (platform.frontend_shares_cores)
+    sliding_window: str = ""      # the sliding-window layers, for the log ("" for none)
+
+    def step_threads(self, rows: int) -> tuple[int, int]:
+        """(torch's threads, kvflow's kernels' threads) for a step of `rows` rows. A small step is ~200 short kernel
+        calls. On kvflow's pool (native_kernels.c; `kernel_pool`) its kernels take every core, or
+        `small_step_threads`: a preempted thread delays nobody there, so the frontend and other processes cost a
+        share of a core, not a time slice per call; torch's own ops in such a step are tiny (adds, activations) and
+        run on one thread, since each of their OpenMP regions waits for all of its threads. Without the pool, small
+        steps take `small_step_threads`, or in a server every core but one for the frontend (measured on 2-core
+        Zen 5, embedded model in Q4_0, one stream, eager, OpenMP: TPOT 13.0 ms on one thread, 12.3-85 ms on two,
+        375 ms on two beside a busy process). Bigger steps, and every step off the CPU: every thread for both."""
+        if self.device.type != "cpu" or rows > SMALL_STEP_ROWS:
+            return self.threads, self.threads
+        if self.kernel_pool:
+            return 1, min(self.small_step_threads or self.threads, self.threads)
+        if self.small_step_threads:
+            small = min(self.small_step_threads, self.threads)
+        else:
+            small = max(1, self.threads - 1) if self.frontend_shares_cores else self.threads
+        return small, small
+
+    def describe(self) -> str:
+        """The boot log's block."""
+        isa = {"avx512": "AVX-512 VNNI", "avx2": "AVX2"}.get(self.isa or "", self.isa)
+        kernels = f"kvflow's {isa} kernels" if self.isa else "no kvflow kernels"
+        attention = ("kvflow's paged-attention kernel and norms" if self.native_attention
+                     else "SDPA over the gathered context")
+        step = {"native": "one native call each (runner/native_step.py)",
+                "compiled": "compiled graphs per batch size, layer by layer until each is ready",
+                "layers": "layer by layer"}[self.decode_step]
+        if self.why_not_native_step and self.kernel_pool:
+            step += f" (the native step does not run here: {self.why_not_native_step})"
+        small, large = self.step_threads(1), self.step_threads(SMALL_STEP_ROWS + 1)
+        pool = " (its thread pool)" if self.kernel_pool else ""
+        lines = [f"kernel plan: {self.device}, {kernels}, {self.threads} thread(s)",
+                 f"  matmuls: {self.matmuls}",
+                 f"  attention: {attention}{self.sliding_window}",
+                 f"  decode steps: {step}",
+                 f"  threads: steps of <= {SMALL_STEP_ROWS} rows {small[0]} for torch's ops and {small[1]} for "
+                 f"kvflow's kernels{pool}; larger steps {large[0]} and {large[1]}"]
+        return "\n".join(lines)
