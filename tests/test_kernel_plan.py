@@ -3,6 +3,10 @@ the model here and how many threads each step takes; the runner's steps take the
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -52,7 +56,7 @@ def test_the_default_engine_logs_its_plan_at_boot_and_its_steps_follow_it(caplog
     # a step's threads are the plan's: one row, then more rows than a small step has
     for prompts in (["Hi"], [f"Q{i}" for i in range(SMALL_STEP_ROWS + 1)]):
         llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0))
-        assert native_kernels.threads() == p.step_threads(len(prompts))[1]
+        assert native_kernels.threads() == p.step_threads(len(prompts), runner.core_share.free)[1]
     assert p.step_threads(1)[1] == 1 if p.kernel_pool else p.step_threads(1) == (1, 1)
 
 
@@ -61,3 +65,34 @@ def test_without_kvflows_kernels_the_plan_says_so(monkeypatch):
     p = LLM(max_model_len=256, kv_cache_memory="16MiB").engine.runner.plan
     assert p.isa is None and not p.native_attention and not p.kernel_pool and p.decode_step == "layers"
     assert "SDPA" in p.describe() and "no kvflow kernels" in p.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_beside_busy_processes_steps_take_the_cores_they_leave_and_the_same_tokens():
+    """Busy processes on every core but one: within a few seconds the engine's steps run on one thread; once they
+    stop, on every thread again. The greedy tokens are the same throughout (the same bits on any thread count)."""
+    llm = LLM(max_model_len=512, kv_cache_memory="16MiB")
+    runner = llm.engine.runner
+    cores = runner.core_share.cores
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = llm.generate(["The sea at night"], params)[0].outputs[0].token_ids
+
+    def run_until(want: int, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert llm.generate(["The sea at night"], params)[0].outputs[0].token_ids == expected
+            if native_kernels.threads() == want and runner.step_threads(1)[1] == want:
+                return
+        pytest.fail(f"kernel threads {native_kernels.threads()} after {timeout} s, expected {want}")
+
+    run_until(min(cores, runner.threads))
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores - 1)]
+    try:
+        run_until(1)
+        assert runner.step_threads(SMALL_STEP_ROWS + 1) == (1, 1)       # big steps too: no OpenMP barrier waits
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    run_until(min(cores, runner.threads))

@@ -13,6 +13,8 @@ engine" read it to know which path this machine takes. Each choice it holds is m
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 
 import torch
 
@@ -44,8 +46,9 @@ class KernelPlan:
     frontend_shares_cores: bool   # an engine process beside its HTTP frontend (platform.frontend_shares_cores)
     sliding_window: str = ""      # the sliding-window layers, for the log ("" for none)
 
-    def step_threads(self, rows: int) -> tuple[int, int]:
-        """(torch's threads, kvflow's kernels' threads) for a step of `rows` rows. A small step is ~200 short kernel
+    def step_threads(self, rows: int, cores: int | None = None) -> tuple[int, int]:
+        """(torch's threads, kvflow's kernels' threads) for a step of `rows` rows, at most `cores` each (the cores
+        that other processes leave this one: `CoreShare`; None: all of them). A small step is ~200 short kernel
         calls. On kvflow's pool (native_kernels.c; `kernel_pool`) its kernels take every core, or
         `small_step_threads`: a preempted thread delays nobody there, so the frontend and other processes cost a
         share of a core, not a time slice per call; torch's own ops in such a step are tiny (adds, activations) and
@@ -53,14 +56,17 @@ class KernelPlan:
         steps take `small_step_threads`, or in a server every core but one for the frontend (measured on 2-core
         Zen 5, embedded model in Q4_0, one stream, eager, OpenMP: TPOT 13.0 ms on one thread, 12.3-85 ms on two,
         375 ms on two beside a busy process). Bigger steps, and every step off the CPU: every thread for both."""
-        if self.device.type != "cpu" or rows > SMALL_STEP_ROWS:
+        if self.device.type != "cpu":
             return self.threads, self.threads
+        most = min(self.threads, cores or self.threads)
+        if rows > SMALL_STEP_ROWS:
+            return most, most
         if self.kernel_pool:
-            return 1, min(self.small_step_threads or self.threads, self.threads)
+            return 1, min(self.small_step_threads or most, most)
         if self.small_step_threads:
-            small = min(self.small_step_threads, self.threads)
+            small = min(self.small_step_threads, most)
         else:
-            small = max(1, self.threads - 1) if self.frontend_shares_cores else self.threads
+            small = max(1, most - 1) if self.frontend_shares_cores else most
         return small, small
 
     def describe(self) -> str:
@@ -81,5 +87,58 @@ class KernelPlan:
                  f"  attention: {attention}{self.sliding_window}",
                  f"  decode steps: {step}",
                  f"  threads: steps of <= {SMALL_STEP_ROWS} rows {small[0]} for torch's ops and {small[1]} for "
-                 f"kvflow's kernels{pool}; larger steps {large[0]} and {large[1]}"]
+                 f"kvflow's kernels{pool}; larger steps {large[0]} and {large[1]}"
+                 + ("; fewer while other processes keep cores busy (CoreShare)" if self.device.type == "cpu" else "")]
         return "\n".join(lines)
+
+
+class CoreShare:
+    """How many of the machine's cores (those this process may run on) the rest of the machine leaves it: measured from the kernel's CPU counters
+    (/proc/stat less this process's own time, and its HTTP frontend's) at most once per `INTERVAL` seconds, read
+    at every step.
+
+    Why: time on a core is shared fairly among the threads that want it. Beside a process that keeps one of two
+    cores busy, a step on two threads gets two thirds of a core per thread, and every OpenMP region of a big step
+    (a prefill) waits at its barrier for whichever thread the OS preempted; on one thread the step has a core of
+    its own. Measured on a 2-core Intel Xeon (embedded model, one stream, `benchmarks/serve_compare.py
+    --co-tenant`): TPOT 11.2 ms and TTFT p95 945 ms on two threads beside the busy process, 9.3 ms and 39 ms on
+    one; alone, two threads (6.1 ms) beat one (8.5 ms). So a step takes the cores left over, rounded: a load
+    generator or another light process beside it (well under half a core) leaves both. The same bits on any
+    thread count (native_kernels.c), so output does not depend on it."""
+
+    INTERVAL = 1.0
+
+    def __init__(self, frontend_pid: int | None = None):
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.frontend_pid = frontend_pid
+        self.free = self.cores
+        self._ticks = os.sysconf("SC_CLK_TCK")
+        self._last: tuple[float, int, int] | None = None
+
+    def __call__(self) -> int:
+        now = time.monotonic()
+        if self._last is None or now - self._last[0] >= self.INTERVAL:
+            self._measure(now)
+        return self.free
+
+    def _measure(self, now: float) -> None:
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()        # "cpu user nice system idle iowait irq softirq steal ..."
+            busy = sum(int(v) for i, v in enumerate(fields[1:9]) if i not in (3, 4))
+            mine = _process_ticks(os.getpid()) + (_process_ticks(self.frontend_pid) if self.frontend_pid else 0)
+        except (OSError, ValueError, IndexError):    # no /proc (not Linux): every core
+            self.free, self._last = self.cores, (now, 0, 0)
+            return
+        if self._last is not None and self._last[1]:
+            seconds = now - self._last[0]
+            others = ((busy - self._last[1]) - (mine - self._last[2])) / self._ticks / seconds
+            self.free = max(1, min(self.cores, int(self.cores - others + 0.5)))
+        self._last = (now, busy, mine)
+
+
+def _process_ticks(pid: int) -> int:
+    """utime + stime of every thread of `pid`, in clock ticks (/proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        after_name = f.read().rsplit(")", 1)[1].split()
+    return int(after_name[11]) + int(after_name[12])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
 from kvflow.models.loader import ModelFiles, iter_weights, resolve_model_files, weight_quantization, without_weight_init
 from kvflow.models.model_config import ModelConfig
 from kvflow.runner.compiled_decode import CompiledDecode, model_identity, plain_module_state
-from kvflow.runner.kernel_plan import KernelPlan, attention_on_kvflow_kernels
+from kvflow.runner.kernel_plan import CoreShare, KernelPlan, attention_on_kvflow_kernels
 from kvflow.runner.native_step import NativeDecoderStep
 from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
 from kvflow.runner.sampler import Sampler, prompt_logprobs
@@ -125,6 +126,10 @@ class ModelRunner:
             why_not_native_step=why_not, threads=threads, small_step_threads=config.small_step_threads,
             frontend_shares_cores=platform.frontend_shares_cores, sliding_window=sliding)
         log.info("%s", self.plan.describe())
+        # beside a busy process a step takes the cores it leaves (kernel_plan.CoreShare); an engine process's
+        # parent is its HTTP frontend, whose time is the server's own
+        self.core_share = (CoreShare(frontend_pid=os.getppid() if platform.frontend_shares_cores else None)
+                           if self.device.type == "cpu" else None)
         self.compiled_decode = self._start_compiled_decode(files) if decode_step == "compiled" else None
 
     @property
@@ -181,12 +186,13 @@ class ModelRunner:
         return self.compiled_decode.poll() if self.compiled_decode is not None else False
 
     def step_threads(self, rows: int) -> tuple[int, int]:
-        """(torch's threads, kvflow's kernels' threads) for a step of `rows` rows (the kernel plan decides)."""
-        return self.plan.step_threads(rows)
+        """(torch's threads, kvflow's kernels' threads) for a step of `rows` rows now: the kernel plan's, on the
+        cores other processes leave."""
+        return self.plan.step_threads(rows, self.core_share() if self.core_share else None)
 
     def threads_for(self, rows: int) -> int:
-        """torch's threads for a step of `rows` rows (what a compiled graph bakes in)."""
-        return self.step_threads(rows)[0]
+        """torch's threads for a step of `rows` rows on every core (what a compiled graph bakes in)."""
+        return self.plan.step_threads(rows)[0]
 
     def _padding_step(self, bucket: int) -> tuple:
         """A decode step of `bucket` padding rows only (the warm-up of a compiled bucket)."""
@@ -352,6 +358,8 @@ class ModelRunner:
         ready runs that graph (eagerly if the graph fails)."""
         bucket = self.compiled_decode.bucket_for(batch) if self.compiled_decode else None
         threads, kernel_threads = self.step_threads(bucket or len(batch.num_new_tokens))
+        if bucket:
+            threads = self.threads_for(bucket)      # the count its graph was compiled for (its guards check it)
         if not bucket and self.compiled_decode is not None and self.compiled_decode.compiling:
             # a core for the compiler process (compile_worker.py says why)
             threads, kernel_threads = max(1, threads - 1), max(1, kernel_threads - 1)
