@@ -276,8 +276,8 @@ def test_default_engine_greedy_output_does_not_depend_on_what_shares_the_step():
     runner = llm.engine.runner
     assert runner.native_attention and runner.dtype == torch.float32
     # and its small steps' kernels on kvflow's pool with every thread, torch's own ops on one (KernelPlan.step_threads)
-    assert runner.kernel_pool and runner.step_threads(1) == (1, runner.threads)
-    assert runner.step_threads(150) == (runner.threads, runner.threads)
+    assert runner.kernel_pool and runner.plan.step_threads(1) == (1, runner.threads)
+    assert runner.plan.step_threads(150) == (runner.threads, runner.threads)
     prompts = [f"Q{i}: tell me about {topic}, in detail." for i, topic in
                enumerate(["the sea", "a city at night", "prime numbers", "an old clock", "coffee", "the moon"] * 2)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -83,7 +83,7 @@ def test_two_threads_with_stalling_workers_give_one_threads_bits():
         want = answers(one, prompts)
     with LLM(max_model_len=512, kv_cache_memory="64MiB") as llm:
         assert llm.engine.runner.native_step is not None
-        assert llm.engine.runner.step_threads(1)[1] == llm.engine.runner.threads
+        assert llm.engine.runner.plan.step_threads(1)[1] == llm.engine.runner.threads
         try:
             lib.kvflow_pool_set_stall(300)
             assert answers(llm, prompts) == want
