@@ -248,11 +248,11 @@ class ModelRunner:
         self.scratch_block = num_blocks
         shape = (num_blocks + 1, self.block_size, num_kv_heads, row)
         # zeroed, not empty: batched decode reads padded slots under a mask, and a NaN bit pattern
-        # there would still poison the output (0 * NaN)
+        # there would still poison the output (0 * NaN); on CPU resident only once written (platform.py)
         storage = torch.uint8 if elem == 1 else self.kv_dtype     # CPU torch cannot fill float8 tensors
         for attn in self.model.attention_layers:
-            attn.k_cache = torch.zeros(shape, dtype=storage, device=self.device).view(self.kv_dtype)
-            attn.v_cache = torch.zeros(shape, dtype=storage, device=self.device).view(self.kv_dtype)
+            attn.k_cache = platform.zeros_resident_when_written(shape, storage, self.device).view(self.kv_dtype)
+            attn.v_cache = platform.zeros_resident_when_written(shape, storage, self.device).view(self.kv_dtype)
         self.kv_cache_bytes = num_blocks * per_block
         return num_blocks
 
