@@ -1,8 +1,10 @@
 """The default KV cache budget on CPU: the smallest of 2 GiB, an eighth of RAM, a quarter of free RAM and what
-max_num_seqs x max_model_len tokens can use, logged."""
+max_num_seqs x max_model_len tokens can use, logged; and the cache's pages resident only once written."""
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 
 import torch
 
@@ -39,3 +41,25 @@ def test_explicit_budgets_win(monkeypatch):
     assert platform.kv_cache_budget(CPU, 4 * GiB, None, 0, tensor_parallel_size=2) == 2 * GiB
     monkeypatch.setattr(platform, "total_memory", lambda device: 8 * GiB)
     assert platform.kv_cache_budget(CPU, None, 0.5, GiB) == 3 * GiB
+
+
+def resident_pages(t: torch.Tensor) -> int:
+    """How many of the pages under `t` are in memory (mincore(2))."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() // page * page
+    count = -(-(t.data_ptr() + t.numel() * t.element_size() - start) // page)
+    pages = (ctypes.c_ubyte * count)()
+    assert ctypes.CDLL("libc.so.6").mincore(ctypes.c_void_p(start), ctypes.c_size_t(count * page), pages) == 0
+    return sum(p & 1 for p in pages)
+
+
+def test_the_kv_cache_is_resident_only_where_tokens_were_written():
+    from kvflow import LLM, SamplingParams
+    llm = LLM(max_model_len=256, kv_cache_memory="64MiB")
+    runner = llm.engine.runner
+    k = runner.model.attention_layers[0].k_cache
+    block_bytes = k[0].numel() * k.element_size()
+    assert k.numel() * k.element_size() > 1 << 20 and resident_pages(k) == 0     # nothing written at boot
+    out = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert len(out.prompt_token_ids) + 4 <= runner.block_size                   # one block of K written
+    assert 0 < resident_pages(k) <= 2 + block_bytes // os.sysconf("SC_PAGE_SIZE")
