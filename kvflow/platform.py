@@ -125,7 +125,7 @@ def zeros_resident_when_written(shape: tuple[int, ...], dtype: torch.dtype, devi
     import math
     import mmap
 
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)     # keeps `pages` alive
 

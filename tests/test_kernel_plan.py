@@ -38,6 +38,13 @@ def test_threads_per_step_by_rows(kw, small, large):
     assert p.step_threads(SMALL_STEP_ROWS + 1) == large
 
 
+def test_the_cores_other_processes_leave_cap_every_step():
+    assert plan().step_threads(1, cores=1) == (1, 1) and plan().step_threads(SMALL_STEP_ROWS + 1, cores=2) == (2, 2)
+    assert plan(kernel_pool=False, frontend_shares_cores=True).step_threads(1, cores=1) == (1, 1)    # never 0
+    assert plan().step_threads(SMALL_STEP_ROWS + 1, cores=8) == (4, 4)       # never more than the process has
+    assert plan(device=torch.device("cuda", 0)).step_threads(1, cores=1) == (4, 4)
+
+
 def test_the_default_engine_logs_its_plan_at_boot_and_its_steps_follow_it(caplog):
     with caplog.at_level(logging.INFO, logger="kvflow"):
         llm = LLM(max_model_len=256, kv_cache_memory="16MiB", small_step_threads=1)
@@ -57,7 +64,7 @@ def test_the_default_engine_logs_its_plan_at_boot_and_its_steps_follow_it(caplog
     for prompts in (["Hi"], [f"Q{i}" for i in range(SMALL_STEP_ROWS + 1)]):
         llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0))
         assert native_kernels.threads() == p.step_threads(len(prompts), runner.core_share.free)[1]
-    assert p.step_threads(1)[1] == 1 if p.kernel_pool else p.step_threads(1) == (1, 1)
+    assert p.step_threads(1) == (1, 1)           # small_step_threads=1, on the pool or not
 
 
 def test_without_kvflows_kernels_the_plan_says_so(monkeypatch):

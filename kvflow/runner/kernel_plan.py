@@ -93,9 +93,9 @@ class KernelPlan:
 
 
 class CoreShare:
-    """How many of the machine's cores (those this process may run on) the rest of the machine leaves it: measured from the kernel's CPU counters
-    (/proc/stat less this process's own time, and its HTTP frontend's) at most once per `INTERVAL` seconds, read
-    at every step.
+    """How many of the machine's cores (those this process may run on) the rest of the machine leaves it: measured
+    from the kernel's CPU counters (/proc/stat less this process's own time, and its HTTP frontend's) at most once
+    per `INTERVAL` seconds, read at every step.
 
     Why: time on a core is shared fairly among the threads that want it. Beside a process that keeps one of two
     cores busy, a step on two threads gets two thirds of a core per thread, and every OpenMP region of a big step
