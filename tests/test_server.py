@@ -343,12 +343,25 @@ def aborted_count(server) -> float:
     return server.engine.metrics.request_success.labels("tiny", "abort")._value.get()
 
 
-def test_disconnect_mid_stream_frees_kv(server, http):
+@pytest.fixture(scope="module")
+def long_server(tmp_path_factory):
+    """A server whose requests can run for thousands of tokens, so that a client leaves while its request is still
+    generating whatever the machine's speed: 8,000 tiny-model tokens take seconds, the 400 that fit `server` can
+    finish in a tenth of a second on a fast core while the test's thread waits for the GIL."""
+    model_path = make_tiny_hf_model(tmp_path_factory.mktemp("tiny-long"), family="llama", seed=0,
+                                    max_position_embeddings=8192)
+    with ServerThread(engine_config(model_path, max_model_len=8192, kv_cache_memory="64MiB")) as s:
+        yield s
+
+
+def test_disconnect_mid_stream_frees_kv(long_server):
+    server = long_server
     server.wait_idle()
     aborted = aborted_count(server)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me a long story"}],
-            "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
-    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            "max_tokens": 8000, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http, \
+            http.stream("POST", "/v1/chat/completions", json=body) as r:
         seen = 0
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -365,10 +378,11 @@ def test_disconnect_mid_stream_frees_kv(server, http):
     assert aborted_count(server) == aborted + 1
 
 
-def test_disconnect_non_streamed_aborts(server):
+def test_disconnect_non_streamed_aborts(long_server):
+    server = long_server
     server.wait_idle()
     aborted = aborted_count(server)
-    body = {"model": "tiny", "prompt": "a long one", "max_tokens": 450, "temperature": 0, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": "a long one", "max_tokens": 8000, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
     server.wait_idle(timeout=10)
