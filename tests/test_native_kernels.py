@@ -1,8 +1,8 @@
 """kvflow's CPU kernels (layers/native_kernels.c): 4-bit and 8-bit weights against a torch reference of the same
-arithmetic (int8 activations per group of 32), every row-count remainder, in each layout this CPU runs (AVX2's
-rows, AVX-512 VNNI's x16); paged attention and RMSNorm against float64; the LoRA term against torch's; each
+arithmetic (int8 activations per group of 32), every row-count remainder, in both layouts (rows; x16 on this CPU's
+instructions); paged attention and RMSNorm against float64; the LoRA term against torch's; each
 kernel's batch invariance (a row's bits depend on that row alone), inside a compiled graph, and greedy output of the
-default engine alone against batched."""
+default engine alone against batched; layout x16's AVX2 kernel against its AVX-512 one, bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(
     not native_kernels.usable(),
     reason="kvflow's kernels cannot run on this machine (no AVX2/FMA or no C compiler): torch's kernels serve")
 
-# every weight layout whose kernel this CPU can run (the AVX2 one runs on AVX-512 machines too)
-LAYOUTS = ["rows"] + (["x16"] if native_kernels.x16_supported() else [])
+# every weight layout (each runs wherever the kernels do: x16 on AVX-512 VNNI or AVX2, whichever isa() chose)
+LAYOUTS = ["rows", "x16"]
 
 
 def quantized_activations(x: torch.Tensor):
@@ -108,6 +108,47 @@ def test_layouts_round_trip_and_lookups_read_the_codes_back(layout):
     codes8 = torch.randint(-128, 128, (n, k), dtype=torch.int8)
     ids = torch.tensor([[0, 36], [17, 16]])
     assert torch.equal(native_kernels.q8_rows(native_kernels.pack_q8(codes8, layout), ids), codes8[ids])
+
+
+@pytest.mark.skipif(not native_kernels.has_avx512_vnni(), reason="no AVX-512 VNNI here: only the AVX2 kernels run")
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_x16_kernels_give_the_same_bits_on_avx2_as_on_avx512(bits):
+    """Layout x16's two block kernels (native_kernels.c): every scale form (float32, fp16, Q4_K's two levels,
+    Q4_0's minimums made from d), pool and OpenMP sizes, each row-count remainder, codes at both ends."""
+    lib = native_kernels.library()
+    g = torch.Generator().manual_seed(bits)
+    n, k = 40, 512
+    scale = torch.rand(n, k // 32, generator=g) * 0.02
+    sup, mult = (torch.rand(n, k // 256, generator=g) * 0.01).half(), torch.randint(0, 64, (n, k // 32), generator=g)
+    two_level = sup.float().repeat_interleave(8, 1) * mult.float()
+    forms = [native_kernels.pack_scales(scale), native_kernels.pack_scales(scale.half().float(), compact=True),
+             native_kernels.pack_scales(two_level, compact=True, parts=(sup, mult))]
+    assert [f.dtype for f in forms] == [torch.float32, torch.float16, torch.uint8]
+    if bits == 4:
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        codes[0], codes[1] = 0, 15
+        packed = native_kernels.pack_q4(codes)
+        calls = [lambda x, d=d: native_kernels.q4_linear(x, packed, d, native_kernels.minimums(-8 * d, d))
+                 for d in forms[:2]]
+        calls += [lambda x, d=d: native_kernels.q4_linear(x, packed, d, forms[0] * -0.5) for d in forms]
+    else:
+        low, high = (-16, 16) if bits == 5 else (-128, 128)
+        codes = torch.randint(low, high, (n, k), generator=g, dtype=torch.int8)
+        codes[0], codes[1] = low, high - 1
+        packed, fn = ((native_kernels.pack_q5(codes), native_kernels.q5_linear) if bits == 5 else
+                      (native_kernels.pack_q8(codes), native_kernels.q8_linear))
+        calls = [lambda x, d=d: fn(x, packed, d) for d in forms]
+    x = torch.randn(70, k, generator=g) * 3
+    x[1] = 1e-3
+    try:
+        for call in calls:
+            for rows in (1, 3, 4, 5, 8, 9, 70):
+                lib.kvflow_x16_use_avx512(1)
+                wide = call(x[:rows])
+                lib.kvflow_x16_use_avx512(0)
+                assert torch.equal(call(x[:rows]), wide), (rows, (call(x[:rows]) - wide).abs().max())
+    finally:
+        lib.kvflow_x16_use_avx512(int(native_kernels.isa() == "avx512"))
 
 
 def test_weights_in_the_wrong_layout_are_refused_not_read_past():

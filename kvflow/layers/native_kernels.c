@@ -800,7 +800,7 @@ int kvflow_lora_add(const float *x, int64_t M, int64_t K, const float *a, const 
     return 0;
 }
 
-// ---- AVX-512 VNNI (vpdpbusd): the same arithmetic, 16 output columns per register ---------------------------
+// ---- Layout "x16": 16 weight rows interleaved, on AVX-512 VNNI (vpdpbusd) or AVX2 (vpmaddubsw) ---------------
 //
 // Layout "x16" (pack_x16 in native_kernels.py): weight rows in blocks of 16 (N padded to a multiple of 16); for
 // block b and group g, 32 codes x 16 rows as 8 "quads" of 4 consecutive columns, each quad a 64-byte register of
@@ -815,9 +815,16 @@ int kvflow_lora_add(const float *x, int64_t M, int64_t K, const float *a, const 
 //   scales and minimums: [N/16, G, 16] float32 or fp16, or uint8 [N/16, G, 16] then fp16 [N/16, G/8, 16] (forms
 //   as above)
 // Each output is sum over groups, in order, of float(integer dot) * (d_w * d_x) by one FMA per group (+ the
-// minimum's term), whatever the number of rows, their block, or the thread count: batch invariant.
+// minimum's term), whatever the number of rows, their block, or the thread count: batch invariant. The integer dot
+// of a group is exact on both instruction sets, so AVX2 gives AVX-512's bits: one block kernel per ISA
+// (block_x16_avx512, block_x16_avx2), chosen once per process (kvflow_x16_use_avx512) and called through
+// `x16_block`, so the drivers below hold no AVX-512 instruction and run on an AVX2-only CPU.
 #define X16 16
 #define ROWS_X16 4          // activation rows per pass over a block's unpacked weights (registers: 8 + 3 * 4)
+
+typedef void (*x16_block_fn)(int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at, int64_t G,
+                             const int8_t *q, const float *d, const float *s, const int32_t *qs, int64_t K,
+                             int64_t m, float *y, int64_t N, int64_t n0);
 
 // the 16 rows' scales of group g in the block whose scales start at element `at` (= block * G * 16)
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
@@ -836,8 +843,8 @@ static inline __m512 load16(scales_t s, int64_t at, int64_t g) {
     return s.minus8 ? _mm512_mul_ps(v, _mm512_set1_ps(-8.0f)) : v;
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static inline void block_x16(int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at,
+__attribute__((target("avx512f,avx512bw,avx512vnni"), noinline))
+static void block_x16_avx512(int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at,
                              int64_t G, const int8_t *q, const float *d, const float *s,
                              const int32_t *qs, int64_t K, int64_t m, float *y, int64_t N, int64_t n0) {
     __m512 acc[ROWS_X16], bias[ROWS_X16];
@@ -889,7 +896,103 @@ static inline void block_x16(int bits, int R, const uint8_t *w, scales_t wd, sca
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m + r) * N + n0, _mm512_add_ps(acc[r], bias[r]));
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+// the 8 scales of rows 8h .. 8h + 7 of a block (h = 0, 1) for group g: load16's halves
+__attribute__((target("avx2,fma,f16c")))
+static inline __m256 load8_of16(scales_t s, int64_t at, int64_t g, int h) {
+    const int64_t i = at + g * X16 + h * 8;
+    __m256 v;
+    if (s.form == 1) {
+        v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s.p + i)));
+    } else if (s.form == 2) {
+        const __m256 mult = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)s.p + i))));
+        const __m256 sup = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s.super + at / 8 + (g / 8) * X16 + h * 8)));
+        v = _mm256_mul_ps(mult, sup);
+    } else {
+        v = _mm256_loadu_ps((const float *)s.p + i);
+    }
+    return s.minus8 ? _mm256_mul_ps(v, _mm256_set1_ps(-8.0f)) : v;
+}
+
+// block_x16_avx512's arithmetic on AVX2, one half of the block (8 weight rows, the low or high 32 bytes of each
+// 64-byte quad register) at a time. vpmaddubsw sums pairs of products into int16 with saturation, so the integer
+// dot is built so that no sum can saturate: 4-bit codes (<= 15 * 127 * 2 a pair) summed over all 8 quads in int16
+// (<= 30,480); 5-bit codes (<= 31 * 127 * 2) over 4 quads at a time (<= 31,496); 8-bit codes turned back to signed
+// (x16 stores code + 128) and multiplied as |code| * (a * sign(code)) (<= 128 * 127 * 2 = 32,512), quad by quad.
+// Each gives the exact integer dot, the same as vpdpbusd's, so the same floats follow.
+__attribute__((target("avx2,fma,f16c"), noinline))
+static void block_x16_avx2(int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at, int64_t G,
+                           const int8_t *q, const float *d, const float *s, const int32_t *qs, int64_t K, int64_t m,
+                           float *y, int64_t N, int64_t n0) {
+    const int regs = bits == 4 ? 4 : bits == 5 ? 5 : 8;       // 64-byte registers per group
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[ROWS_X16], bias[ROWS_X16];
+        for (int r = 0; r < R; r++) acc[r] = bias[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *wg = w + g * regs * 64 + h * 32;
+            __m256i wq[8];
+            if (bits == 8) {
+                for (int c = 0; c < 8; c++)
+                    wq[c] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + c * 64)), _mm256_set1_epi8((char)0x80));
+            } else {
+                for (int c = 0; c < 4; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + c * 64));
+                    wq[c] = _mm256_and_si256(v, low);
+                    wq[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+                if (bits == 5) {
+                    const __m256i high = _mm256_loadu_si256((const __m256i *)(wg + 4 * 64));
+                    for (int c = 0; c < 8; c++) {
+                        const __m256i bit = _mm256_set1_epi8((char)(1 << c));
+                        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit);
+                        wq[c] = _mm256_add_epi8(wq[c], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                    }
+                }
+            }
+            const __m256 sd = load8_of16(wd, at, g, h);
+            const __m256 sm = bits == 4 ? load8_of16(wm, at, g, h) : _mm256_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                const int64_t row = m + r;
+                const int32_t *a = (const int32_t *)(q + row * K + g * QK);
+                __m256i dot;
+                if (bits == 4) {
+                    __m256i pairs = _mm256_maddubs_epi16(wq[0], _mm256_set1_epi32(a[0]));
+                    for (int c = 1; c < 8; c++)
+                        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wq[c], _mm256_set1_epi32(a[c])));
+                    dot = _mm256_madd_epi16(pairs, ones);
+                } else if (bits == 5) {
+                    __m256i p0 = _mm256_maddubs_epi16(wq[0], _mm256_set1_epi32(a[0]));
+                    __m256i p1 = _mm256_maddubs_epi16(wq[4], _mm256_set1_epi32(a[4]));
+                    for (int c = 1; c < 4; c++) {
+                        p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(wq[c], _mm256_set1_epi32(a[c])));
+                        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(wq[c + 4], _mm256_set1_epi32(a[c + 4])));
+                    }
+                    dot = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+                    dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(16 * qs[row * G + g]));
+                } else {
+                    dot = _mm256_setzero_si256();
+                    for (int c = 0; c < 8; c++) {
+                        const __m256i ac = _mm256_sign_epi8(_mm256_set1_epi32(a[c]), wq[c]);
+                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(_mm256_sign_epi8(wq[c], wq[c]), ac), ones));
+                    }
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sd, _mm256_set1_ps(d[row * G + g])),
+                                         acc[r]);
+                if (bits == 4) bias[r] = _mm256_fmadd_ps(sm, _mm256_set1_ps(s[row * G + g]), bias[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m + r) * N + n0 + h * 8, _mm256_add_ps(acc[r], bias[r]));
+    }
+}
+
+static x16_block_fn x16_block = block_x16_avx2;
+
+// The x16 kernels' instruction set from now on: AVX-512 VNNI (nonzero) or AVX2 (0). native_kernels.isa() decides,
+// once per process, before any call; both give the same bits.
+void kvflow_x16_use_avx512(int yes) { x16_block = yes ? block_x16_avx512 : block_x16_avx2; }
+
 static int linear_x16_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) {
     const linear_job *j = ctx;
     int64_t b0;
@@ -899,16 +1002,15 @@ static int linear_x16_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) 
         const int64_t at = b * j->G * X16;
         int64_t m = 0;
         for (; m + ROWS_X16 <= j->M; m += ROWS_X16)
-            block_x16(j->bits, ROWS_X16, w, j->sd, j->sm, at, j->G, j->q, j->d, j->s, j->qs, j->K, m, dst, ld,
+            x16_block(j->bits, ROWS_X16, w, j->sd, j->sm, at, j->G, j->q, j->d, j->s, j->qs, j->K, m, dst, ld,
                       (b - b0) * X16);
         if (m < j->M)
-            block_x16(j->bits, (int)(j->M - m), w, j->sd, j->sm, at, j->G, j->q, j->d, j->s, j->qs, j->K, m, dst, ld,
+            x16_block(j->bits, (int)(j->M - m), w, j->sd, j->sm, at, j->G, j->q, j->d, j->s, j->qs, j->K, m, dst, ld,
                       (b - b0) * X16);
     }
     return 0;
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
 static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *wd,
                       const void *wm, int64_t N, float *y, int threads, int flags) {
     const int64_t G = K / QK, blocks = N / X16;
@@ -933,8 +1035,8 @@ static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint
             const int64_t at = b * G * X16;                  // this block's scales (and minimums)
             int64_t m = m0;
             for (; m + ROWS_X16 <= m1; m += ROWS_X16)
-                block_x16(bits, ROWS_X16, w, sd, sm, at, G, q, d, s, qs, K, m, y, N, b * X16);
-            if (m < m1) block_x16(bits, (int)(m1 - m), w, sd, sm, at, G, q, d, s, qs, K, m, y, N, b * X16);
+                x16_block(bits, ROWS_X16, w, sd, sm, at, G, q, d, s, qs, K, m, y, N, b * X16);
+            if (m < m1) x16_block(bits, (int)(m1 - m), w, sd, sm, at, G, q, d, s, qs, K, m, y, N, b * X16);
         }
     }
     free(q); free(d); free(s); free(qs);

@@ -3,11 +3,12 @@ RMSNorm and LoRA terms, built with the machine's C compiler on first use and cal
 compiled decode graphs keep them). Every one computes each row alone, in one fixed order: a row's bits do not
 depend on what shares its step (batch invariance), which torch's kernels do not promise.
 
-Two matmul kernels, one per instruction set, each with its own weight layout (`isa()` picks, once per process):
-AVX2 (`vpmaddubsw`, weights row by row as GGUF stores them) and AVX-512 VNNI (`vpdpbusd`, 16 weight rows
-interleaved per register: layout "x16"). Anything missing (no compiler, no AVX2/FMA, a failed self-check) means
-None from `library()` and torch's kernels, never an error. `KVFLOW_NATIVE_KERNELS=0` turns them off;
-`KVFLOW_NATIVE_ISA=avx2` keeps the AVX2 kernel on an AVX-512 machine (to compare them).
+The matmul kernels read weights in layout "x16" (16 weight rows interleaved per register, repacked at load) on
+AVX-512 VNNI (`vpdpbusd`) or AVX2 (`vpmaddubsw`): `isa()` picks once per process, and both give the same bits.
+Layout "rows" (weights row by row as GGUF stores them) has its own AVX2 kernel, which the engine no longer picks.
+Anything missing (no compiler, no AVX2/FMA, a failed self-check) means None from `library()` and torch's kernels,
+never an error. `KVFLOW_NATIVE_KERNELS=0` turns them off; `KVFLOW_NATIVE_ISA=avx2` runs the AVX2 kernels on an
+AVX-512 machine (to compare them).
 
 The built library is cached per source hash in $KVFLOW_CACHE_DIR or ~/.cache/kvflow (~1 s to build).
 """
@@ -63,19 +64,19 @@ def compute_dtype(device: torch.device, dtype_setting: str, quantization: str | 
     return None
 
 
-def x16_supported() -> bool:
+def has_avx512_vnni() -> bool:
     """The CPU runs the AVX-512 VNNI kernels (AVX-512 F and BW, VNNI)."""
     return {"avx512f", "avx512bw", "avx512_vnni"} <= platform.cpu_flags()
 
 
 @functools.cache
 def isa() -> str:
-    """"avx512" (VNNI kernels, x16 layout) where the CPU has them, else "avx2" (rows layout)."""
-    return "avx512" if x16_supported() and os.environ.get("KVFLOW_NATIVE_ISA", "") != "avx2" else "avx2"
+    """"avx512" (the VNNI kernels) where the CPU has them, else "avx2"."""
+    return "avx512" if has_avx512_vnni() and os.environ.get("KVFLOW_NATIVE_ISA", "") != "avx2" else "avx2"
 
 
 def _layout(layout: str | None) -> str:
-    return layout or ("x16" if isa() == "avx512" else "rows")
+    return layout or "x16"
 
 
 @functools.cache
@@ -126,6 +127,9 @@ def library() -> ctypes.CDLL | None:
     lib.kvflow_pool_quiesce.restype = None
     lib.kvflow_pool_set_stall.argtypes = [ctypes.c_int]
     lib.kvflow_pool_set_stall.restype = None
+    lib.kvflow_x16_use_avx512.argtypes = [ctypes.c_int]
+    lib.kvflow_x16_use_avx512.restype = None
+    lib.kvflow_x16_use_avx512(int(isa() == "avx512"))
     for fn in (lib.kvflow_q4_linear, lib.kvflow_q8_linear, lib.kvflow_q4_linear_x16, lib.kvflow_q8_linear_x16,
                lib.kvflow_q5_linear, lib.kvflow_q5_linear_x16, lib.kvflow_paged_attention):
         fn.restype = ctypes.c_int
@@ -545,9 +549,9 @@ def _run(fn, x: torch.Tensor, codes: torch.Tensor, *scales: torch.Tensor, bits: 
 
 
 def _self_check(lib: ctypes.CDLL) -> bool:
-    """This machine's 4-bit and 8-bit kernels (its `isa()`'s layout) against torch on random weights (odd row
-    counts and a row count that is not a multiple of 16 included): within what int8 activations explain (~1% of
-    the output's scale)."""
+    """This machine's 4-bit and 8-bit kernels (layout x16, its `isa()`'s instructions) against torch on random
+    weights (odd row counts and a row count that is not a multiple of 16 included): within what int8 activations
+    explain (~1% of the output's scale)."""
     g = torch.Generator().manual_seed(0)
     n, k = 40, 96
     codes4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -558,20 +562,17 @@ def _self_check(lib: ctypes.CDLL) -> bool:
     w8 = (codes8.float().view(n, -1, GROUP) * scale[..., None]).view(n, k)
     for rows in (1, 5, 70):
         x = torch.randn(rows, k, generator=g)
-        x16 = isa() == "avx512"
-        for fn, w, args in (((lib.kvflow_q4_linear_x16 if x16 else lib.kvflow_q4_linear), w4,
-                             (pack_q4(codes4), pack_scales(scale), pack_scales(minimum))),
-                            ((lib.kvflow_q8_linear_x16 if x16 else lib.kvflow_q8_linear), w8,
-                             (pack_q8(codes8), pack_scales(scale)))):
+        for fn, w, args in ((lib.kvflow_q4_linear_x16, w4, (pack_q4(codes4), pack_scales(scale),
+                                                            pack_scales(minimum))),
+                            (lib.kvflow_q8_linear_x16, w8, (pack_q8(codes8), pack_scales(scale)))):
             want = x @ w.T
             got = _run(fn, x, *args)[:, :n]
             if not torch.allclose(got, want, rtol=0, atol=0.02 * want.abs().max().item()):
                 return False
         # 5-bit codes: the very sums (so bits) of the 8-bit kernel on the same codes
         codes5 = torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)
-        eight = _run(lib.kvflow_q8_linear_x16 if x16 else lib.kvflow_q8_linear, x, pack_q8(codes5), pack_scales(scale))
-        five = _run(lib.kvflow_q5_linear_x16 if x16 else lib.kvflow_q5_linear, x, pack_q5(codes5), pack_scales(scale),
-                    bits=5)
+        eight = _run(lib.kvflow_q8_linear_x16, x, pack_q8(codes5), pack_scales(scale))
+        five = _run(lib.kvflow_q5_linear_x16, x, pack_q5(codes5), pack_scales(scale), bits=5)
         if not torch.equal(five, eight):
             return False
     return True

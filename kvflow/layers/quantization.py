@@ -370,8 +370,9 @@ def _choose_int4_kernel(layers: list[Int4Linear], dtype: torch.dtype) -> str:
     if not layers:
         return "no int4 matrices"
     if all(m.native for m in layers):
-        return (f"int4 matrices use kvflow's {native_kernels.isa().upper()} kernel (int8 activations per group of "
-                "32) for every step, as do 8-bit matrices and a tied LM head (the embedding's own codes)")
+        return (f"int4 matrices use kvflow's {native_kernels.isa().upper()} kernel (16 weight rows interleaved, int8 "
+                "activations per group of 32) for every step, as do 8-bit matrices and a tied LM head (the "
+                "embedding's own codes)")
     if not any(m.uses_kernel for m in layers):
         return "int4 matrices dequantized per matrix before each matmul (no usable torch int4 CPU kernel here)"
     rows, table = int4.choose_kernel_rows(layers, dtype)

@@ -35,7 +35,7 @@ def attention_on_kvflow_kernels(device: torch.device, dtype: torch.dtype, quanti
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
     device: torch.device
-    isa: str | None               # kvflow's kernels' vector ISA here ("avx512": VNNI, x16 layout; "avx2"); None: off
+    isa: str | None               # kvflow's kernels' vector ISA here ("avx512": VNNI; "avx2"); None: off
     matmuls: str                  # how the weight matrices multiply, by format and step size
     native_attention: bool        # attention and norms on kvflow's kernels; else SDPA over the gathered context
     kernel_pool: bool             # every matmul, attention and norm on kvflow's kernels: small steps on its pool
@@ -45,6 +45,13 @@ class KernelPlan:
     small_step_threads: int | None
     frontend_shares_cores: bool   # an engine process beside its HTTP frontend (platform.frontend_shares_cores)
     sliding_window: str = ""      # the sliding-window layers, for the log ("" for none)
+
+    @property
+    def yields_cores(self) -> bool:
+        """Whether steps take only the cores other processes leave (`CoreShare`): on a CPU where every matmul,
+        attention and norm is kvflow's, whose bits do not depend on the thread count. torch's float32 matmuls may
+        round otherwise on another count, and then an answer would depend on what else ran on the machine."""
+        return self.device.type == "cpu" and self.kernel_pool
 
     def step_threads(self, rows: int, cores: int | None = None) -> tuple[int, int]:
         """(torch's threads, kvflow's kernels' threads) for a step of `rows` rows, at most `cores` each (the cores
@@ -88,7 +95,7 @@ class KernelPlan:
                  f"  decode steps: {step}",
                  f"  threads: steps of <= {SMALL_STEP_ROWS} rows {small[0]} for torch's ops and {small[1]} for "
                  f"kvflow's kernels{pool}; larger steps {large[0]} and {large[1]}"
-                 + ("; fewer while other processes keep cores busy (CoreShare)" if self.device.type == "cpu" else "")]
+                 + ("; fewer while other processes keep cores busy (CoreShare)" if self.yields_cores else "")]
         return "\n".join(lines)
 
 
@@ -103,8 +110,8 @@ class CoreShare:
     its own. Measured on a 2-core Intel Xeon (embedded model, one stream, `benchmarks/serve_compare.py
     --co-tenant`): TPOT 11.2 ms and TTFT p95 945 ms on two threads beside the busy process, 9.3 ms and 39 ms on
     one; alone, two threads (6.1 ms) beat one (8.5 ms). So a step takes the cores left over, rounded: a load
-    generator or another light process beside it (well under half a core) leaves both. The same bits on any
-    thread count (native_kernels.c), so output does not depend on it."""
+    generator or another light process beside it (well under half a core) leaves both. Only where the plan
+    `yields_cores`: kvflow's kernels give the same bits on any thread count, so output does not depend on it."""
 
     INTERVAL = 1.0
 

@@ -126,10 +126,10 @@ class ModelRunner:
             why_not_native_step=why_not, threads=threads, small_step_threads=config.small_step_threads,
             frontend_shares_cores=platform.frontend_shares_cores, sliding_window=sliding)
         log.info("%s", self.plan.describe())
-        # beside a busy process a step takes the cores it leaves (kernel_plan.CoreShare); an engine process's
-        # parent is its HTTP frontend, whose time is the server's own
+        # beside a busy process a step takes the cores it leaves (kernel_plan.CoreShare) where the plan says its
+        # bits allow it; an engine process's parent is its HTTP frontend, whose time is the server's own
         self.core_share = (CoreShare(frontend_pid=os.getppid() if platform.frontend_shares_cores else None)
-                           if self.device.type == "cpu" else None)
+                           if self.plan.yields_cores else None)
         self.compiled_decode = self._start_compiled_decode(files) if decode_step == "compiled" else None
 
     @property

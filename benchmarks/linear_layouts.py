@@ -1,0 +1,86 @@
+"""kvflow's 4-, 5- and 8-bit matmul kernels per weight layout and instruction set, on the embedded model's matrix
+shapes: layout "rows" (GGUF's own row-by-row blocks, AVX2 `vpmaddubsw`), layout "x16" (16 weight rows interleaved)
+on AVX2 and, where the CPU has it, on AVX-512 VNNI (`vpdpbusd`).
+
+    python benchmarks/linear_layouts.py [--rows 1 4 8 16 32 64] [--threads 1 2] [--bits 4 5 8] [--reps 7]
+
+Each cell is the median time of one pass over the embedded model's seven matrices of a layer (q, k, v, o, gate, up,
+down: 576 -> 576 / 192 / 1536, 1536 -> 576), the variants timed interleaved; GB/s counts the weight bytes read once
+per pass. Random codes and scales: the kernels' speed does not depend on their values. The x16 kernels give the
+same bits on both instruction sets (tests/test_native_kernels.py).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvflow.layers import native_kernels as nk
+
+SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]   # (N, K)
+
+
+def weights(bits: int, layout: str, g: torch.Generator):
+    out = []
+    for n, k in SHAPES:
+        scale = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+        if bits == 4:
+            codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+            d = nk.pack_scales(scale, layout, compact=True)
+            out.append((nk.q4_linear, k, nk.pack_q4(codes, layout), d, nk.minimums(-8 * scale, scale)))
+        elif bits == 5:
+            codes = torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)
+            out.append((nk.q5_linear, k, nk.pack_q5(codes, layout), nk.pack_scales(scale, layout, compact=True)))
+        else:
+            codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+            out.append((nk.q8_linear, k, nk.pack_q8(codes, layout), nk.pack_scales(scale, layout, compact=True)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--bits", type=int, nargs="+", default=[4, 5, 8])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--passes", type=int, default=20, help="passes over the layer per timed repetition")
+    args = ap.parse_args()
+    lib = nk.library()
+    if lib is None:
+        raise SystemExit("kvflow's kernels cannot run here")
+    variants = [("rows, AVX2", "rows", 0), ("x16, AVX2", "x16", 0)]
+    if nk.has_avx512_vnni():
+        variants.append(("x16, AVX-512 VNNI", "x16", 1))
+    print(f"kvflow kernels, isa() = {nk.isa()}; median of {args.reps} x {args.passes} passes over one layer")
+    print("| bits | rows | threads | " + " | ".join(f"{name}: us (GB/s)" for name, _, _ in variants) + " |")
+    print("| --- " * (3 + len(variants)) + "|")
+    for bits in args.bits:
+        g = torch.Generator().manual_seed(bits)
+        packed = {layout: weights(bits, layout, torch.Generator().manual_seed(bits)) for layout in ("rows", "x16")}
+        nbytes = sum(sum(t.numel() * t.element_size() for t in w[2:]) for w in packed["rows"])
+        for rows in args.rows:
+            x = torch.randn(rows, 1536, generator=g)
+            for threads in args.threads:
+                nk.set_threads(threads)
+                times = {name: [] for name, _, _ in variants}
+                for _ in range(args.reps):
+                    for name, layout, avx512 in variants:
+                        lib.kvflow_x16_use_avx512(avx512)
+                        t0 = time.perf_counter()
+                        for _ in range(args.passes):
+                            for fn, k, *w in packed[layout]:
+                                fn(x[:, :k], *w)
+                        times[name].append((time.perf_counter() - t0) / args.passes)
+                cells = []
+                for name, _, _ in variants:
+                    t = statistics.median(times[name])
+                    cells.append(f"{t * 1e6:,.0f} ({nbytes / t / 1e9:.1f})")
+                print(f"| {bits} | {rows} | {threads} | " + " | ".join(cells) + " |", flush=True)
+    lib.kvflow_x16_use_avx512(int(nk.isa() == "avx512"))
+    nk.set_threads(None)
+
+
+if __name__ == "__main__":
+    main()
