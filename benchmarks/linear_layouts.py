@@ -1,13 +1,14 @@
-"""kvflow's 4-, 5- and 8-bit matmul kernels per weight layout and instruction set, on the embedded model's matrix
-shapes: layout "rows" (GGUF's own row-by-row blocks, AVX2 `vpmaddubsw`), layout "x16" (16 weight rows interleaved)
-on AVX2 and, where the CPU has it, on AVX-512 VNNI (`vpdpbusd`).
+"""kvflow's 4-, 5- and 8-bit matmul kernels (layout x16: 16 weight rows interleaved) per instruction set, on the
+embedded model's matrix shapes: AVX2 (`vpmaddubsw`) and, where the CPU has it, AVX-512 VNNI (`vpdpbusd`). Both give
+the same bits (tests/test_native_kernels.py).
 
     python benchmarks/linear_layouts.py [--rows 1 4 8 16 32 64] [--threads 1 2] [--bits 4 5 8] [--reps 7]
 
 Each cell is the median time of one pass over the embedded model's seven matrices of a layer (q, k, v, o, gate, up,
-down: 576 -> 576 / 192 / 1536, 1536 -> 576), the variants timed interleaved; GB/s counts the weight bytes read once
-per pass. Random codes and scales: the kernels' speed does not depend on their values. The x16 kernels give the
-same bits on both instruction sets (tests/test_native_kernels.py).
+down: 576 -> 576 / 192 / 1536, 1536 -> 576), the instruction sets timed interleaved; GB/s counts the weight bytes
+read once per pass. Random codes and scales: the kernels' speed does not depend on their values. (Until b1f65fd an
+AVX2 machine ran a second layout, GGUF's rows as stored, by a row-by-row kernel: this script at that commit
+compares it, and docs/measurements/linear_layouts-avx2-x16-xeon.txt has its figures.)
 """
 from __future__ import annotations
 
@@ -22,20 +23,21 @@ from kvflow.layers import native_kernels as nk
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]   # (N, K)
 
 
-def weights(bits: int, layout: str, g: torch.Generator):
+def weights(bits: int, g: torch.Generator) -> list[tuple]:
+    """(kernel, K, packed codes and scales) per matrix of the layer."""
     out = []
     for n, k in SHAPES:
         scale = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+        d = nk.pack_scales(scale, compact=True)
         if bits == 4:
             codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-            d = nk.pack_scales(scale, layout, compact=True)
-            out.append((nk.q4_linear, k, nk.pack_q4(codes, layout), d, nk.minimums(-8 * scale, scale)))
+            out.append((nk.q4_linear, k, nk.pack_q4(codes), d, nk.minimums(-8 * scale, scale)))
         elif bits == 5:
-            codes = torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)
-            out.append((nk.q5_linear, k, nk.pack_q5(codes, layout), nk.pack_scales(scale, layout, compact=True)))
+            out.append((nk.q5_linear, k, nk.pack_q5(torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)),
+                        d))
         else:
-            codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-            out.append((nk.q8_linear, k, nk.pack_q8(codes, layout), nk.pack_scales(scale, layout, compact=True)))
+            out.append((nk.q8_linear, k, nk.pack_q8(torch.randint(-128, 128, (n, k), generator=g,
+                                                                  dtype=torch.int8)), d))
     return out
 
 
@@ -50,36 +52,34 @@ def main() -> None:
     lib = nk.library()
     if lib is None:
         raise SystemExit("kvflow's kernels cannot run here")
-    variants = [("rows, AVX2", "rows", 0), ("x16, AVX2", "x16", 0)]
-    if nk.has_avx512_vnni():
-        variants.append(("x16, AVX-512 VNNI", "x16", 1))
+    variants = [("AVX2", 0)] + ([("AVX-512 VNNI", 1)] if nk.has_avx512_vnni() else [])
     print(f"kvflow kernels, isa() = {nk.isa()}; median of {args.reps} x {args.passes} passes over one layer")
-    print("| bits | rows | threads | " + " | ".join(f"{name}: us (GB/s)" for name, _, _ in variants) + " |")
+    print("| bits | rows | threads | " + " | ".join(f"{name}: us (GB/s)" for name, _ in variants) + " |")
     print("| --- " * (3 + len(variants)) + "|")
-    for bits in args.bits:
-        g = torch.Generator().manual_seed(bits)
-        packed = {layout: weights(bits, layout, torch.Generator().manual_seed(bits)) for layout in ("rows", "x16")}
-        nbytes = sum(sum(t.numel() * t.element_size() for t in w[2:]) for w in packed["rows"])
-        for rows in args.rows:
-            x = torch.randn(rows, 1536, generator=g)
-            for threads in args.threads:
-                nk.set_threads(threads)
-                times = {name: [] for name, _, _ in variants}
-                for _ in range(args.reps):
-                    for name, layout, avx512 in variants:
-                        lib.kvflow_x16_use_avx512(avx512)
-                        t0 = time.perf_counter()
-                        for _ in range(args.passes):
-                            for fn, k, *w in packed[layout]:
-                                fn(x[:, :k], *w)
-                        times[name].append((time.perf_counter() - t0) / args.passes)
-                cells = []
-                for name, _, _ in variants:
-                    t = statistics.median(times[name])
-                    cells.append(f"{t * 1e6:,.0f} ({nbytes / t / 1e9:.1f})")
-                print(f"| {bits} | {rows} | {threads} | " + " | ".join(cells) + " |", flush=True)
-    lib.kvflow_x16_use_avx512(int(nk.isa() == "avx512"))
-    nk.set_threads(None)
+    try:
+        for bits in args.bits:
+            g = torch.Generator().manual_seed(bits)
+            layer = weights(bits, g)
+            nbytes = sum(sum(t.numel() * t.element_size() for t in w[2:]) for w in layer)
+            for rows in args.rows:
+                x = torch.randn(rows, max(k for _, k in SHAPES), generator=g)
+                for threads in args.threads:
+                    nk.set_threads(threads)
+                    times = {name: [] for name, _ in variants}
+                    for _ in range(args.reps):
+                        for name, avx512 in variants:
+                            lib.kvflow_x16_use_avx512(avx512)
+                            t0 = time.perf_counter()
+                            for _ in range(args.passes):
+                                for fn, k, *w in layer:
+                                    fn(x[:, :k], *w)
+                            times[name].append((time.perf_counter() - t0) / args.passes)
+                    cells = [f"{statistics.median(times[name]) * 1e6:,.0f} "
+                             f"({nbytes / statistics.median(times[name]) / 1e9:.1f})" for name, _ in variants]
+                    print(f"| {bits} | {rows} | {threads} | " + " | ".join(cells) + " |", flush=True)
+    finally:
+        lib.kvflow_x16_use_avx512(int(nk.isa() == "avx512"))
+        nk.set_threads(None)
 
 
 if __name__ == "__main__":

@@ -201,8 +201,7 @@ def test_tied_table_is_held_once_and_looks_up_the_files_values(wide_hf, tmp_path
 
 # --------------------------------------------------------------------------- scales as the file stores them
 
-@pytest.mark.parametrize("layout", ["rows", "x16"])
-def test_fp16_scales_give_the_kernels_the_same_bits_as_float32(layout):
+def test_fp16_scales_give_the_kernels_the_same_bits_as_float32():
     from kvflow.layers import native_kernels as nk
 
     if not nk.usable():
@@ -214,20 +213,18 @@ def test_fp16_scales_give_the_kernels_the_same_bits_as_float32(layout):
     c8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
     m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
-    x16 = layout == "x16"
-    q4 = lib.kvflow_q4_linear_x16 if x16 else lib.kvflow_q4_linear
-    q8 = lib.kvflow_q8_linear_x16 if x16 else lib.kvflow_q8_linear
-    half = [nk.pack_scales(t, layout, compact=True) for t in (d, m)]
+    q4, q8 = lib.kvflow_q4_linear, lib.kvflow_q8_linear
+    half = [nk.pack_scales(t, compact=True) for t in (d, m)]
     assert all(t.dtype == torch.float16 for t in half)
-    assert nk.pack_scales(d + 1e-7, layout, compact=True).dtype == torch.float32      # not fp16 values: kept
+    assert nk.pack_scales(d + 1e-7, compact=True).dtype == torch.float32      # not fp16 values: kept
     for rows in (1, 7, 70):
         x = torch.randn(rows, k, generator=g)
-        for mixed in ((half[0], nk.pack_scales(m, layout)), (nk.pack_scales(d, layout), half[1]), half):
-            assert torch.equal(nk._run(q4, x, nk.pack_q4(c4, layout), *mixed),
-                               nk._run(q4, x, nk.pack_q4(c4, layout), nk.pack_scales(d, layout),
-                                       nk.pack_scales(m, layout)))
-        assert torch.equal(nk._run(q8, x, nk.pack_q8(c8, layout), half[0]),
-                           nk._run(q8, x, nk.pack_q8(c8, layout), nk.pack_scales(d, layout)))
+        for mixed in ((half[0], nk.pack_scales(m)), (nk.pack_scales(d), half[1]), half):
+            assert torch.equal(nk._run(q4, x, nk.pack_q4(c4), *mixed),
+                               nk._run(q4, x, nk.pack_q4(c4), nk.pack_scales(d),
+                                       nk.pack_scales(m)))
+        assert torch.equal(nk._run(q8, x, nk.pack_q8(c8), half[0]),
+                           nk._run(q8, x, nk.pack_q8(c8), nk.pack_scales(d)))
 
 
 @pytest.mark.slow
@@ -250,8 +247,7 @@ def test_untied_4_bit_embedding_is_held_packed_and_looks_up_the_files_values(tmp
     assert torch.equal(table(ids), gq.dequantize()[ids])
 
 
-@pytest.mark.parametrize("layout", ["rows", "x16"])
-def test_q4_k_scales_held_as_two_levels_give_the_same_bits(layout):
+def test_q4_k_scales_held_as_two_levels_give_the_same_bits():
     """Q4_K's scales and minimums held as the file stores them (a uint8 multiplier per 32 values, an fp16
     super-scale per 256): the kernels multiply them out to the float32 values the file defines."""
     from kvflow.layers import native_kernels as nk
@@ -262,21 +258,20 @@ def test_q4_k_scales_held_as_two_levels_give_the_same_bits(layout):
     lib = nk.library()
     x = matrix(45, 512, 0.05)
     gq = group_quantized(quantize_q4_k(x), T.Q4_K, x.shape)
-    fn = lib.kvflow_q4_linear_x16 if layout == "x16" else lib.kvflow_q4_linear
-    two = [nk.pack_scales(gq.scale, layout, True, gq.scale_parts), nk.pack_scales(gq.minimum(), layout, True,
-                                                                                  gq.zero_parts)]
-    plain = [nk.pack_scales(gq.scale, layout), nk.pack_scales(gq.minimum(), layout)]
+    fn = lib.kvflow_q4_linear
+    two = [nk.pack_scales(gq.scale, True, gq.scale_parts), nk.pack_scales(gq.minimum(), True, gq.zero_parts)]
+    plain = [nk.pack_scales(gq.scale), nk.pack_scales(gq.minimum())]
     assert all(t.dtype == torch.uint8 and t.numel() * 4 == p.numel() * 5 for t, p in zip(two, plain))
     for t, p in zip(two, plain):
-        assert torch.equal(nk.widen_scales(t, 45, 16, layout), p)
+        assert torch.equal(nk.widen_scales(t, 45, 16), p)
     g = torch.Generator().manual_seed(3)
     for rows in (1, 6, 70):
         a = torch.randn(rows, 512, generator=g)
-        assert torch.equal(nk._run(fn, a, nk.pack_q4(gq.codes, layout), *two),
-                           nk._run(fn, a, nk.pack_q4(gq.codes, layout), *plain))
+        assert torch.equal(nk._run(fn, a, nk.pack_q4(gq.codes), *two),
+                           nk._run(fn, a, nk.pack_q4(gq.codes), *plain))
     with pytest.raises(ValueError, match="one layout"):
-        nk._run(fn, torch.randn(1, 512), nk.pack_q4(gq.codes, layout), two[0][:-2], two[1])
-    layer = Int4Linear(gq, native=True)                      # this machine's layout
+        nk._run(fn, torch.randn(1, 512), nk.pack_q4(gq.codes), two[0][:-2], two[1])
+    layer = Int4Linear(gq, native=True)
     assert layer.scale.dtype == torch.uint8
     assert torch.equal(layer.dequantize(torch.float32), gq.dequantize())
     assert torch.equal(layer.rows(torch.tensor([0, 44, 17])), gq.dequantize()[[0, 44, 17]])
@@ -284,29 +279,26 @@ def test_q4_k_scales_held_as_two_levels_give_the_same_bits(layout):
 
 # --------------------------------------------------------------------------- Q5_0 in 5 bits
 
-@pytest.mark.parametrize("layout", ["rows", "x16"])
-def test_5_bit_kernel_gives_the_8_bit_kernels_bits_from_5_8_of_the_bytes(layout):
+def test_5_bit_kernel_gives_the_8_bit_kernels_bits_from_5_8_of_the_bytes():
     from kvflow.layers import native_kernels as nk
 
     if not nk.usable():
         pytest.skip("kvflow's kernels do not run here")
     lib = nk.library()
-    x16 = layout == "x16"
     g = torch.Generator().manual_seed(7)
     for n, k in ((45, 96), (16, 576), (3, 32)):
         codes = torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)
         codes[0, :32] = torch.tensor([-16, 15] * 16, dtype=torch.int8)                  # both ends of the range
-        packed = nk.pack_q5(codes, layout)
-        assert packed.numel() * 8 == nk.padded_rows(n, layout) * k * 5
+        packed = nk.pack_q5(codes)
+        assert packed.numel() * 8 == nk.padded_rows(n) * k * 5
         assert torch.equal(nk.q5_rows(packed, torch.arange(n)), codes)
         pick = torch.tensor([[n - 1, 0]])
         assert torch.equal(nk.q5_rows(packed, pick), codes[pick])
-        scale = nk.pack_scales((torch.rand(n, k // 32, generator=g) * 0.05).half().float(), layout, compact=True)
+        scale = nk.pack_scales((torch.rand(n, k // 32, generator=g) * 0.05).half().float(), compact=True)
         for rows in (1, 5, 70):
             x = torch.randn(rows, k, generator=g)
-            eight = nk._run(lib.kvflow_q8_linear_x16 if x16 else lib.kvflow_q8_linear, x, nk.pack_q8(codes, layout),
-                            scale)
-            five = nk._run(lib.kvflow_q5_linear_x16 if x16 else lib.kvflow_q5_linear, x, packed, scale, bits=5)
+            eight = nk._run(lib.kvflow_q8_linear, x, nk.pack_q8(codes), scale)
+            five = nk._run(lib.kvflow_q5_linear, x, packed, scale, bits=5)
             assert torch.equal(five, eight), (n, k, rows)
     assert not nk.fits_q5(torch.tensor([[16, 0]], dtype=torch.int8))
     assert not nk.fits_q5(torch.tensor([[-17, 0]], dtype=torch.int8))

@@ -1,8 +1,8 @@
 """kvflow's CPU kernels (layers/native_kernels.c): 4-bit and 8-bit weights against a torch reference of the same
-arithmetic (int8 activations per group of 32), every row-count remainder, in both layouts (rows; x16 on this CPU's
-instructions); paged attention and RMSNorm against float64; the LoRA term against torch's; each
+arithmetic (int8 activations per group of 32), every row-count remainder, on each instruction set this CPU runs
+(AVX2, AVX-512 VNNI); paged attention and RMSNorm against float64; the LoRA term against torch's; each
 kernel's batch invariance (a row's bits depend on that row alone), inside a compiled graph, and greedy output of the
-default engine alone against batched; layout x16's AVX2 kernel against its AVX-512 one, bit for bit."""
+default engine alone against batched; the AVX2 kernels against the AVX-512 ones, bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -16,8 +16,17 @@ pytestmark = pytest.mark.skipif(
     not native_kernels.usable(),
     reason="kvflow's kernels cannot run on this machine (no AVX2/FMA or no C compiler): torch's kernels serve")
 
-# every weight layout (each runs wherever the kernels do: x16 on AVX-512 VNNI or AVX2, whichever isa() chose)
-LAYOUTS = ["rows", "x16"]
+# each instruction set whose kernels this CPU runs (AVX2's run on AVX-512 machines too)
+ISAS = ["avx2"] + (["avx512"] if native_kernels.has_avx512_vnni() else [])
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """The x16 matmul kernels on this instruction set for the test, then the process's own again."""
+    lib = native_kernels.library()
+    lib.kvflow_x16_use_avx512(int(request.param == "avx512"))
+    yield request.param
+    lib.kvflow_x16_use_avx512(int(native_kernels.isa() == "avx512"))
 
 
 def quantized_activations(x: torch.Tensor):
@@ -41,31 +50,29 @@ def reference(x, codes, scale, minimum=None):
     return y
 
 
-def q4_weights(n: int, k: int, layout: str, seed: int = 0):
+def q4_weights(n: int, k: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scale = torch.rand(n, k // 32, generator=g) * 0.02
     minimum = -torch.rand(n, k // 32, generator=g) * 0.2
-    packed = (native_kernels.pack_q4(codes, layout), native_kernels.pack_scales(scale, layout),
-              native_kernels.pack_scales(minimum, layout))
+    packed = (native_kernels.pack_q4(codes), native_kernels.pack_scales(scale),
+              native_kernels.pack_scales(minimum))
     return codes, scale, minimum, packed
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 64, 65, 130])
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 96), (96, 576)])
-def test_q4_kernel_matches_the_reference(layout, rows, n, k):
-    codes, scale, minimum, packed = q4_weights(n, k, layout, rows * 1000 + n + k)
+def test_q4_kernel_matches_the_reference(isa, rows, n, k):
+    codes, scale, minimum, packed = q4_weights(n, k, rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
     got = native_kernels.q4_linear(x, *packed)
-    assert got.shape == (rows, native_kernels.padded_rows(n, layout))
+    assert got.shape == (rows, native_kernels.padded_rows(n))
     want = reference(x, codes, scale, minimum)
     torch.testing.assert_close(got[:, :n].double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 4, 7, 70])
-def test_q8_kernel_matches_the_reference_including_code_minus_128(layout, rows):
+def test_q8_kernel_matches_the_reference_including_code_minus_128(isa, rows):
     g = torch.Generator().manual_seed(rows)
     n, k = 50, 128
     codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
@@ -74,18 +81,17 @@ def test_q8_kernel_matches_the_reference_including_code_minus_128(layout, rows):
     scale = torch.rand(n, k // 32, generator=g) * 0.01
     x = torch.randn(rows, k, generator=g)
     x[0, :32] = 0                                       # an all-zero group: scale 0, no division by it
-    got = native_kernels.q8_linear(x, native_kernels.pack_q8(codes, layout), native_kernels.pack_scales(scale, layout))
+    got = native_kernels.q8_linear(x, native_kernels.pack_q8(codes), native_kernels.pack_scales(scale))
     want = reference(x, codes, scale)
     torch.testing.assert_close(got[:, :n].double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_linear_kernels_give_a_row_the_same_bits_alone_as_in_any_batch(layout):
+def test_linear_kernels_give_a_row_the_same_bits_alone_as_in_any_batch(isa):
     """Row blocks of 4, their remainders, passes of 64 rows and the thread count must not change a row's sums."""
     n, k = 40, 96
-    codes, scale, minimum, packed = q4_weights(n, k, layout)
+    codes, scale, minimum, packed = q4_weights(n, k)
     codes8 = (codes.to(torch.int16) * 16 - 128).to(torch.int8)
-    packed8 = (native_kernels.pack_q8(codes8, layout), native_kernels.pack_scales(scale, layout))
+    packed8 = (native_kernels.pack_q8(codes8), native_kernels.pack_scales(scale))
     x = torch.randn(131, k, generator=torch.Generator().manual_seed(3))
     for fn, weights in ((native_kernels.q4_linear, packed), (native_kernels.q8_linear, packed8)):
         batch = fn(x, *weights)
@@ -99,15 +105,14 @@ def test_linear_kernels_give_a_row_the_same_bits_alone_as_in_any_batch(layout):
             torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layouts_round_trip_and_lookups_read_the_codes_back(layout):
+def test_the_layout_round_trips_and_lookups_read_the_codes_back():
     n, k = 37, 64
-    codes, scale, _, (packed, packed_scale, _) = q4_weights(n, k, layout)
+    codes, scale, _, (packed, packed_scale, _) = q4_weights(n, k)
     assert torch.equal(native_kernels.unpack_q4(packed, n, k), codes)
     assert torch.equal(native_kernels.unpack_scales(packed_scale, n), scale)
     codes8 = torch.randint(-128, 128, (n, k), dtype=torch.int8)
     ids = torch.tensor([[0, 36], [17, 16]])
-    assert torch.equal(native_kernels.q8_rows(native_kernels.pack_q8(codes8, layout), ids), codes8[ids])
+    assert torch.equal(native_kernels.q8_rows(native_kernels.pack_q8(codes8), ids), codes8[ids])
 
 
 @pytest.mark.skipif(not native_kernels.has_avx512_vnni(), reason="no AVX-512 VNNI here: only the AVX2 kernels run")
@@ -152,31 +157,30 @@ def test_x16_kernels_give_the_same_bits_on_avx2_as_on_avx512(bits):
 
 
 def test_weights_in_the_wrong_layout_are_refused_not_read_past():
-    codes, scale, minimum, packed = q4_weights(48, 64, LAYOUTS[-1])
+    codes, scale, minimum, packed = q4_weights(48, 64)
     with pytest.raises(ValueError):
         native_kernels.q4_linear(torch.randn(2, 64), packed[0], scale[:1], minimum)
 
 
-def q4_0_weights(n: int, k: int, layout: str, seed: int = 0):
+def q4_0_weights(n: int, k: int, seed: int = 0):
     """Packed 4-bit codes, fp16 d, and the minimums -8 d (GGUF Q4_0's) both stored and not (`minimums`)."""
-    codes, scale, _, _ = q4_weights(n, k, layout, seed)
-    scale = native_kernels.pack_scales(scale.half().float(), layout, compact=True)
+    codes, scale, _, _ = q4_weights(n, k, seed)
+    scale = native_kernels.pack_scales(scale.half().float(), compact=True)
     stored = -8 * scale
-    return native_kernels.pack_q4(codes, layout), scale, stored, native_kernels.minimums(stored, scale)
+    return native_kernels.pack_q4(codes), scale, stored, native_kernels.minimums(stored, scale)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_q4_0_minimums_not_stored_give_the_stored_ones_bits(layout):
+def test_q4_0_minimums_not_stored_give_the_stored_ones_bits(isa):
     """GGUF Q4_0's minimums are -8 d: held as nothing (native_kernels.minimums) and made from d in the kernels,
     they give the bits of the same matrix with them stored, at pool and OpenMP sizes, and in the MoE op."""
-    codes, scale, stored, none = q4_0_weights(40, 96, layout)
+    codes, scale, stored, none = q4_0_weights(40, 96)
     assert none.numel() == 0 and native_kernels.minimums(-7 * scale, scale).numel() > 0    # others are kept
     x = torch.randn(70, 96, generator=torch.Generator().manual_seed(1)) * 3
     for rows in (1, 5, 70):
         assert torch.equal(native_kernels.q4_linear(x[:rows], codes, scale, none),
                            native_kernels.q4_linear(x[:rows], codes, scale, stored))
     # two experts of hidden 96 and intermediate 32: gate/up [64, 96], down [96, 32]
-    gu, dn = q4_0_weights(64, 96, layout, 2), q4_0_weights(96, 32, layout, 3)
+    gu, dn = q4_0_weights(64, 96, 2), q4_0_weights(96, 32, 3)
     ids, weights = torch.tensor([[0, 1], [1, 0], [1, 1]]), torch.tensor([[0.75, 0.25], [0.5, 0.5], [0.9, 0.1]])
     both = lambda t: torch.stack([t, t])
     results = [native_kernels.moe_experts(x[:3], ids, weights, both(gu[0]), both(gu[1]), both(gu[m]), 4,
@@ -373,18 +377,17 @@ def test_paged_attention_reads_int8_rows_as_their_codes_times_their_scale():
     assert torch.equal(alone, got[2:3])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("stall_us", [0, 300])
-def test_small_calls_on_the_thread_pool_give_one_threads_bits_even_when_workers_stall(layout, stall_us):
+def test_small_calls_on_the_thread_pool_give_one_threads_bits_even_when_workers_stall(isa, stall_us):
     """Calls of up to 8 rows run on kvflow's pool (thread_pool.c): on 1, 2 and 3 threads, and with workers that
     sleep before committing each chunk (a preempted thread: the caller takes their chunks back), every output is the
     one thread's bits; bigger calls (OpenMP) too."""
     lib = native_kernels.library()
-    codes, scale, minimum, packed = q4_weights(1000, 576, layout)
+    codes, scale, minimum, packed = q4_weights(1000, 576)
     codes8 = (codes.to(torch.int16) * 16 - 128).to(torch.int8)
-    packed8 = (native_kernels.pack_q8(codes8, layout), native_kernels.pack_scales(scale, layout))
+    packed8 = (native_kernels.pack_q8(codes8), native_kernels.pack_scales(scale))
     codes5 = (codes.to(torch.int16) * 2 - 16).to(torch.int8)
-    packed5 = (native_kernels.pack_q5(codes5, layout), native_kernels.pack_scales(scale, layout))
+    packed5 = (native_kernels.pack_q5(codes5), native_kernels.pack_scales(scale))
     x = torch.randn(9, 576, generator=torch.Generator().manual_seed(4))
     q, kc, vc, tables, pos = paged(1)
     calls = [(native_kernels.q4_linear, (x[:r], *packed)) for r in (1, 3, 8, 9)]

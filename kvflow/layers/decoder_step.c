@@ -22,14 +22,14 @@
 
 #include "linear_kernels.h"
 
-enum { W_Q4 = 0, W_Q8 = 1, W_Q5 = 2, W_X16 = 4 };     // the weight's codes (native_kernels.py: pack_q4 / q8 / q5)
+enum { W_Q4 = 0, W_Q8 = 1, W_Q5 = 2 };                // the weight's codes (native_kernels.py: pack_q4 / q8 / q5)
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };          // native_kernels.c's forms that this step writes
 
 typedef struct {
     const void *codes, *scale, *minimum;   // minimum: 4-bit codes only
     const float *bias;                     // NULL: none
-    int64_t rows, width;                   // output features, and the kernel's output width (x16: padded to 16)
-    int kind, flags;                       // W_* (| W_X16); the scales' forms (native_kernels.c)
+    int64_t rows, width;                   // output features, and the kernel's output width (padded to 16)
+    int kind, flags;                       // W_*; the scales' forms (native_kernels.c)
 } step_linear;
 
 typedef struct {
@@ -62,20 +62,16 @@ typedef struct {
 } step_shape;
 
 static int linear(const step_linear *w, const float *x, int64_t M, int64_t K, float *y, int threads) {
-    const int x16 = w->kind & W_X16;
     int err;
-    switch (w->kind & 3) {
+    switch (w->kind) {
     case W_Q4:
-        err = (x16 ? kvflow_q4_linear_x16 : kvflow_q4_linear)(x, M, K, w->codes, w->scale, w->minimum, w->width, y,
-                                                              threads, w->flags);
+        err = kvflow_q4_linear(x, M, K, w->codes, w->scale, w->minimum, w->width, y, threads, w->flags);
         break;
     case W_Q8:
-        err = x16 ? kvflow_q8_linear_x16(x, M, K, w->codes, w->scale, w->width, y, threads, w->flags)
-                  : kvflow_q8_linear(x, M, K, w->codes, w->scale, w->width, y, threads, w->flags);
+        err = kvflow_q8_linear(x, M, K, w->codes, w->scale, w->width, y, threads, w->flags);
         break;
     default:
-        err = (x16 ? kvflow_q5_linear_x16 : kvflow_q5_linear)(x, M, K, w->codes, w->scale, w->width, y, threads,
-                                                              w->flags);
+        err = kvflow_q5_linear(x, M, K, w->codes, w->scale, w->width, y, threads, w->flags);
     }
     if (!err && w->bias)
         for (int64_t m = 0; m < M; m++)

@@ -137,18 +137,13 @@ class Int4Linear(nn.Module):
         """The float32 values of rows `ids` (native layouts): a tied embedding's lookups from the head's own codes,
         code * scale + minimum as the file defines them (exact for GGUF's formats)."""
         k, g = self.in_features, self.in_features // native_kernels.GROUP
-        if self.packed.dim() == 4:               # x16: [N / 16, G, 4, 64], low nibbles quads 0..3, high 4..7
-            quads = self.packed.view(-1, g, 4, native_kernels.X16, 4)[ids // native_kernels.X16, :, :,
-                                                                         ids % native_kernels.X16]
-            codes = torch.cat([quads & 15, quads >> 4], dim=-2)                        # [*ids, G, 8, 4]
-        else:                                    # rows: [N, K / 2], per group byte j = columns j, j + 16
-            halves = self.packed[ids].view(*ids.shape, g, native_kernels.GROUP // 2)
-            codes = torch.cat([halves & 15, halves >> 4], dim=-1)
+        # x16: [N / 16, G, 4, 64], low nibbles quads 0..3, high 4..7
+        quads = self.packed.view(-1, g, 4, native_kernels.X16, 4)[ids // native_kernels.X16, :, :,
+                                                                     ids % native_kernels.X16]
+        codes = torch.cat([quads & 15, quads >> 4], dim=-2)                            # [*ids, G, 8, 4]
         codes = codes.reshape(*ids.shape, g, native_kernels.GROUP).to(torch.float32)
-        layout = "x16" if self.packed.dim() == 4 else "rows"     # from the codes: nothing for a compile to trace
-        scale = native_kernels.widen_scales(self.scale, self.out_features, g, layout)
-        minimum = native_kernels.minimum_values(
-            native_kernels.widen_scales(self.minimum, self.out_features, g, layout), scale)
+        scale = native_kernels.widen_scales(self.scale, self.out_features, g)
+        minimum = native_kernels.minimum_values(native_kernels.widen_scales(self.minimum, self.out_features, g), scale)
         scale, minimum = (native_rows(t, ids)[..., None] for t in (scale, minimum))
         return (codes * scale + minimum).view(*ids.shape, k)
 
@@ -191,10 +186,8 @@ class Int4Linear(nn.Module):
 
 
 def native_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of per-group scales held in `native_kernels.pack_scales`'s layout: [*ids, G]."""
-    if t.dim() == 3:                             # x16: [N / 16, G, 16]
-        return t[ids // native_kernels.X16, :, ids % native_kernels.X16]
-    return t[ids]
+    """Rows `ids` of per-group scales held in `native_kernels.pack_scales`'s layout [N / 16, G, 16]: [*ids, G]."""
+    return t[ids // native_kernels.X16, :, ids % native_kernels.X16]
 
 
 def choose_kernel_rows(layers: list[Int4Linear], dtype: torch.dtype) -> tuple[int, dict[int, tuple[float, float]]]:

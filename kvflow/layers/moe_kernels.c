@@ -10,7 +10,7 @@
 // sum are per element, in a fixed order. So a row's bits depend on that row alone, at every step size.
 //
 // Weights: every expert's matrix of one kind in one stacked buffer, expert e at e * stride bytes (codes, scales
-// and minimums each), in the kernels' layouts (`kind`: MOE_Q4 / MOE_Q8 / MOE_Q5, plus MOE_X16 for AVX-512's).
+// and minimums each), in the kernels' layout (x16; `kind`: MOE_Q4 / MOE_Q8 / MOE_Q5).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,7 +18,7 @@
 
 #include "linear_kernels.h"
 
-enum { MOE_Q4 = 0, MOE_Q8 = 1, MOE_Q5 = 2, MOE_X16 = 4 };
+enum { MOE_Q4 = 0, MOE_Q8 = 1, MOE_Q5 = 2 };
 
 // One kind of matrix of every expert: [E] matrices of N (padded: `rows`) x K
 typedef struct {
@@ -33,11 +33,8 @@ static int expert_linear(const experts_t *w, int64_t e, const float *x, int64_t 
     const uint8_t *m = w->minimum ? w->minimum + e * w->minimum_stride : NULL;
     switch (w->kind) {
     case MOE_Q4: return kvflow_q4_linear(x, M, K, c, d, m, N, y, threads, w->flags);
-    case MOE_Q8: return kvflow_q8_linear(x, M, K, (const int8_t *)c, d, N, y, threads, w->flags);
+    case MOE_Q8: return kvflow_q8_linear(x, M, K, c, d, N, y, threads, w->flags);
     case MOE_Q5: return kvflow_q5_linear(x, M, K, c, d, N, y, threads, w->flags);
-    case MOE_Q4 | MOE_X16: return kvflow_q4_linear_x16(x, M, K, c, d, m, N, y, threads, w->flags);
-    case MOE_Q8 | MOE_X16: return kvflow_q8_linear_x16(x, M, K, c, d, N, y, threads, w->flags);
-    case MOE_Q5 | MOE_X16: return kvflow_q5_linear_x16(x, M, K, c, d, N, y, threads, w->flags);
     default: return 2;
     }
 }

@@ -1,4 +1,5 @@
-// kvflow's CPU kernels for AVX2 machines: 4-bit and 8-bit group-quantized weights times float32 activations.
+// kvflow's CPU kernels (AVX2, and AVX-512 VNNI where the CPU has it): 4-, 5- and 8-bit group-quantized weights times
+// float32 activations; paged attention, RMSNorm and LoRA terms.
 //
 // Why hand-written: on a CPU without native bf16 (AVX2, no AVX-512-BF16/AMX), torch 2.13's int4 and int8
 // weight-only kernels dequantize every weight to float for every row and run at ~7 GFLOP/s a core, so a 4-bit
@@ -7,17 +8,16 @@
 // int8 per group of 32 (one float scale per group) and multiply integer by integer (vpmaddubsw), applying the
 // weight's and the activation's scales once per group.
 //
-// Weight layout (GGUF's own blocks, so Q4_0 / Q4_1 / Q8_0 codes are used as the file stores them):
-//   4-bit: codes [N, K/2] bytes; in each group of 32 columns byte j holds column j (low nibble) and column
-//          j + 16 (high nibble), code 0..15; value = code * d[n, g] + m[n, g]
-//   8-bit: codes [N, K] int8; value = code * d[n, g]
-//   5-bit: Q5_0's blocks without their d: [N, K/32 * 20] bytes, per group 16 bytes of nibbles as 4-bit's, then 4
-//          bytes whose bit j is column j's fifth bit; code 0..31, value = (code - 16) * d[n, g]. The products are
-//          summed in integers as sum(code * a) - 16 * sum(a): the same sums, so the same bits, as the 8-bit kernel
-//          on codes - 16 (what Q5_0 is as 8-bit codes), from 5/8 of the bytes
+// Weights are repacked at load into one layout, "x16" (16 weight rows interleaved; described with its kernels
+// below), which has a kernel for AVX-512 VNNI (vpdpbusd) and one for AVX2 (vpmaddubsw) giving the same bits. The
+// codes: 4-bit 0..15 with value = code * d[n, g] + m[n, g] (GGUF Q4_0 / Q4_1 / Q4_K), 8-bit -128..127 with value
+// = code * d[n, g] (Q8_0, re-rounded Q6_K / Q5_K), 5-bit 0..31 with value = (code - 16) * d[n, g] (Q5_0), summed in
+// integers as sum(code * a) - 16 * sum(a): the same sums, so the same bits, as the 8-bit kernel on codes - 16, from
+// 5/8 of the bytes.
 // Activations x [M, K] float32, row-major; y [M, N] float32. K must be a multiple of 32.
-// Scales d and minimums m, each in one of three forms (`flags` bits 0-1: d's, bits 2-3: m's), all widened to the
-// same float32 values as they are read, so every form gives the same bits:
+// Scales d and minimums m, each in one of three forms (`flags` bits 0-1: d's, bits 2-3: m's; shapes as logical
+// [N, G], held in layout x16's order), all widened to the same float32 values as they are read, so every form gives
+// the same bits:
 //   0  float32 [N, G]
 //   1  fp16 [N, G], as GGUF stores Q4_0 / Q4_1 / Q8_0's d and m
 //   2  two levels, as Q4_K stores them: uint8 multipliers [N, G] then fp16 super-scales [N, G / 8] (one per 8
@@ -94,18 +94,6 @@ static inline scales_t minimums_of(const void *p, int form, scales_t d, int64_t 
     return d;
 }
 
-// element i = n * G + g of a per-group scale array (rows layout)
-static inline float scale_at(scales_t s, int64_t i) {
-    float v;
-    if (s.form == 1)
-        v = _cvtsh_ss(((const uint16_t *)s.p)[i]);
-    else if (s.form == 2)
-        v = (float)((const uint8_t *)s.p)[i] * _cvtsh_ss(s.super[i / 8]);
-    else
-        v = ((const float *)s.p)[i];
-    return s.minus8 ? -8.0f * v : v;
-}
-
 static inline float hsum(__m256 v) {
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -120,96 +108,8 @@ static inline float hmax(__m256 v) {
     return _mm_cvtss_f32(r);
 }
 
-// 32 products of unsigned weight bytes and signed activation bytes, summed to 8 floats
-static inline __m256 dot_u8s8(__m256i w, __m256i a) {
-    const __m256i pairs = _mm256_maddubs_epi16(w, a);      // |15 * 127 * 2| or |127 * 127 * 2|: no saturation
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-static inline __m256i load_q4(const uint8_t *p) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);      // high lane: columns 16..31
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-#define Q5_BYTES 20         // a 5-bit group's bytes: 16 of nibbles, 4 of fifth bits
-
-// 32 5-bit codes: the nibbles, plus 16 where bit j of the 4 bytes after them is set (byte j of the result)
-static inline __m256i load_q5(const uint8_t *p) {
-    uint32_t h;
-    memcpy(&h, p + QK / 2, 4);
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), _mm256_set_epi64x(
-        0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));   // byte j: h's byte j/8
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
-                                          _mm256_set1_epi64x(-1));                            // bit j % 8 of it
-    return _mm256_or_si256(load_q4(p), _mm256_and_si256(set, _mm256_set1_epi8(16)));
-}
-
-// 32 products (code - 16) * a of 5-bit codes, summed to 8 floats: the pair sums are the 8-bit path's exactly
-static inline __m256 dot_q5(__m256i w, __m256i a) {
-    const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(w, a), _mm256_maddubs_epi16(_mm256_set1_epi8(16), a));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-// One weight row times rows [m0, m1) of the quantized activations, 4 rows at a time (the unpacked weights
-// are reused by each of them). bits 4: codes as above, `wm` the per-group minimum; bits 8: wm unused.
-static inline void row_times_block(int bits, const uint8_t *w, scales_t wd, scales_t wm, int64_t at,
-                                   int64_t G, const int8_t *q, const float *d, const float *s, int64_t K,
-                                   int64_t m0, int64_t m1, float *y, int64_t N, int64_t n) {
-    // this row's scales and minimums: elements at .. at + G - 1
-    int64_t m = m0;
-    for (; m + 4 <= m1; m += 4) {
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        float bias[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int64_t g = 0; g < G; g++) {
-            __m256i wv;
-            if (bits == 4) {
-                wv = load_q4(w + g * (QK / 2));
-            } else if (bits == 5) {
-                wv = load_q5(w + g * Q5_BYTES);
-            } else {
-                wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
-            }
-            for (int r = 0; r < 4; r++) {
-                const int64_t row = m + r;
-                __m256i a = _mm256_loadu_si256((const __m256i *)(q + row * K + g * QK));
-                __m256i u = wv;
-                if (bits == 8) {                                   // maddubs wants one unsigned operand
-                    a = _mm256_sign_epi8(a, wv);
-                    u = _mm256_sign_epi8(wv, wv);
-                }
-                const __m256 dot = bits == 5 ? dot_q5(u, a) : dot_u8s8(u, a);
-                acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale_at(wd, at + g) * d[row * G + g]), acc[r]);
-                if (bits == 4) bias[r] += scale_at(wm, at + g) * s[row * G + g];
-            }
-        }
-        for (int r = 0; r < 4; r++) y[(m + r) * N + n] = hsum(acc[r]) + bias[r];
-    }
-    for (; m < m1; m++) {
-        __m256 acc = _mm256_setzero_ps();
-        float bias = 0.0f;
-        for (int64_t g = 0; g < G; g++) {
-            __m256i a = _mm256_loadu_si256((const __m256i *)(q + m * K + g * QK));
-            __m256i u;
-            if (bits == 4) {
-                u = load_q4(w + g * (QK / 2));
-                bias += scale_at(wm, at + g) * s[m * G + g];
-            } else if (bits == 5) {
-                u = load_q5(w + g * Q5_BYTES);
-            } else {
-                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
-                a = _mm256_sign_epi8(a, wv);
-                u = _mm256_sign_epi8(wv, wv);
-            }
-            const __m256 dot = bits == 5 ? dot_q5(u, a) : dot_u8s8(u, a);
-            acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale_at(wd, at + g) * d[m * G + g]), acc);
-        }
-        y[m * N + n] = hsum(acc) + bias;
-    }
-}
-
-// A linear call on the pool, either layout: the weight is N / unit units of `unit` output columns (a row; a block of
-// 16 rows for x16) of unit_bytes each, and chunk c is units [c * per, (c + 1) * per) (chunk_units)
+// A linear call on the pool: the weight is N / unit blocks of `unit` (16: layout x16, below) output columns of
+// unit_bytes each, and chunk c is blocks [c * per, (c + 1) * per) (chunk_units)
 typedef struct {
     int bits;
     const uint8_t *codes;
@@ -217,7 +117,7 @@ typedef struct {
     int64_t G, K, M, N, unit, unit_bytes, per;
     const int8_t *q;
     const float *d, *s;
-    const int32_t *qs;          // x16 only
+    const int32_t *qs;
 } linear_job;
 
 static inline int64_t job_units(const linear_job *j, int64_t c, int64_t *u0) {
@@ -246,12 +146,11 @@ static int pool_linear(pool_chunk_fn chunk, int bits, const float *x, int64_t M,
                        const void *wd, const void *wm, int64_t N, float *y, int threads, int flags, int64_t unit,
                        int64_t unit_bytes) {
     const int64_t G = K / QK;
-    const int x16 = unit > 1;
     int8_t *q = pool_buffer(POOL_LINEAR_Q, M * K);
     float *d = pool_buffer(POOL_LINEAR_D, M * G * (int64_t)sizeof(float));
     float *s = pool_buffer(POOL_LINEAR_S, M * G * (int64_t)sizeof(float));
-    int32_t *qs = x16 ? pool_buffer(POOL_LINEAR_QS, M * G * (int64_t)sizeof(int32_t)) : NULL;
-    int failed = !q || !d || !s || (x16 && !qs);
+    int32_t *qs = pool_buffer(POOL_LINEAR_QS, M * G * (int64_t)sizeof(int32_t));
+    int failed = !q || !d || !s || !qs;
     if (!failed) {
         quantize_activations(x, M, K, q, d, s, qs, 1);
         const int64_t units = N / unit, per = chunk_units(units, unit_bytes, threads);
@@ -262,56 +161,6 @@ static int pool_linear(pool_chunk_fn chunk, int bits, const float *x, int64_t M,
     }
     pool_release();
     return failed;
-}
-
-static int linear_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) {
-    const linear_job *j = ctx;
-    int64_t n0;
-    const int64_t cols = job_units(j, c, &n0);
-    for (int64_t n = n0; n < n0 + cols; n++)
-        row_times_block(j->bits, j->codes + n * j->unit_bytes, j->sd, j->sm, n * j->G, j->G, j->q, j->d, j->s, j->K,
-                        0, j->M, dst, ld, n - n0);
-    return 0;
-}
-
-static int linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *wd,
-                  const void *wm, int64_t N, float *y, int threads, int flags) {
-    const int64_t G = K / QK;
-    const int64_t row_bytes = bits == 4 ? K / 2 : bits == 5 ? G * Q5_BYTES : K;
-    if (M <= POOL_ROWS && pool_acquire(threads))
-        return pool_linear(linear_chunk, bits, x, M, K, codes, wd, wm, N, y, threads, flags, 1, row_bytes);
-    int8_t *q = malloc((size_t)(M * K));
-    float *d = malloc((size_t)(M * G) * sizeof(float));
-    float *s = malloc((size_t)(M * G) * sizeof(float));
-    if (!q || !d || !s) {
-        free(q); free(d); free(s);
-        return 1;
-    }
-    quantize_activations(x, M, K, q, d, s, NULL, threads);
-    const scales_t sd = scales_of(wd, flags & 3, N, G), sm = minimums_of(wm, (flags >> 2) & 3, sd, N, G);
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-        const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
-        #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t n = 0; n < N; n++)
-            row_times_block(bits, codes + n * row_bytes, sd, sm, n * G, G, q, d, s, K, m0, m1, y, N, n);
-    }
-    free(q); free(d); free(s);
-    return 0;
-}
-
-int kvflow_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, const void *m,
-                     int64_t N, float *y, int threads, int flags) {
-    return linear(4, x, M, K, codes, d, m, N, y, threads, flags);
-}
-
-int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *codes, const void *d, int64_t N,
-                     float *y, int threads, int flags) {
-    return linear(8, x, M, K, (const uint8_t *)codes, d, NULL, N, y, threads, flags);
-}
-
-int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
-                     float *y, int threads, int flags) {
-    return linear(5, x, M, K, codes, d, NULL, N, y, threads, flags);
 }
 
 // e^x for x <= 0 (scores minus their maximum), 8 lanes: Cephes' expf polynomial, ~1 ulp; results below
@@ -802,9 +651,10 @@ int kvflow_lora_add(const float *x, int64_t M, int64_t K, const float *a, const 
 
 // ---- Layout "x16": 16 weight rows interleaved, on AVX-512 VNNI (vpdpbusd) or AVX2 (vpmaddubsw) ---------------
 //
-// Layout "x16" (pack_x16 in native_kernels.py): weight rows in blocks of 16 (N padded to a multiple of 16); for
-// block b and group g, 32 codes x 16 rows as 8 "quads" of 4 consecutive columns, each quad a 64-byte register of
-// 16 rows x 4 bytes, which is what vpdpbusd multiplies by 4 activation bytes broadcast to every lane.
+// Layout "x16" (pack_q4 / pack_q8 / pack_q5 in native_kernels.py): weight rows in blocks of 16 (N padded to a
+// multiple of 16); for block b and group g, 32 codes x 16 rows as 8 "quads" of 4 consecutive columns, each quad a
+// 64-byte register of 16 rows x 4 bytes, which is what vpdpbusd multiplies by 4 activation bytes broadcast to
+// every lane.
 //   4-bit: [N/16, G, 4, 64] bytes; register c (0..3) holds quad c in its low nibbles and quad c + 4 in its high
 //          ones; value = code * d + m
 //   8-bit: [N/16, G, 8, 64] bytes holding code + 128 (vpdpbusd wants its weight operand unsigned); the extra
@@ -905,8 +755,10 @@ static inline __m256 load8_of16(scales_t s, int64_t at, int64_t g, int h) {
     if (s.form == 1) {
         v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s.p + i)));
     } else if (s.form == 2) {
-        const __m256 mult = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)s.p + i))));
-        const __m256 sup = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s.super + at / 8 + (g / 8) * X16 + h * 8)));
+        const __m128i m8 = _mm_loadl_epi64((const __m128i *)((const uint8_t *)s.p + i));
+        const __m256 mult = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8));
+        const __m256 sup = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s.super + at / 8 + (g / 8) * X16
+                                                                             + h * 8)));
         v = _mm256_mul_ps(mult, sup);
     } else {
         v = _mm256_loadu_ps((const float *)s.p + i);
@@ -934,7 +786,8 @@ static void block_x16_avx2(int bits, int R, const uint8_t *w, scales_t wd, scale
             __m256i wq[8];
             if (bits == 8) {
                 for (int c = 0; c < 8; c++)
-                    wq[c] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + c * 64)), _mm256_set1_epi8((char)0x80));
+                    wq[c] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + c * 64)),
+                                             _mm256_set1_epi8((char)0x80));
             } else {
                 for (int c = 0; c < 4; c++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + c * 64));
@@ -1043,18 +896,18 @@ static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint
     return 0;
 }
 
-int kvflow_q4_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d,
-                         const void *m, int64_t N, float *y, int threads, int flags) {
+int kvflow_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d,
+                     const void *m, int64_t N, float *y, int threads, int flags) {
     return linear_x16(4, x, M, K, codes, d, m, N, y, threads, flags);
 }
 
-int kvflow_q8_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
-                         float *y, int threads, int flags) {
+int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
+                     float *y, int threads, int flags) {
     return linear_x16(8, x, M, K, codes, d, NULL, N, y, threads, flags);
 }
 
-int kvflow_q5_linear_x16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
-                         float *y, int threads, int flags) {
+int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
+                     float *y, int threads, int flags) {
     return linear_x16(5, x, M, K, codes, d, NULL, N, y, threads, flags);
 }
 

@@ -3,9 +3,8 @@ RMSNorm and LoRA terms, built with the machine's C compiler on first use and cal
 compiled decode graphs keep them). Every one computes each row alone, in one fixed order: a row's bits do not
 depend on what shares its step (batch invariance), which torch's kernels do not promise.
 
-The matmul kernels read weights in layout "x16" (16 weight rows interleaved per register, repacked at load) on
-AVX-512 VNNI (`vpdpbusd`) or AVX2 (`vpmaddubsw`): `isa()` picks once per process, and both give the same bits.
-Layout "rows" (weights row by row as GGUF stores them) has its own AVX2 kernel, which the engine no longer picks.
+The matmul kernels read weights in one layout, "x16" (16 weight rows interleaved per register, repacked at load),
+on AVX-512 VNNI (`vpdpbusd`) or AVX2 (`vpmaddubsw`): `isa()` picks once per process, and both give the same bits.
 Anything missing (no compiler, no AVX2/FMA, a failed self-check) means None from `library()` and torch's kernels,
 never an error. `KVFLOW_NATIVE_KERNELS=0` turns them off; `KVFLOW_NATIVE_ISA=avx2` runs the AVX2 kernels on an
 AVX-512 machine (to compare them).
@@ -75,10 +74,6 @@ def isa() -> str:
     return "avx512" if has_avx512_vnni() and os.environ.get("KVFLOW_NATIVE_ISA", "") != "avx2" else "avx2"
 
 
-def _layout(layout: str | None) -> str:
-    return layout or "x16"
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None (logged once) when they cannot be built or loaded here."""
@@ -105,11 +100,9 @@ def library() -> ctypes.CDLL | None:
                     detail.decode(errors="replace")[-500:])
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.kvflow_q4_linear.argtypes = lib.kvflow_q4_linear_x16.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr,
-                                                                          ctypes.c_int, ctypes.c_int]
-    lib.kvflow_q8_linear.argtypes = lib.kvflow_q8_linear_x16.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr,
-                                                                          ctypes.c_int, ctypes.c_int]
-    lib.kvflow_q5_linear.argtypes = lib.kvflow_q5_linear_x16.argtypes = lib.kvflow_q8_linear.argtypes
+    lib.kvflow_q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
+    lib.kvflow_q8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
+    lib.kvflow_q5_linear.argtypes = lib.kvflow_q8_linear.argtypes
     lib.kvflow_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr,
                                            ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int, i64]
     lib.kvflow_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
@@ -130,8 +123,7 @@ def library() -> ctypes.CDLL | None:
     lib.kvflow_x16_use_avx512.argtypes = [ctypes.c_int]
     lib.kvflow_x16_use_avx512.restype = None
     lib.kvflow_x16_use_avx512(int(isa() == "avx512"))
-    for fn in (lib.kvflow_q4_linear, lib.kvflow_q8_linear, lib.kvflow_q4_linear_x16, lib.kvflow_q8_linear_x16,
-               lib.kvflow_q5_linear, lib.kvflow_q5_linear_x16, lib.kvflow_paged_attention):
+    for fn in (lib.kvflow_q4_linear, lib.kvflow_q8_linear, lib.kvflow_q5_linear, lib.kvflow_paged_attention):
         fn.restype = ctypes.c_int
     if not _self_check(lib):
         log.warning("native kernels: self-check against torch failed; torch's int4/int8 kernels instead")
@@ -139,7 +131,7 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-X16 = 16      # weight rows per register in the AVX-512 layout
+X16 = 16      # weight rows per block of the layout
 
 
 class _Experts(ctypes.Structure):
@@ -170,39 +162,27 @@ def quiesce() -> None:
         lib.kvflow_pool_quiesce()
 
 
-def padded_rows(n: int, layout: str | None = None) -> int:
-    """Rows the kernel's layout holds for an [n, K] matrix (its output has this many columns)."""
-    return -(-n // X16) * X16 if _layout(layout) == "x16" else n
+def padded_rows(n: int) -> int:
+    """Rows the kernels' layout holds for an [n, K] matrix (its output has this many columns)."""
+    return -(-n // X16) * X16
 
 
-def pack_q4(codes: torch.Tensor, layout: str | None = None) -> torch.Tensor:
-    """4-bit codes [N, K] (0..15, one per byte) -> the kernel's layout. AVX2: GGUF's block layout [N, K / 2] (in
-    each group of 32 columns byte j holds column j in its low nibble and column j + 16 in its high one). AVX-512:
-    x16 [N / 16, G, 4, 64] (native_kernels.c), rows padded to a multiple of 16 with code 0. `layout`: "rows" or
-    "x16" (default: this machine's kernel's)."""
-    n, k = codes.shape
-    codes = codes.to(torch.uint8)
-    if _layout(layout) == "x16":
-        quads = _x16(codes, k).reshape(-1, k // GROUP, 2, 4, 64)        # [blocks, G, half, quad c, 16 rows x 4]
-        return (quads[:, :, 0] | (quads[:, :, 1] << 4)).contiguous()
-    blocks = codes.view(n, k // GROUP, 2, GROUP // 2)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+def pack_q4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (0..15, one per byte) -> the kernels' layout, x16 [N / 16, G, 4, 64] (native_kernels.c),
+    rows padded to a multiple of 16 with code 0."""
+    k = codes.shape[1]
+    quads = _x16(codes.to(torch.uint8), k).reshape(-1, k // GROUP, 2, 4, 64)    # [blocks, G, half, quad c, 16 x 4]
+    return (quads[:, :, 0] | (quads[:, :, 1] << 4)).contiguous()
 
 
 def unpack_q4(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """`pack_q4`'s inverse: codes [n, k] (padding rows dropped)."""
-    if packed.dim() == 4:
-        quads = torch.stack([packed & 15, packed >> 4], 2).view(-1, k // GROUP, 8, X16, 4)
-        return quads.permute(0, 3, 1, 2, 4).reshape(-1, k)[:n]
-    halves = packed.view(n, k // GROUP, 1, GROUP // 2)
-    return torch.cat([halves & 15, halves >> 4], 2).view(n, k)
+    quads = torch.stack([packed & 15, packed >> 4], 2).view(-1, k // GROUP, 8, X16, 4)
+    return quads.permute(0, 3, 1, 2, 4).reshape(-1, k)[:n]
 
 
-def pack_q8(codes: torch.Tensor, layout: str | None = None) -> torch.Tensor:
-    """8-bit codes [N, K] int8 -> the kernel's layout: AVX2 as they are; AVX-512 x16 [N / 16, G, 8, 64] of
-    code + 128 (uint8)."""
-    if _layout(layout) != "x16":
-        return codes.contiguous()
+def pack_q8(codes: torch.Tensor) -> torch.Tensor:
+    """8-bit codes [N, K] int8 -> the kernels' layout, x16 [N / 16, G, 8, 64] of code + 128 (uint8)."""
     k = codes.shape[1]
     return (_x16(codes.view(torch.uint8), k) ^ 0x80).reshape(-1, k // GROUP, 8, 64).contiguous()
 
@@ -212,51 +192,38 @@ def fits_q5(codes: torch.Tensor) -> bool:
     return codes.dtype == torch.int8 and codes.numel() > 0 and -16 <= int(codes.min()) and int(codes.max()) <= 15
 
 
-def pack_q5(codes: torch.Tensor, layout: str | None = None) -> torch.Tensor:
-    """8-bit codes [N, K] in -16..15 -> the 5-bit kernel's layout of code + 16 (native_kernels.c). AVX2: [N, K / 32
-    * 20], per group GGUF Q5_0's 16 bytes of nibbles and 4 bytes of fifth bits (bit j: column j). AVX-512: x16
-    [N / 16, G, 5, 64]: 4-bit's four registers, then one whose byte (row, column c % 4 of a quad) holds in bit q
-    the fifth bit of quad q."""
-    n, k = codes.shape
+def pack_q5(codes: torch.Tensor) -> torch.Tensor:
+    """8-bit codes [N, K] in -16..15 -> the 5-bit kernel's layout of code + 16 (native_kernels.c), x16 [N / 16, G,
+    5, 64]: 4-bit's four registers, then one whose byte (row, column c % 4 of a quad) holds in bit q the fifth bit
+    of quad q."""
+    k = codes.shape[1]
     u = (codes.to(torch.int16) + 16).to(torch.uint8)
-    nibbles, high = pack_q4(u & 15, layout), u >> 4
-    if _layout(layout) == "x16":
-        quads = _x16(high, k).reshape(-1, k // GROUP, 8, 64).to(torch.int32)        # [blocks, G, quad, 64]
-        bits = (quads << torch.arange(8, dtype=torch.int32)[:, None]).sum(2).to(torch.uint8)
-        return torch.cat([nibbles, bits[:, :, None]], dim=2).contiguous()
-    bits = (high.view(n, k // GROUP, 4, 8).to(torch.int32) << torch.arange(8, dtype=torch.int32)).sum(-1)
-    return torch.cat([nibbles.view(n, k // GROUP, GROUP // 2), bits.to(torch.uint8)], dim=-1).reshape(n, -1)
+    nibbles, high = pack_q4(u & 15), u >> 4
+    quads = _x16(high, k).reshape(-1, k // GROUP, 8, 64).to(torch.int32)        # [blocks, G, quad, 64]
+    bits = (quads << torch.arange(8, dtype=torch.int32)[:, None]).sum(2).to(torch.uint8)
+    return torch.cat([nibbles, bits[:, :, None]], dim=2).contiguous()
 
 
 def q5_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows of the int8 codes (-16..15) held in `pack_q5`'s layout."""
-    if packed.dim() == 4:
-        g = packed.shape[1]
-        regs = packed.view(-1, g, 5, X16, 4)[rows // X16, :, :, rows % X16]           # [*rows, G, 5, 4]
-        nib = torch.cat([regs[..., :4, :] & 15, regs[..., :4, :] >> 4], dim=-2)       # quads 0..7
-        high = (regs[..., 4:, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
-        u = nib | (high << 4)
-    else:
-        g = packed.shape[1] // 20
-        blocks = packed.view(packed.shape[0], g, 20)[rows]
-        nib = torch.cat([blocks[..., :16] & 15, blocks[..., :16] >> 4], dim=-1)
-        high = (blocks[..., 16:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
-        u = nib | (high.flatten(-2) << 4)
+    g = packed.shape[1]
+    regs = packed.view(-1, g, 5, X16, 4)[rows // X16, :, :, rows % X16]           # [*rows, G, 5, 4]
+    nib = torch.cat([regs[..., :4, :] & 15, regs[..., :4, :] >> 4], dim=-2)       # quads 0..7
+    high = (regs[..., 4:, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+    u = nib | (high << 4)
     return (u.to(torch.int16) - 16).to(torch.int8).reshape(*rows.shape, g * GROUP)
 
 
 def q8_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows of the int8 codes held in `pack_q8`'s layout (embedding lookups from the LM head's own codes)."""
-    if packed.dim() == 2:
-        return packed[rows]
     g = packed.shape[1]
     quads = packed.view(-1, g, 8, X16, 4)[rows // X16, :, :, rows % X16]        # [*rows, G, 8, 4]
     return (quads ^ 0x80).view(torch.int8).reshape(*rows.shape, g * GROUP)
 
 
-def pack_scales(t: torch.Tensor, layout: str | None = None, compact: bool = False,
+def pack_scales(t: torch.Tensor, compact: bool = False,
                 parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Per-group scales or minimums [N, G] float32 -> the kernel's layout (AVX-512: [N / 16, G, 16]). `compact`:
+    """Per-group scales or minimums [N, G] float32 -> the kernels' layout, [N / 16, G, 16]. `compact`:
     held as the file stores them, which the kernels widen back to the same float32 values: `parts` (Q4_K's
     fp16 super-scale per 8 groups [N, G / 8] and uint8 multiplier [N, G], t == super * multiplier) as one uint8
     buffer, the multipliers then the super-scales, each in the layout; else fp16 where every value is one (GGUF's
@@ -265,42 +232,38 @@ def pack_scales(t: torch.Tensor, layout: str | None = None, compact: bool = Fals
     if compact and parts is not None:
         sup, mult = parts
         if t.shape[1] % 8 == 0 and torch.equal(sup.float().repeat_interleave(8, 1) * mult.float(), t):
-            return torch.cat([_scale_layout(mult.to(torch.uint8), layout).view(-1),
-                              _scale_layout(sup.half(), layout).view(-1).view(torch.uint8)])
+            return torch.cat([_scale_layout(mult.to(torch.uint8)).view(-1),
+                              _scale_layout(sup.half()).view(-1).view(torch.uint8)])
     if compact and torch.equal(t.half().float(), t):
         t = t.half()
-    return _scale_layout(t, layout)
+    return _scale_layout(t)
 
 
-def _scale_layout(t: torch.Tensor, layout: str | None) -> torch.Tensor:
-    if _layout(layout) != "x16":
-        return t.contiguous()
+def _scale_layout(t: torch.Tensor) -> torch.Tensor:
     n, g = t.shape
-    t = torch.nn.functional.pad(t, (0, 0, 0, padded_rows(n, "x16") - n))
+    t = torch.nn.functional.pad(t, (0, 0, 0, padded_rows(n) - n))
     return t.view(-1, X16, g).transpose(1, 2).contiguous()
 
 
-def widen_scales(t: torch.Tensor, n: int, g: int, layout: str | None = None) -> torch.Tensor:
-    """`pack_scales`'s output as float32 in the same layout ([n, g], or [N / 16, g, 16] for x16)."""
+def widen_scales(t: torch.Tensor, n: int, g: int) -> torch.Tensor:
+    """`pack_scales`'s output as float32 in the same layout, [N / 16, g, 16]."""
     if t.dtype != torch.uint8:
         return t.float()
-    rows = padded_rows(n, layout)
+    rows = padded_rows(n)
     mult, sup = t[:rows * g], t[rows * g:].view(torch.float16)
-    if _layout(layout) == "x16":
-        mult, sup = mult.view(-1, g, X16), sup.view(-1, g // 8, X16).repeat_interleave(8, 1)
-    else:
-        mult, sup = mult.view(rows, g), sup.view(rows, g // 8).repeat_interleave(8, 1)
+    mult, sup = mult.view(-1, g, X16), sup.view(-1, g // 8, X16).repeat_interleave(8, 1)
     return mult.float() * sup.float()
 
 
 def unpack_scales(t: torch.Tensor, n: int) -> torch.Tensor:
-    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n] if t.dim() == 3 else t
+    """`pack_scales`'s layout [N / 16, G, 16] -> [n, G] (padding rows dropped)."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
 
 
 def _x16(codes: torch.Tensor, k: int) -> torch.Tensor:
     """[N, K] bytes -> [N / 16, G, 8 quads, 16 rows, 4 bytes], rows padded with zeros."""
     n = codes.shape[0]
-    codes = torch.nn.functional.pad(codes, (0, 0, 0, padded_rows(n, "x16") - n))
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, padded_rows(n) - n))
     return codes.view(-1, X16, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4)
 
 
@@ -321,27 +284,23 @@ _OPS.define("lora_add(Tensor out, Tensor x, Tensor a, Tensor b, Tensor pieces, T
 
 def _q4_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """x [..., K] float32 @ W.T, W = code * scale + minimum per group of 32 (all three from `pack_q4` /
-    `pack_scales`; the layout says which kernel): [..., padded rows]."""
-    lib = library()
-    return _run(lib.kvflow_q4_linear_x16 if codes.dim() == 4 else lib.kvflow_q4_linear, x, codes, scale, minimum,
-                bits=4)
+    `pack_scales`): [..., padded rows]."""
+    return _run(library().kvflow_q4_linear, x, codes, scale, minimum, bits=4)
 
 
 def _q8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] float32 @ W.T, W = code * scale per group of 32 (codes from `pack_q8`)."""
-    lib = library()
-    return _run(lib.kvflow_q8_linear_x16 if codes.dim() == 4 else lib.kvflow_q8_linear, x, codes, scale, bits=8)
+    return _run(library().kvflow_q8_linear, x, codes, scale, bits=8)
 
 
 def _q5_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] float32 @ W.T, W = code * scale per group of 32, codes -16..15 (from `pack_q5`): the same bits as
     `q8_linear` on the same codes."""
-    lib = library()
-    return _run(lib.kvflow_q5_linear_x16 if codes.dim() == 4 else lib.kvflow_q5_linear, x, codes, scale, bits=5)
+    return _run(library().kvflow_q5_linear, x, codes, scale, bits=5)
 
 
 def _out_rows(codes: torch.Tensor) -> int:
-    return codes.shape[0] * X16 if codes.dim() == 4 else codes.shape[0]
+    return codes.shape[0] * X16
 
 
 def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -368,20 +327,21 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out.to(dtype)
 
 
-_MOE_KINDS = {4: 0, 8: 1, 5: 2}        # moe_kernels.c's MOE_Q4, MOE_Q8, MOE_Q5 (| MOE_X16 = 4 for that layout)
+_MOE_KINDS = {4: 0, 8: 1, 5: 2}        # moe_kernels.c's MOE_Q4, MOE_Q8, MOE_Q5
 
 
 def _stacked(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, k: int) -> tuple:
     """One kind of matrix of every expert, [E, ...] each (minimum: [E, 0] where the codes have none) ->
     (_Experts, output rows), checked as `_run` checks one matrix: nothing is read past them."""
     experts = codes.shape[0]
-    n = codes.shape[1] * X16 if codes.dim() == 5 else codes.shape[1]
+    n = codes.shape[1] * X16
     groups = n * (k // GROUP)
     tensors = [scale] + ([minimum] if bits == 4 else [])
     forms = [_form(t, i == 1) for i, t in enumerate(tensors)]
     # elements per expert from the whole tensors' sizes (no per-expert views: this runs every layer of every step)
     each = [t.numel() // experts if experts else 0 for t in (codes, *tensors)]
-    if (bits not in _MOE_KINDS or None in forms or not all(t.is_contiguous() for t in (codes, *tensors))
+    if (bits not in _MOE_KINDS or codes.dim() != 5 or None in forms
+            or not all(t.is_contiguous() for t in (codes, *tensors))
             or any(t.shape[0] != experts for t in tensors) or each[0] * 8 != n * k * bits
             or any(e != _scale_elements(f, groups) for e, f in zip(each[1:], forms))
             or (2 in forms and (k // GROUP) % 8)):
@@ -390,7 +350,7 @@ def _stacked(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bi
     spec = _Experts(codes.data_ptr(), scale.data_ptr(), m.data_ptr() if m is not None else None,
                     each[0] * codes.element_size(), each[1] * scale.element_size(),
                     each[2] * m.element_size() if m is not None else 0,
-                    _MOE_KINDS[bits] | (4 if codes.dim() == 5 else 0),
+                    _MOE_KINDS[bits],
                     sum(f << (2 * i) for i, f in enumerate(forms)))
     return spec, n
 
@@ -562,17 +522,16 @@ def _self_check(lib: ctypes.CDLL) -> bool:
     w8 = (codes8.float().view(n, -1, GROUP) * scale[..., None]).view(n, k)
     for rows in (1, 5, 70):
         x = torch.randn(rows, k, generator=g)
-        for fn, w, args in ((lib.kvflow_q4_linear_x16, w4, (pack_q4(codes4), pack_scales(scale),
-                                                            pack_scales(minimum))),
-                            (lib.kvflow_q8_linear_x16, w8, (pack_q8(codes8), pack_scales(scale)))):
+        for fn, w, args in ((lib.kvflow_q4_linear, w4, (pack_q4(codes4), pack_scales(scale), pack_scales(minimum))),
+                            (lib.kvflow_q8_linear, w8, (pack_q8(codes8), pack_scales(scale)))):
             want = x @ w.T
             got = _run(fn, x, *args)[:, :n]
             if not torch.allclose(got, want, rtol=0, atol=0.02 * want.abs().max().item()):
                 return False
         # 5-bit codes: the very sums (so bits) of the 8-bit kernel on the same codes
         codes5 = torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)
-        eight = _run(lib.kvflow_q8_linear_x16, x, pack_q8(codes5), pack_scales(scale))
-        five = _run(lib.kvflow_q5_linear_x16, x, pack_q5(codes5), pack_scales(scale), bits=5)
+        eight = _run(lib.kvflow_q8_linear, x, pack_q8(codes5), pack_scales(scale))
+        five = _run(lib.kvflow_q5_linear, x, pack_q5(codes5), pack_scales(scale), bits=5)
         if not torch.equal(five, eight):
             return False
     return True

@@ -29,7 +29,7 @@ from kvflow.layers.quantization import NativeQ8Linear
 from kvflow.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
 from kvflow.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 
-_W_Q4, _W_Q8, _W_Q5, _W_X16 = 0, 1, 2, 4
+_W_Q4, _W_Q8, _W_Q5 = 0, 1, 2
 _KV_FORMS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ptr, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -98,10 +98,9 @@ def _linear(module: nn.Module, in_features: int, bias_allowed: bool = False) -> 
     if module.in_features != in_features:
         raise Unsupported("a projection of unexpected shape")
     flags = native_kernels.linear_flags(codes, in_features, bits, *scales)
-    width = native_kernels.padded_rows(module.out_features, "x16" if codes.dim() == 4 else "rows")
     return _Linear(codes.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr() if len(scales) > 1 else None,
-                   bias.data_ptr() if bias is not None else None, module.out_features, width,
-                   kind | (_W_X16 if codes.dim() == 4 else 0), flags)
+                   bias.data_ptr() if bias is not None else None, module.out_features,
+                   native_kernels.padded_rows(module.out_features), kind, flags)
 
 
 def _norm(module: nn.Module | None, width: int) -> _Norm:
