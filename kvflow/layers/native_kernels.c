@@ -33,6 +33,7 @@
 #include "thread_pool.h"
 
 #define QK 32
+#define X16 16          // weight rows per block of the layout ("x16", below)
 #define ROW_BLOCK 64      // rows of activations per pass over the weights: their int8 copy stays in L2
 // Calls of up to this many rows (a decode step's) run on kvflow's thread pool (thread_pool.c says why), bigger ones
 // on OpenMP's threads; every kernel gives the same bits either way. runner/kernel_plan.py's SMALL_STEP_ROWS is the same number.
@@ -108,20 +109,20 @@ static inline float hmax(__m256 v) {
     return _mm_cvtss_f32(r);
 }
 
-// A linear call on the pool: the weight is N / unit blocks of `unit` (16: layout x16, below) output columns of
-// unit_bytes each, and chunk c is blocks [c * per, (c + 1) * per) (chunk_units)
+// A linear call on the pool: the weight is N / 16 blocks of 16 output columns (layout x16, below) of unit_bytes
+// each, and chunk c is blocks [c * per, (c + 1) * per) (chunk_units)
 typedef struct {
     int bits;
     const uint8_t *codes;
     scales_t sd, sm;
-    int64_t G, K, M, N, unit, unit_bytes, per;
+    int64_t G, K, M, N, unit_bytes, per;
     const int8_t *q;
     const float *d, *s;
     const int32_t *qs;
 } linear_job;
 
 static inline int64_t job_units(const linear_job *j, int64_t c, int64_t *u0) {
-    const int64_t units = j->N / j->unit;
+    const int64_t units = j->N / X16;
     *u0 = c * j->per;
     return (*u0 + j->per < units ? *u0 + j->per : units) - *u0;
 }
@@ -130,7 +131,7 @@ static pool_region linear_region(const void *ctx, int64_t c) {
     const linear_job *j = ctx;
     int64_t u0;
     const int64_t n = job_units(j, c, &u0);
-    return (pool_region){u0 * j->unit, j->M, n * j->unit, j->N};
+    return (pool_region){u0 * X16, j->M, n * X16, j->N};
 }
 
 // units of unit_bytes per chunk for a call over `units` of them on `threads`
@@ -143,7 +144,7 @@ static inline int64_t chunk_units(int64_t units, int64_t unit_bytes, int threads
 // quantizes x into the pool's buffers (a worker late from this call may still read them) and runs `chunk` over
 // the weight's units; the caller holds the pool (pool_acquire)
 static int pool_linear(pool_chunk_fn chunk, int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
-                       const void *wd, const void *wm, int64_t N, float *y, int threads, int flags, int64_t unit,
+                       const void *wd, const void *wm, int64_t N, float *y, int threads, int flags,
                        int64_t unit_bytes) {
     const int64_t G = K / QK;
     int8_t *q = pool_buffer(POOL_LINEAR_Q, M * K);
@@ -153,10 +154,10 @@ static int pool_linear(pool_chunk_fn chunk, int bits, const float *x, int64_t M,
     int failed = !q || !d || !s || !qs;
     if (!failed) {
         quantize_activations(x, M, K, q, d, s, qs, 1);
-        const int64_t units = N / unit, per = chunk_units(units, unit_bytes, threads);
+        const int64_t units = N / X16, per = chunk_units(units, unit_bytes, threads);
         const scales_t sd = scales_of(wd, flags & 3, N, G);
         const linear_job job = {bits, codes, sd, minimums_of(wm, (flags >> 2) & 3, sd, N, G),
-                                G, K, M, N, unit, unit_bytes, per, q, d, s, qs};
+                                G, K, M, N, unit_bytes, per, q, d, s, qs};
         failed = pool_run(chunk, linear_region, &job, sizeof job, (units + per - 1) / per, y, threads);
     }
     pool_release();
@@ -669,7 +670,6 @@ int kvflow_lora_add(const float *x, int64_t M, int64_t K, const float *a, const 
 // of a group is exact on both instruction sets, so AVX2 gives AVX-512's bits: one block kernel per ISA
 // (block_x16_avx512, block_x16_avx2), chosen once per process (kvflow_x16_use_avx512) and called through
 // `x16_block`, so the drivers below hold no AVX-512 instruction and run on an AVX2-only CPU.
-#define X16 16
 #define ROWS_X16 4          // activation rows per pass over a block's unpacked weights (registers: 8 + 3 * 4)
 
 typedef void (*x16_block_fn)(int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at, int64_t G,
@@ -869,7 +869,7 @@ static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint
     const int64_t G = K / QK, blocks = N / X16;
     const int64_t block_bytes = G * (bits == 4 ? 4 : bits == 5 ? 5 : 8) * 64;
     if (M <= POOL_ROWS && pool_acquire(threads))
-        return pool_linear(linear_x16_chunk, bits, x, M, K, codes, wd, wm, N, y, threads, flags, X16, block_bytes);
+        return pool_linear(linear_x16_chunk, bits, x, M, K, codes, wd, wm, N, y, threads, flags, block_bytes);
     int8_t *q = malloc((size_t)(M * K));
     float *d = malloc((size_t)(M * G) * sizeof(float));
     float *s = malloc((size_t)(M * G) * sizeof(float));
