@@ -18,6 +18,8 @@
 
 #include "linear_kernels.h"
 
+int kvflow_pool_rows(void);
+
 enum { MOE_Q4 = 0, MOE_Q8 = 1, MOE_Q5 = 2 };
 
 // One kind of matrix of every expert: [E] matrices of N (padded: `rows`) x K
@@ -37,6 +39,54 @@ static int expert_linear(const experts_t *w, int64_t e, const float *x, int64_t 
     case MOE_Q5: return kvflow_q5_linear(x, M, K, c, d, N, y, threads, w->flags);
     default: return 2;
     }
+}
+
+static int kind_bits(int kind) { return kind == MOE_Q4 ? 4 : kind == MOE_Q8 ? 8 : 5; }
+
+// A small step's experts (T <= kvflow_pool_rows()): the pairs' rows gathered in expert order, then each kind of
+// matrix of every chosen expert in one pool job (kvflow_grouped_linear) instead of one call per expert, whose
+// hand-overs cost as much as the matmuls at a few rows. out [P, H] by pair. -1: the pool did not take the gate/up
+// job (nothing done: run the per-expert calls); 0; 1: out of memory; 2: an unknown kind.
+static int small_step_experts(const float *x, int64_t H, int64_t k, int64_t E, int64_t I, const experts_t *gu,
+                              int64_t gu_rows, const experts_t *dn, int64_t dn_rows, const int64_t *count,
+                              const int64_t *order, int64_t P, float *out, int threads) {
+    int64_t matrix[64], rows[64], groups = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (count[e + 1] == count[e]) continue;
+        if (groups == 64) return -1;
+        matrix[groups] = e;
+        rows[groups++] = count[e + 1] - count[e];
+    }
+    float *xs = malloc((size_t)P * (size_t)H * sizeof(float));
+    float *h = malloc((size_t)P * (size_t)gu_rows * sizeof(float));
+    float *a = malloc((size_t)P * (size_t)I * sizeof(float));
+    float *o = malloc((size_t)P * (size_t)dn_rows * sizeof(float));
+    int err = !xs || !h || !a || !o;
+    if (!err) {
+        for (int64_t i = 0; i < P; i++) memcpy(xs + i * H, x + (order[i] / k) * H, (size_t)H * sizeof(float));
+        err = kvflow_grouped_linear(kind_bits(gu->kind), xs, P, H, matrix, rows, groups, gu->codes, gu->codes_stride,
+                                    gu->scale, gu->scale_stride, gu->minimum, gu->minimum_stride, gu->flags, gu_rows,
+                                    h, threads);
+    }
+    if (!err) {
+        for (int64_t i = 0; i < P; i++) {
+            const float *g = h + i * gu_rows, *u = g + I;
+            float *ai = a + i * I;
+            for (int64_t c = 0; c < I; c++) ai[c] = g[c] / (1.0f + expf(-g[c])) * u[c];
+        }
+        err = kvflow_grouped_linear(kind_bits(dn->kind), a, P, I, matrix, rows, groups, dn->codes, dn->codes_stride,
+                                    dn->scale, dn->scale_stride, dn->minimum, dn->minimum_stride, dn->flags, dn_rows,
+                                    o, threads);
+        // the pool taken by another thread between the two jobs: the down matrices one call per expert
+        for (int64_t i = 0, row = 0; err == -1 && i < groups; row += rows[i++])
+            if ((err = expert_linear(dn, matrix[i], a + row * I, rows[i], I, dn_rows, o + row * dn_rows, threads)))
+                break;
+        if (err == -1) err = 0;
+    }
+    if (!err)
+        for (int64_t i = 0; i < P; i++) memcpy(out + order[i] * H, o + i * dn_rows, (size_t)H * sizeof(float));
+    free(xs); free(h); free(a); free(o);
+    return err;
 }
 
 // x [T, H]; ids [T, k] int64 (each 0..E-1), weights [T, k] float32, each row's choices highest weight first;
@@ -66,12 +116,17 @@ int kvflow_moe_experts(const float *x, int64_t T, int64_t H, const int64_t *ids,
                 if (count[e + 1] - count[e] > most) most = count[e + 1] - count[e];
             free(next);
         }
-        float *xs = err ? NULL : malloc((size_t)most * (size_t)H * sizeof(float));
-        float *h = err ? NULL : malloc((size_t)most * (size_t)gu_rows * sizeof(float));
-        float *a = err ? NULL : malloc((size_t)most * (size_t)I * sizeof(float));
-        float *o = err ? NULL : malloc((size_t)most * (size_t)dn_rows * sizeof(float));
-        if (!err && (!xs || !h || !a || !o)) err = 1;
-        for (int64_t e = 0; !err && e < E; e++) {
+        if (!err && T <= kvflow_pool_rows()) {
+            err = small_step_experts(x, H, k, E, I, &gate_up, gu_rows, &down, dn_rows, count, order, P, out, threads);
+            if (err != -1) most = 0;          // done (or failed): the loop below has nothing to do
+            else err = 0;
+        }
+        float *xs = err || !most ? NULL : malloc((size_t)most * (size_t)H * sizeof(float));
+        float *h = err || !most ? NULL : malloc((size_t)most * (size_t)gu_rows * sizeof(float));
+        float *a = err || !most ? NULL : malloc((size_t)most * (size_t)I * sizeof(float));
+        float *o = err || !most ? NULL : malloc((size_t)most * (size_t)dn_rows * sizeof(float));
+        if (!err && most && (!xs || !h || !a || !o)) err = 1;
+        for (int64_t e = 0; !err && most && e < E; e++) {
             const int64_t n = count[e + 1] - count[e], *pairs = order + count[e];
             if (!n) continue;
             for (int64_t i = 0; i < n; i++) memcpy(xs + i * H, x + (pairs[i] / k) * H, (size_t)H * sizeof(float));

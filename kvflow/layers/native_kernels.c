@@ -911,4 +911,102 @@ int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes,
     return linear_x16(5, x, M, K, codes, d, NULL, N, y, threads, flags);
 }
 
-_Static_assert(sizeof(linear_job) <= POOL_CTX_BYTES && sizeof(attention_job) <= POOL_CTX_BYTES, "a pool job's context must fit the pool's copy");
+// Matrices of one stacked kind (a mixture-of-experts layer's experts), each multiplying its own run of rows, in one
+// pool job. A small step's experts are many small matmuls (at one row, 8 experts of 0.6 MB each, twice a layer), and
+// one pool call each paid the hand-over and a split too fine to pay for it: ~40 us an expert on 2 threads, close to
+// one thread's time. Group i multiplies rows row0_i .. row0_i + rows[i] - 1 of x [M, K] (row0_i: the rows of the
+// groups before it) by matrix matrix[i] (its codes at codes + matrix[i] * codes_stride bytes, its scales and
+// minimums likewise) into the same rows of y [M, N]. The activations are rounded and the blocks multiplied as
+// linear_x16 does (per row, x16_block): the same bits as one call per group, whatever the grouping.
+// The job's whole description is in its context (no table in a pool buffer that the next job could rewrite under
+// a late worker): at most GROUPED_MAX groups.
+#define GROUPED_MAX 64
+
+typedef struct {
+    const uint8_t *codes, *d, *m;
+    int64_t codes_stride, d_stride, m_stride;
+    const int8_t *q;
+    const float *qd, *qsum;
+    const int32_t *qs;
+    int32_t bits, flags, K, N, per, per_group, groups;
+    uint16_t matrix[GROUPED_MAX];
+    uint8_t rows[GROUPED_MAX];
+} grouped_job;
+
+// chunk c: group g's blocks [u0, u0 + units), its rows from row0
+static void grouped_chunk_at(const grouped_job *j, int64_t c, int64_t *g, int64_t *row0, int64_t *u0,
+                             int64_t *units) {
+    *g = c / j->per_group;
+    int64_t r = 0;
+    for (int64_t i = 0; i < *g; i++) r += j->rows[i];
+    *row0 = r;
+    *u0 = (c % j->per_group) * j->per;
+    const int64_t all = j->N / X16;
+    *units = (*u0 + j->per < all ? *u0 + j->per : all) - *u0;
+}
+
+static pool_region grouped_region(const void *ctx, int64_t c) {
+    const grouped_job *j = ctx;
+    int64_t g, row0, u0, units;
+    grouped_chunk_at(j, c, &g, &row0, &u0, &units);
+    return (pool_region){row0 * j->N + u0 * X16, j->rows[g], units * X16, j->N};
+}
+
+static int grouped_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) {
+    const grouped_job *j = ctx;
+    int64_t g, row0, u0, units;
+    grouped_chunk_at(j, c, &g, &row0, &u0, &units);
+    const int64_t K = j->K, N = j->N, G = K / QK, e = j->matrix[g], rows = j->rows[g];
+    const int64_t unit_bytes = G * (j->bits == 4 ? 4 : j->bits == 5 ? 5 : 8) * 64;
+    const scales_t sd = scales_of(j->d + e * j->d_stride, j->flags & 3, N, G);
+    const scales_t sm = minimums_of(j->m ? j->m + e * j->m_stride : NULL, (j->flags >> 2) & 3, sd, N, G);
+    const int8_t *q = j->q + row0 * K;
+    const float *qd = j->qd + row0 * G, *qsum = j->qsum + row0 * G;
+    const int32_t *qs = j->qs + row0 * G;
+    for (int64_t b = u0; b < u0 + units; b++) {
+        const uint8_t *w = j->codes + e * j->codes_stride + b * unit_bytes;
+        int64_t m = 0;
+        for (; m + ROWS_X16 <= rows; m += ROWS_X16)
+            x16_block(j->bits, ROWS_X16, w, sd, sm, b * G * X16, G, q, qd, qsum, qs, K, m, dst, ld, (b - u0) * X16);
+        if (m < rows)
+            x16_block(j->bits, (int)(rows - m), w, sd, sm, b * G * X16, G, q, qd, qsum, qs, K, m, dst, ld,
+                      (b - u0) * X16);
+    }
+    return 0;
+}
+
+// 0; 1: out of memory; -1: not taken (more than GROUPED_MAX groups, a group over 255 rows, one thread, or the pool
+// held elsewhere): make one call per group
+int kvflow_grouped_linear(int bits, const float *x, int64_t M, int64_t K, const int64_t *matrix, const int64_t *rows,
+                          int64_t groups, const uint8_t *codes, int64_t codes_stride, const void *d, int64_t d_stride,
+                          const void *m, int64_t m_stride, int flags, int64_t N, float *y, int threads) {
+    if (groups > GROUPED_MAX) return -1;
+    for (int64_t i = 0; i < groups; i++)
+        if (rows[i] > 255 || matrix[i] > 65535) return -1;
+    if (!pool_acquire(threads)) return -1;
+    const int64_t G = K / QK;
+    int8_t *q = pool_buffer(POOL_LINEAR_Q, M * K);
+    float *qd = pool_buffer(POOL_LINEAR_D, M * G * (int64_t)sizeof(float));
+    float *qsum = pool_buffer(POOL_LINEAR_S, M * G * (int64_t)sizeof(float));
+    int32_t *qs = pool_buffer(POOL_LINEAR_QS, M * G * (int64_t)sizeof(int32_t));
+    int failed = !q || !qd || !qsum || !qs;
+    if (!failed) {
+        quantize_activations(x, M, K, q, qd, qsum, qs, 1);
+        const int64_t unit_bytes = G * (bits == 4 ? 4 : bits == 5 ? 5 : 8) * 64, units = N / X16;
+        // the split of one call over all the groups' blocks, no chunk across two groups
+        const int64_t per = chunk_units(units * groups, unit_bytes, threads), per_group = (units + per - 1) / per;
+        grouped_job job = {codes, d, m, codes_stride, d_stride, m_stride, q, qd, qsum, qs,
+                           bits, flags, (int32_t)K, (int32_t)N, (int32_t)per, (int32_t)per_group, (int32_t)groups,
+                           {0}, {0}};
+        for (int64_t i = 0; i < groups; i++) {
+            job.matrix[i] = (uint16_t)matrix[i];
+            job.rows[i] = (uint8_t)rows[i];
+        }
+        failed = pool_run(grouped_chunk, grouped_region, &job, sizeof job, groups * per_group, y, threads);
+    }
+    pool_release();
+    return failed;
+}
+
+_Static_assert(sizeof(linear_job) <= POOL_CTX_BYTES && sizeof(attention_job) <= POOL_CTX_BYTES
+               && sizeof(grouped_job) <= POOL_CTX_BYTES, "a pool job's context must fit the pool's copy");

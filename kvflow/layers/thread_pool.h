@@ -2,7 +2,7 @@
 #pragma once
 #include <stdint.h>
 
-#define POOL_CTX_BYTES 256      // a job's context, copied into the pool: no worker ever reads the caller's stack
+#define POOL_CTX_BYTES 512      // a job's context, copied into the pool: no worker ever reads the caller's stack
 
 // Computes chunk `chunk` of a job whose context is `ctx`, writing its output to `dst` (row stride `ld` floats);
 // nonzero: it could not (out of memory)
