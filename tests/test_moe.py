@@ -153,7 +153,8 @@ def test_quantized_experts_in_one_native_call_are_bit_for_bit_batch_invariant(bi
     """Experts on kvflow's kernels (4-, 8- and 5-bit codes, each row alone), stacked into one native call per layer
     (`use_native_kernels`): the call gives what the per-expert modules give (to float rounding: its SiLU is its own),
     and a row's output bits are the same alone, in any subset and in the whole step, whichever experts the other
-    rows chose."""
+    rows chose: steps of up to 1,024 (row, choice) pairs run every chosen expert's matrices as one pool job
+    (moe_kernels.c's grouped_experts), larger ones one call per expert, and both give a row the same bits."""
     from kvflow.layers.group_quant import GroupQuantized
     from kvflow.layers.int4 import Int4Linear
     from kvflow.layers.quantization import NativeQ8Linear
@@ -168,12 +169,12 @@ def test_quantized_experts_in_one_native_call_are_bit_for_bit_batch_invariant(bi
             setattr(expert, name, Int4Linear(codes, None, native=True) if bits == 4 else NativeQ8Linear(codes, None))
     if bits == 5:
         assert layer.experts[0].down_proj.code_bits == 5
-    x = torch.randn(29, 64)
-    per_expert = layer(x)
+    x = torch.randn(350, 64)        # 1,050 pairs: one call per expert
+    per_expert = layer(x[:29])
     assert layer.use_native_kernels() and layer.native and len(layer.experts) == 0
     full = layer(x)
-    torch.testing.assert_close(full, per_expert, rtol=1e-5, atol=1e-5)
-    for rows in ([0], [7], [3, 4, 5], list(range(1, 29, 2)), list(range(28, -1, -3))):
+    torch.testing.assert_close(full[:29], per_expert, rtol=1e-5, atol=1e-5)
+    for rows in ([0], [7], [3, 4, 5], list(range(1, 29, 2)), list(range(28, -1, -3)), list(range(340))):
         assert torch.equal(layer(x[rows]), full[rows]), rows
 
 

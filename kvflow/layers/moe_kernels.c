@@ -18,8 +18,6 @@
 
 #include "linear_kernels.h"
 
-int kvflow_pool_rows(void);
-
 enum { MOE_Q4 = 0, MOE_Q8 = 1, MOE_Q5 = 2 };
 
 // One kind of matrix of every expert: [E] matrices of N (padded: `rows`) x K
@@ -43,11 +41,14 @@ static int expert_linear(const experts_t *w, int64_t e, const float *x, int64_t 
 
 static int kind_bits(int kind) { return kind == MOE_Q4 ? 4 : kind == MOE_Q8 ? 8 : 5; }
 
-// A small step's experts (T <= kvflow_pool_rows()): the pairs' rows gathered in expert order, then each kind of
-// matrix of every chosen expert in one pool job (kvflow_grouped_linear) instead of one call per expert, whose
-// hand-overs cost as much as the matmuls at a few rows. out [P, H] by pair. -1: the pool did not take the gate/up
-// job (nothing done: run the per-expert calls); 0; 1: out of memory; 2: an unknown kind.
-static int small_step_experts(const float *x, int64_t H, int64_t k, int64_t E, int64_t I, const experts_t *gu,
+// The experts of a step of at most GROUPED_PAIRS (row, choice) pairs: the pairs' rows gathered in expert order, then
+// each kind of matrix of every chosen expert in one pool job (kvflow_grouped_linear) instead of one call per expert,
+// whose hand-overs cost as much as the matmuls at a few rows an expert. out [P, H] by pair. -1: the pool did not
+// take the gate/up job, or the step has more groups than one job holds (nothing done: run the per-expert calls);
+// 0; 1: out of memory. Larger steps (long prefill chunks) keep the per-expert calls, whose buffers hold one
+// expert's rows at a time, not the whole step's.
+#define GROUPED_PAIRS 1024
+static int grouped_experts(const float *x, int64_t H, int64_t k, int64_t E, int64_t I, const experts_t *gu,
                               int64_t gu_rows, const experts_t *dn, int64_t dn_rows, const int64_t *count,
                               const int64_t *order, int64_t P, float *out, int threads) {
     int64_t matrix[64], rows[64], groups = 0;
@@ -116,8 +117,8 @@ int kvflow_moe_experts(const float *x, int64_t T, int64_t H, const int64_t *ids,
                 if (count[e + 1] - count[e] > most) most = count[e + 1] - count[e];
             free(next);
         }
-        if (!err && T <= kvflow_pool_rows()) {
-            err = small_step_experts(x, H, k, E, I, &gate_up, gu_rows, &down, dn_rows, count, order, P, out, threads);
+        if (!err && P <= GROUPED_PAIRS) {
+            err = grouped_experts(x, H, k, E, I, &gate_up, gu_rows, &down, dn_rows, count, order, P, out, threads);
             if (err != -1) most = 0;          // done (or failed): the loop below has nothing to do
             else err = 0;
         }
