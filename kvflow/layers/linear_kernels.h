@@ -9,6 +9,7 @@ int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes,
                      float *y, int threads, int flags);
 int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
                      float *y, int threads, int flags);
+#define KVFLOW_GROUPED_MAX 64      // the most groups (matrices) one kvflow_grouped_linear call takes
 int kvflow_grouped_linear(int bits, const float *x, int64_t M, int64_t K, const int64_t *matrix, const int64_t *rows,
                           int64_t groups, const uint8_t *codes, int64_t codes_stride, const void *d, int64_t d_stride,
                           const void *m, int64_t m_stride, int flags, int64_t N, float *y, int threads);

@@ -49,12 +49,12 @@ static int kind_bits(int kind) { return kind == MOE_Q4 ? 4 : kind == MOE_Q8 ? 8 
 // expert's rows at a time, not the whole step's.
 #define GROUPED_PAIRS 1024
 static int grouped_experts(const float *x, int64_t H, int64_t k, int64_t E, int64_t I, const experts_t *gu,
-                              int64_t gu_rows, const experts_t *dn, int64_t dn_rows, const int64_t *count,
-                              const int64_t *order, int64_t P, float *out, int threads) {
-    int64_t matrix[64], rows[64], groups = 0;
+                           int64_t gu_rows, const experts_t *dn, int64_t dn_rows, const int64_t *count,
+                           const int64_t *order, int64_t P, float *out, int threads) {
+    int64_t matrix[KVFLOW_GROUPED_MAX], rows[KVFLOW_GROUPED_MAX], groups = 0;
     for (int64_t e = 0; e < E; e++) {
         if (count[e + 1] == count[e]) continue;
-        if (groups == 64) return -1;
+        if (groups == KVFLOW_GROUPED_MAX) return -1;
         matrix[groups] = e;
         rows[groups++] = count[e + 1] - count[e];
     }

@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "linear_kernels.h"
 #include "thread_pool.h"
 
 #define QK 32
@@ -919,8 +920,7 @@ int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes,
 // minimums likewise) into the same rows of y [M, N]. The activations are rounded and the blocks multiplied as
 // linear_x16 does (per row, x16_block): the same bits as one call per group, whatever the grouping.
 // The job's whole description is in its context (no table in a pool buffer that the next job could rewrite under
-// a late worker): at most GROUPED_MAX groups.
-#define GROUPED_MAX 64
+// a late worker): at most KVFLOW_GROUPED_MAX groups.
 
 typedef struct {
     const uint8_t *codes, *d, *m;
@@ -929,8 +929,8 @@ typedef struct {
     const float *qd, *qsum;
     const int32_t *qs;
     int32_t bits, flags, K, N, per, per_group, groups;
-    uint16_t matrix[GROUPED_MAX];
-    uint8_t rows[GROUPED_MAX];
+    uint16_t matrix[KVFLOW_GROUPED_MAX];
+    uint8_t rows[KVFLOW_GROUPED_MAX];
 } grouped_job;
 
 // chunk c: group g's blocks [u0, u0 + units), its rows from row0
@@ -975,12 +975,12 @@ static int grouped_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) {
     return 0;
 }
 
-// 0; 1: out of memory; -1: not taken (more than GROUPED_MAX groups, a group over 255 rows, one thread, or the pool
-// held elsewhere): make one call per group
+// 0; 1: out of memory; -1: not taken (more than KVFLOW_GROUPED_MAX groups, a group over 255 rows, one thread, or
+// the pool held elsewhere): make one call per group
 int kvflow_grouped_linear(int bits, const float *x, int64_t M, int64_t K, const int64_t *matrix, const int64_t *rows,
                           int64_t groups, const uint8_t *codes, int64_t codes_stride, const void *d, int64_t d_stride,
                           const void *m, int64_t m_stride, int flags, int64_t N, float *y, int threads) {
-    if (groups > GROUPED_MAX) return -1;
+    if (groups > KVFLOW_GROUPED_MAX) return -1;
     for (int64_t i = 0; i < groups; i++)
         if (rows[i] > 255 || matrix[i] > 65535) return -1;
     if (!pool_acquire(threads)) return -1;
