@@ -144,17 +144,27 @@ static inline int64_t chunk_units(int64_t units, int64_t unit_bytes, int threads
 
 // quantizes x into the pool's buffers (a worker late from this call may still read them) and runs `chunk` over
 // the weight's units; the caller holds the pool (pool_acquire)
+// x [M, K] rounded to int8 codes per group of QK (quantize_activations) into the pool's buffers; 1: out of memory
+static int pool_activations(const float *x, int64_t M, int64_t K, int8_t **q, float **d, float **s, int32_t **qs) {
+    const int64_t G = K / QK;
+    *q = pool_buffer(POOL_LINEAR_Q, M * K);
+    *d = pool_buffer(POOL_LINEAR_D, M * G * (int64_t)sizeof(float));
+    *s = pool_buffer(POOL_LINEAR_S, M * G * (int64_t)sizeof(float));
+    *qs = pool_buffer(POOL_LINEAR_QS, M * G * (int64_t)sizeof(int32_t));
+    if (!*q || !*d || !*s || !*qs) return 1;
+    quantize_activations(x, M, K, *q, *d, *s, *qs, 1);
+    return 0;
+}
+
 static int pool_linear(pool_chunk_fn chunk, int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
                        const void *wd, const void *wm, int64_t N, float *y, int threads, int flags,
                        int64_t unit_bytes) {
     const int64_t G = K / QK;
-    int8_t *q = pool_buffer(POOL_LINEAR_Q, M * K);
-    float *d = pool_buffer(POOL_LINEAR_D, M * G * (int64_t)sizeof(float));
-    float *s = pool_buffer(POOL_LINEAR_S, M * G * (int64_t)sizeof(float));
-    int32_t *qs = pool_buffer(POOL_LINEAR_QS, M * G * (int64_t)sizeof(int32_t));
-    int failed = !q || !d || !s || !qs;
+    int8_t *q;
+    float *d, *s;
+    int32_t *qs;
+    int failed = pool_activations(x, M, K, &q, &d, &s, &qs);
     if (!failed) {
-        quantize_activations(x, M, K, q, d, s, qs, 1);
         const int64_t units = N / X16, per = chunk_units(units, unit_bytes, threads);
         const scales_t sd = scales_of(wd, flags & 3, N, G);
         const linear_job job = {bits, codes, sd, minimums_of(wm, (flags >> 2) & 3, sd, N, G),
@@ -671,6 +681,9 @@ int kvflow_lora_add(const float *x, int64_t M, int64_t K, const float *a, const 
 // of a group is exact on both instruction sets, so AVX2 gives AVX-512's bits: one block kernel per ISA
 // (block_x16_avx512, block_x16_avx2), chosen once per process (kvflow_x16_use_avx512) and called through
 // `x16_block`, so the drivers below hold no AVX-512 instruction and run on an AVX2-only CPU.
+// the bytes of one block of 16 weight rows over G groups: 4, 5 or 8 64-byte registers a group
+static inline int64_t block_bytes(int bits, int64_t G) { return G * (bits == 4 ? 4 : bits == 5 ? 5 : 8) * 64; }
+
 #define ROWS_X16 4          // activation rows per pass over a block's unpacked weights (registers: 8 + 3 * 4)
 
 typedef void (*x16_block_fn)(int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at, int64_t G,
@@ -868,9 +881,9 @@ static int linear_x16_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) 
 static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *wd,
                       const void *wm, int64_t N, float *y, int threads, int flags) {
     const int64_t G = K / QK, blocks = N / X16;
-    const int64_t block_bytes = G * (bits == 4 ? 4 : bits == 5 ? 5 : 8) * 64;
+    const int64_t unit_bytes = block_bytes(bits, G);
     if (M <= POOL_ROWS && pool_acquire(threads))
-        return pool_linear(linear_x16_chunk, bits, x, M, K, codes, wd, wm, N, y, threads, flags, block_bytes);
+        return pool_linear(linear_x16_chunk, bits, x, M, K, codes, wd, wm, N, y, threads, flags, unit_bytes);
     int8_t *q = malloc((size_t)(M * K));
     float *d = malloc((size_t)(M * G) * sizeof(float));
     float *s = malloc((size_t)(M * G) * sizeof(float));
@@ -885,7 +898,7 @@ static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
         #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *w = codes + b * block_bytes;
+            const uint8_t *w = codes + b * unit_bytes;
             const int64_t at = b * G * X16;                  // this block's scales (and minimums)
             int64_t m = m0;
             for (; m + ROWS_X16 <= m1; m += ROWS_X16)
@@ -957,7 +970,7 @@ static int grouped_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) {
     int64_t g, row0, u0, units;
     grouped_chunk_at(j, c, &g, &row0, &u0, &units);
     const int64_t K = j->K, N = j->N, G = K / QK, e = j->matrix[g], rows = j->rows[g];
-    const int64_t unit_bytes = G * (j->bits == 4 ? 4 : j->bits == 5 ? 5 : 8) * 64;
+    const int64_t unit_bytes = block_bytes(j->bits, G);
     const scales_t sd = scales_of(j->d + e * j->d_stride, j->flags & 3, N, G);
     const scales_t sm = minimums_of(j->m ? j->m + e * j->m_stride : NULL, (j->flags >> 2) & 3, sd, N, G);
     const int8_t *q = j->q + row0 * K;
@@ -984,15 +997,12 @@ int kvflow_grouped_linear(int bits, const float *x, int64_t M, int64_t K, const 
     for (int64_t i = 0; i < groups; i++)
         if (rows[i] > 255 || matrix[i] > 65535) return -1;
     if (!pool_acquire(threads)) return -1;
-    const int64_t G = K / QK;
-    int8_t *q = pool_buffer(POOL_LINEAR_Q, M * K);
-    float *qd = pool_buffer(POOL_LINEAR_D, M * G * (int64_t)sizeof(float));
-    float *qsum = pool_buffer(POOL_LINEAR_S, M * G * (int64_t)sizeof(float));
-    int32_t *qs = pool_buffer(POOL_LINEAR_QS, M * G * (int64_t)sizeof(int32_t));
-    int failed = !q || !qd || !qsum || !qs;
+    int8_t *q;
+    float *qd, *qsum;
+    int32_t *qs;
+    int failed = pool_activations(x, M, K, &q, &qd, &qsum, &qs);
     if (!failed) {
-        quantize_activations(x, M, K, q, qd, qsum, qs, 1);
-        const int64_t unit_bytes = G * (bits == 4 ? 4 : bits == 5 ? 5 : 8) * 64, units = N / X16;
+        const int64_t unit_bytes = block_bytes(bits, K / QK), units = N / X16;
         // the split of one call over all the groups' blocks, no chunk across two groups
         const int64_t per = chunk_units(units * groups, unit_bytes, threads), per_group = (units + per - 1) / per;
         grouped_job job = {codes, d, m, codes_stride, d_stride, m_stride, q, qd, qsum, qs,
