@@ -15,15 +15,9 @@ from kvflow.layers import native_kernels
 from kvflow.models.model_config import ARCHITECTURES, ModelConfig
 from kvflow.models.model_files import resolve_model_files
 from tiny_models import make_tiny_hf_model
+from transformers_greedy import assert_greedy_matches
 
 MAX_TOKENS = 20
-
-
-def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
 
 
 def prompts_for(window: int) -> list[list[int]]:
@@ -59,19 +53,18 @@ def check_family(tmp_path, monkeypatch, family: str, window: int | None = None, 
     path = make_tiny_hf_model(tmp_path, family=family, seed=2, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = prompts_for(window or 16)
-    want = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     # chunked prefill: the budget cuts the long prompts into chunks that start past the window
     paths = {"default": {}, "chunked": {"max_num_batched_tokens": 13}}
     for name, engine in paths.items():
         got = run(path, prompts, **engine)
-        for p, a, b in zip(prompts, got, want):
-            assert a == b, f"{family} ({name}), prompt of {len(p)}: kvflow {a} != transformers {b}"
+        for p, a in zip(prompts, got):
+            assert_greedy_matches(hf, p, a, f"{family} ({name}), ", MAX_TOKENS)
     if window and native_kernels.usable():     # the runs above used kvflow's kernel: now the pure-PyTorch paths
         monkeypatch.setenv("KVFLOW_NATIVE_KERNELS", "0")
         for name, engine in paths.items():
             got = run(path, prompts, **engine)
-            for p, a, b in zip(prompts, got, want):
-                assert a == b, f"{family} (SDPA, {name}), prompt of {len(p)}: kvflow {a} != transformers {b}"
+            for p, a in zip(prompts, got):
+                assert_greedy_matches(hf, p, a, f"{family} (SDPA, {name}), ", MAX_TOKENS)
     return path
 
 
@@ -178,7 +171,8 @@ def test_gguf_twin_gives_the_safetensors_tokens(tmp_path, family, overrides):
     llm = LLM(str(gguf_path), dtype="float32", max_model_len=256, kv_cache_memory="32MiB")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(
         temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))]
-    assert got == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    for p, a in zip(prompts, got):
+        assert_greedy_matches(hf, p, a, length=MAX_TOKENS)
 
 
 @pytest.mark.slow

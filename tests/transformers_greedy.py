@@ -19,9 +19,12 @@ def greedy_choices(model, prompt_ids: list[int], tokens: list[int]) -> list[int]
     return logits[0].argmax(-1).tolist()
 
 
-def assert_greedy_matches(model, prompt_ids: list[int], tokens: list[int], what: str = "") -> None:
+def assert_greedy_matches(model, prompt_ids: list[int], tokens: list[int], what: str = "",
+                          length: int | None = None) -> None:
     """kvflow's greedy `tokens` are transformers' greedy generation after `prompt_ids`, token for token (for tokens
-    that end at an end-of-sequence token, up to it: transformers would stop there too)."""
+    that end at an end-of-sequence token, up to it: transformers would stop there too). `length`: how many tokens
+    kvflow had to give (max_tokens with ignore_eos)."""
+    assert length is None or len(tokens) == length, f"{what}kvflow gave {len(tokens)} tokens, not {length}"
     want = greedy_choices(model, prompt_ids, tokens)
     assert tokens == want, (f"{what}prompt of {len(prompt_ids)} tokens: kvflow {tokens} != transformers' choices "
                             f"{want} (transformers' generation leaves kvflow's at the first difference)")
