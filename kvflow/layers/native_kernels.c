@@ -860,21 +860,23 @@ static x16_block_fn x16_block = block_x16_avx2;
 // once per process, before any call; both give the same bits.
 void kvflow_x16_use_avx512(int yes) { x16_block = yes ? block_x16_avx512 : block_x16_avx2; }
 
+// rows m0 .. m1 - 1 of the activations times one block of a weight (its codes at w, its scales from element `at`),
+// ROWS_X16 rows a pass, into columns n0 .. n0 + 15 of y (row stride ld)
+static void x16_rows(int bits, const uint8_t *w, scales_t sd, scales_t sm, int64_t at, int64_t G, const int8_t *q,
+                     const float *d, const float *s, const int32_t *qs, int64_t K, int64_t m0, int64_t m1, float *y,
+                     int64_t ld, int64_t n0) {
+    int64_t m = m0;
+    for (; m + ROWS_X16 <= m1; m += ROWS_X16) x16_block(bits, ROWS_X16, w, sd, sm, at, G, q, d, s, qs, K, m, y, ld, n0);
+    if (m < m1) x16_block(bits, (int)(m1 - m), w, sd, sm, at, G, q, d, s, qs, K, m, y, ld, n0);
+}
+
 static int linear_x16_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) {
     const linear_job *j = ctx;
     int64_t b0;
     const int64_t count = job_units(j, c, &b0);
-    for (int64_t b = b0; b < b0 + count; b++) {
-        const uint8_t *w = j->codes + b * j->unit_bytes;
-        const int64_t at = b * j->G * X16;
-        int64_t m = 0;
-        for (; m + ROWS_X16 <= j->M; m += ROWS_X16)
-            x16_block(j->bits, ROWS_X16, w, j->sd, j->sm, at, j->G, j->q, j->d, j->s, j->qs, j->K, m, dst, ld,
-                      (b - b0) * X16);
-        if (m < j->M)
-            x16_block(j->bits, (int)(j->M - m), w, j->sd, j->sm, at, j->G, j->q, j->d, j->s, j->qs, j->K, m, dst, ld,
-                      (b - b0) * X16);
-    }
+    for (int64_t b = b0; b < b0 + count; b++)
+        x16_rows(j->bits, j->codes + b * j->unit_bytes, j->sd, j->sm, b * j->G * X16, j->G, j->q, j->d, j->s, j->qs,
+                 j->K, 0, j->M, dst, ld, (b - b0) * X16);
     return 0;
 }
 
@@ -897,14 +899,8 @@ static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
         #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *w = codes + b * unit_bytes;
-            const int64_t at = b * G * X16;                  // this block's scales (and minimums)
-            int64_t m = m0;
-            for (; m + ROWS_X16 <= m1; m += ROWS_X16)
-                x16_block(bits, ROWS_X16, w, sd, sm, at, G, q, d, s, qs, K, m, y, N, b * X16);
-            if (m < m1) x16_block(bits, (int)(m1 - m), w, sd, sm, at, G, q, d, s, qs, K, m, y, N, b * X16);
-        }
+        for (int64_t b = 0; b < blocks; b++)
+            x16_rows(bits, codes + b * unit_bytes, sd, sm, b * G * X16, G, q, d, s, qs, K, m0, m1, y, N, b * X16);
     }
     free(q); free(d); free(s); free(qs);
     return 0;
@@ -976,15 +972,9 @@ static int grouped_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) {
     const int8_t *q = j->q + row0 * K;
     const float *qd = j->qd + row0 * G, *qsum = j->qsum + row0 * G;
     const int32_t *qs = j->qs + row0 * G;
-    for (int64_t b = u0; b < u0 + units; b++) {
-        const uint8_t *w = j->codes + e * j->codes_stride + b * unit_bytes;
-        int64_t m = 0;
-        for (; m + ROWS_X16 <= rows; m += ROWS_X16)
-            x16_block(j->bits, ROWS_X16, w, sd, sm, b * G * X16, G, q, qd, qsum, qs, K, m, dst, ld, (b - u0) * X16);
-        if (m < rows)
-            x16_block(j->bits, (int)(rows - m), w, sd, sm, b * G * X16, G, q, qd, qsum, qs, K, m, dst, ld,
-                      (b - u0) * X16);
-    }
+    for (int64_t b = u0; b < u0 + units; b++)
+        x16_rows(j->bits, j->codes + e * j->codes_stride + b * unit_bytes, sd, sm, b * G * X16, G, q, qd, qsum, qs, K,
+                 0, rows, dst, ld, (b - u0) * X16);
     return 0;
 }
 
