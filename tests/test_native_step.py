@@ -1,8 +1,9 @@
 """The decoder step as one native call (runner/native_step.py over layers/decoder_step.c). Where it builds (a
-Llama-family decoder whose every matmul, norm and attention is kvflow's kernel, float32 compute, one rank, no LoRA)
-it is the default, and it gives the layer-by-layer path's bits: the same tokens and the same logprobs, in steps that
-mix decodes with prefill chunks, for each KV element type it writes, each weight format and family it takes, and on
-two threads with pool workers made to stall. Everywhere else the layer-by-layer path serves (the fallback)."""
+Llama-family, Gemma 3 or mixture-of-experts decoder whose every matmul, norm and attention is kvflow's kernel, float32
+compute, one rank, no LoRA) it is the default, and it gives the layer-by-layer path's bits: the same tokens and the
+same logprobs, in steps that mix decodes with prefill chunks, for each KV element type it writes, each weight format
+and family it takes, and on two threads with pool workers made to stall. Everywhere else the layer-by-layer path
+serves (the fallback)."""
 from __future__ import annotations
 
 import pytest
@@ -57,20 +58,28 @@ def family_ggufs(tmp_path_factory):
     out = tmp_path_factory.mktemp("native-step")
     files = {}
     for family, ftype in [("llama", "q4_0"), ("llama", "q8_0"), ("llama", "q5_0"), ("qwen2", "q4_1"),
-                          ("phi3", "q4_0"), ("qwen3", "q4_0"), ("gemma3", "q8_0")]:
-        overrides = {"sliding_window": 24} if family == "phi3" else {}
+                          ("phi3", "q4_0"), ("qwen3", "q4_0"), ("gemma3", "q8_0"), ("qwen3_moe", "q4_k"),
+                          ("olmoe", "q8_0"), ("granitemoe", "q4_0"), ("mixtral", "q5_0")]:
+        overrides = {"sliding_window": 24} if family in ("phi3", "mixtral") else {}
         hf = make_tiny_hf_model(out / family, family, **overrides)
         files[f"{family}-{ftype}"] = str(write_gguf_from_hf(hf, out / f"{family}-{ftype}.gguf", ftype=ftype))
+    # a dense MLP among the MoE layers (mlp_only_layers, which a GGUF does not carry): the HF folder, quantized to
+    # 4-bit codes at load
+    files["qwen3_moe-dense-int4"] = str(make_tiny_hf_model(out / "qwen3_moe-dense", "qwen3_moe", num_hidden_layers=3,
+                                                           mlp_only_layers=[1], decoder_sparse_step=1))
     return files
 
 
 @pytest.mark.parametrize("name", ["llama-q4_0", "llama-q8_0", "llama-q5_0", "qwen2-q4_1", "phi3-q4_0", "qwen3-q4_0",
-                                  "gemma3-q8_0"])
+                                  "gemma3-q8_0", "qwen3_moe-q4_k", "olmoe-q8_0", "granitemoe-q4_0", "mixtral-q5_0",
+                                  "qwen3_moe-dense-int4"])
 def test_each_weight_format_and_family_it_takes_gives_the_same_bits(monkeypatch, family_ggufs, name):
     """4-, 5- and 8-bit codes; Qwen2's QKV bias; Phi-3's sliding window (the long prompts pass it); Qwen3's per-head
     Q/K norms; Gemma 3's scaled embedding, sandwich norms, tanh-GELU, head_dim 256 and local layers with their own
-    RoPE base and a 16-token window."""
-    native, layered = both_paths(monkeypatch, family_ggufs[name])
+    RoPE base and a 16-token window; the mixtures of experts' routers (each family's rule) and stacked experts,
+    Qwen3-MoE's dense layer among its MoE ones, OLMoE's Q/K norms over the whole projection, Granite's four scalings,
+    Mixtral's sliding window."""
+    native, layered = both_paths(monkeypatch, family_ggufs[name], quantization="int4" if "int4" in name else None)
     assert native == layered
 
 
@@ -91,10 +100,10 @@ def test_two_threads_with_stalling_workers_give_one_threads_bits():
             lib.kvflow_pool_set_stall(0)
 
 
-@pytest.mark.parametrize("case", ["env", "lora", "float-weights", "moe"])
+@pytest.mark.parametrize("case", ["env", "lora", "float-weights", "clip-qkv"])
 def test_where_the_native_step_does_not_build_the_layer_by_layer_path_serves(tmp_path, monkeypatch, caplog, case):
     """The fallback: turned off, or a model it does not compute (LoRA terms, float weights that are not kvflow's
-    kernels', a mixture of experts): no native step, and the engine answers as before."""
+    kernels', OLMoE's QKV clipping): no native step, and the engine answers as before."""
     kwargs = dict(max_model_len=256, kv_cache_memory="32MiB")
     model = None
     if case == "env":
@@ -104,11 +113,11 @@ def test_where_the_native_step_does_not_build_the_layer_by_layer_path_serves(tmp
     elif case == "float-weights":
         model = str(make_tiny_hf_model(tmp_path / "llama", "llama"))
     else:
-        hf = make_tiny_hf_model(tmp_path / "olmoe", "olmoe")
+        hf = make_tiny_hf_model(tmp_path / "olmoe", "olmoe", clip_qkv=8.0)
         model = str(write_gguf_from_hf(hf, tmp_path / "olmoe.gguf", ftype="q8_0"))
     with caplog.at_level("INFO", logger="kvflow"), LLM(model, **kwargs) as llm:
         assert llm.engine.runner.native_step is None
         out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
-    if case in ("env", "lora", "moe"):      # kvflow's kernels serve these: the boot log says why not
+    if case in ("env", "lora", "clip-qkv"):      # kvflow's kernels serve these: the boot log says why not
         assert "the native step does not run here" in caplog.text

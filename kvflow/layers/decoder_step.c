@@ -2,7 +2,10 @@
 // (+ bias), the per-head Q/K norms where the model has them (Qwen3, Gemma 3), rotary embedding (each layer its own
 // tables: Gemma 3's local layers have their own base), the K/V written into the paged cache, paged attention, the
 // output projection (normed again on Gemma 3's "sandwich") and the residual, RMSNorm, gate/up, SiLU(gate) * up or
-// tanh-GELU(gate) * up, down (normed again on Gemma 3) and the residual; then the final RMSNorm.
+// tanh-GELU(gate) * up, down (normed again on Gemma 3) and the residual; then the final RMSNorm. A mixture-of-experts
+// layer (Qwen3-MoE, OLMoE, GraniteMoE, Mixtral) has the router and its experts in place of the MLP (moe_kernels.c's
+// calls, which the module path makes too), OLMoE's Q/K norms span the whole projection, and Granite scales each
+// block's output before its residual add.
 //
 // Why: driven from Python, a batch-1 step of the embedded model is ~210 operator calls, each with Python, the
 // dispatcher and ctypes around a kernel of a few microseconds, and that came to as much time as the matmuls
@@ -18,6 +21,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "linear_kernels.h"
@@ -37,6 +41,14 @@ typedef struct {
     float eps;
 } step_norm;
 
+// A mixture-of-experts layer's router and experts (moe_kernels.c)
+typedef struct {
+    const float *router;                   // [experts, hidden] float32; NULL: the layer's MLP is dense
+    int64_t experts, top_k, intermediate, gu_rows, dn_rows;
+    int rule, norm_topk_prob;              // ROUTE_* (linear_kernels.h)
+    experts_t gate_up, down;
+} step_moe;
+
 typedef struct {
     // input: before attention; mlp_in: before the MLP (Llama's post_attention_layernorm); attn_out / mlp_out: on
     // the attention's and the MLP's outputs before each residual add (Gemma 3's post-attention and
@@ -46,7 +58,10 @@ typedef struct {
     int64_t window;                        // sliding window (0: none)
     const float *cos, *sin_signed;         // [positions, rotary_dim] (layers/rotary.py: the sign in the table)
     void *k_cache, *v_cache;               // [blocks, block_size, kv_heads, head_dim]
-    step_linear qkv, o, gate_up, down;
+    step_linear qkv, o, gate_up, down;     // gate_up / down: a dense MLP's (unused where moe.router is set)
+    int qk_whole;                          // q / k: one norm over the whole projection (OLMoE), not per head
+    float residual_scale;                  // each block's output times this before its residual add (1: none)
+    step_moe moe;
 } step_layer;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -190,9 +205,13 @@ static void gelu_mul(const float *gate, const float *up, int64_t n, float *out, 
     }
 }
 
-static void add_rows(float *h, const float *y, int64_t M, int64_t H, int64_t ld) {
+// h += y's rows, each times `scale` first unless it is 1 (as torch computes h + y * scale: the product rounded)
+static void add_rows(float *h, const float *y, int64_t M, int64_t H, int64_t ld, float scale) {
     for (int64_t m = 0; m < M; m++)
-        for (int64_t j = 0; j < H; j++) h[m * H + j] += y[m * ld + j];
+        if (scale == 1.0f)
+            for (int64_t j = 0; j < H; j++) h[m * H + j] += y[m * ld + j];
+        else
+            for (int64_t j = 0; j < H; j++) h[m * H + j] += y[m * ld + j] * scale;
 }
 
 // out [M, H] = the norm of x's M rows of H, x's rows `ld` apart (a projection's output, padded to its width)
@@ -204,15 +223,32 @@ static void norm_rows(const float *x, int64_t M, int64_t H, int64_t ld, const st
     for (int64_t m = 0; m < M; m++) kvflow_rms_norm(x + m * ld, 1, H, n->weight, n->eps, out + m * H, threads);
 }
 
-// h += y's rows, or their norm first where the layer norms its block's output (Gemma 3)
-static void add_block_output(float *h, const float *y, int64_t M, int64_t H, int64_t ld, const step_norm *n,
-                             float *tmp, int threads) {
+// h += y's rows, or their norm first where the layer norms its block's output (Gemma 3), times the layer's
+// residual scale (Granite)
+static void add_block_output(float *h, const float *y, int64_t M, int64_t H, int64_t ld, const step_layer *L,
+                             const step_norm *n, float *tmp, int threads) {
     if (n->weight) {
         norm_rows(y, M, H, ld, n, tmp, threads);
-        add_rows(h, tmp, M, H, H);
+        add_rows(h, tmp, M, H, H, L->residual_scale);
     } else {
-        add_rows(h, y, M, H, ld);
+        add_rows(h, y, M, H, ld, L->residual_scale);
     }
+}
+
+// out [T, H] = the layer's experts over its T normed rows: each row's top k by the router, then their weighted sum
+static int moe_block(const step_moe *m, const float *x, int64_t T, int64_t H, float *out, int threads) {
+    int64_t *ids = malloc((size_t)(T * m->top_k) * sizeof(int64_t));
+    float *weights = malloc((size_t)(T * m->top_k) * sizeof(float));
+    int err = !ids || !weights;
+    if (!err)
+        err = kvflow_moe_route(x, T, H, m->router, m->experts, m->top_k, m->rule, m->norm_topk_prob, ids, weights,
+                               threads);
+    if (!err)
+        err = kvflow_moe_experts(x, T, H, ids, weights, m->top_k, m->experts, m->intermediate, m->gate_up,
+                                 m->gu_rows, m->down, m->dn_rows, out, threads);
+    free(ids);
+    free(weights);
+    return err;
 }
 
 // The scratch a step of T rows works in, in floats: the normed rows, the widest projection's output, q and the
@@ -253,7 +289,11 @@ int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h,
             const float *row = proj + t * L->qkv.width, *qs = row, *ks = row + Hq * D;
             const int64_t p = s->positions[t], slot = s->slots[t];
             const float *cos = L->cos + p * s->rotary_dim, *sin = L->sin_signed + p * s->rotary_dim;
-            if (L->q.weight) {             // each head normed alone, then rotated (as the layer does)
+            if (L->q.weight && L->qk_whole) {      // the whole q and k projections normed, then rotated (OLMoE)
+                kvflow_rms_norm(qs, 1, Hq * D, L->q.weight, L->q.eps, heads, 1);
+                kvflow_rms_norm(ks, 1, Hkv * D, L->k.weight, L->k.eps, heads + Hq * D, 1);
+                qs = heads, ks = heads + Hq * D;
+            } else if (L->q.weight) {      // each head normed alone, then rotated (as the layer does)
                 kvflow_rms_norm(qs, Hq, D, L->q.weight, L->q.eps, heads, 1);
                 kvflow_rms_norm(ks, Hkv, D, L->k.weight, L->k.eps, heads + Hq * D, 1);
                 qs = heads, ks = heads + Hq * D;
@@ -267,8 +307,13 @@ int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h,
                                      s->table_width, s->row_seq, s->positions, L->scale, attn, threads, s->kv_form,
                                      L->window);
         if (err || (err = linear(&L->o, attn, T, Hq * D, proj, threads))) break;
-        add_block_output(h, proj, T, H, L->o.width, &L->attn_out, normed, threads);
+        add_block_output(h, proj, T, H, L->o.width, L, &L->attn_out, normed, threads);
         kvflow_rms_norm(h, T, H, L->mlp_in.weight, L->mlp_in.eps, normed, threads);
+        if (L->moe.router) {
+            if ((err = moe_block(&L->moe, normed, T, H, proj, threads))) break;
+            add_block_output(h, proj, T, H, H, L, &L->mlp_out, normed, threads);
+            continue;
+        }
         if ((err = linear(&L->gate_up, normed, T, H, proj, threads))) break;
         for (int64_t t = 0; t < T; t++) {
             const float *gate = proj + t * L->gate_up.width;
@@ -278,7 +323,7 @@ int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h,
                 silu_mul(gate, gate + I, I, act + t * I, s);
         }
         if ((err = linear(&L->down, act, T, I, proj, threads))) break;
-        add_block_output(h, proj, T, H, L->down.width, &L->mlp_out, normed, threads);
+        add_block_output(h, proj, T, H, L->down.width, L, &L->mlp_out, normed, threads);
     }
     if (!err) kvflow_rms_norm(h, T, H, s->final_norm, s->final_eps, out, threads);
     return err;

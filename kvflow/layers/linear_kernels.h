@@ -1,5 +1,6 @@
-// The entry points of native_kernels.c that the other native files (moe_kernels.c, decoder_step.c) call: one
-// declaration each, here. native_kernels.c documents their layouts, forms and flags.
+// The entry points of native_kernels.c that the other native files (moe_kernels.c, decoder_step.c) call, and those
+// of moe_kernels.c that decoder_step.c calls: one declaration each, here. native_kernels.c documents their layouts,
+// forms and flags; moe_kernels.c the experts' and the router's.
 #pragma once
 #include <stdint.h>
 
@@ -18,3 +19,17 @@ int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, i
                            const int64_t *row_seq, const int64_t *positions, float scale, float *out, int threads,
                            int form, int64_t window);
 void kvflow_rms_norm(const float *x, int64_t M, int64_t H, const float *w, float eps, float *y, int threads);
+
+// One kind of matrix of every expert of a mixture-of-experts layer (moe_kernels.c): [E] matrices, stacked
+typedef struct {
+    const uint8_t *codes, *scale, *minimum;
+    int64_t codes_stride, scale_stride, minimum_stride;   // bytes from one expert's to the next's
+    int kind, flags;                                      // MOE_*; the scales' forms (native_kernels.c)
+} experts_t;
+enum { MOE_Q4 = 0, MOE_Q8 = 1, MOE_Q5 = 2 };
+enum { ROUTE_SOFTMAX_TOPK = 0, ROUTE_SOFTMAX_TOPK_RENORMALIZED = 1, ROUTE_TOPK_SOFTMAX = 2 };   // layers/moe.py's ROUTERS
+int kvflow_moe_route(const float *x, int64_t T, int64_t H, const float *router, int64_t E, int64_t k, int rule,
+                     int norm_topk_prob, int64_t *ids, float *weights, int threads);
+int kvflow_moe_experts(const float *x, int64_t T, int64_t H, const int64_t *ids, const float *weights, int64_t k,
+                       int64_t E, int64_t I, experts_t gate_up, int64_t gu_rows, experts_t down, int64_t dn_rows,
+                       float *y, int threads);

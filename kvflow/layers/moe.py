@@ -9,12 +9,14 @@ copies and a GGUF's own codes reach the experts as they reach every other matrix
 Where kvflow's kernels multiply every expert (`use_native_kernels`, called by the runner once the weights are
 quantized; SiLU experts in 4-, 5- or 8-bit codes), each kind of matrix of all the experts is stacked into one
 buffer and the whole grouping, the experts' matmuls, SiLU and the weighted sum run in one native call
-(`native_kernels.moe_experts`, moe_kernels.c): no Python per expert, and a graph a whole-step compile can trace
-(the grouping happens inside the call), so the model's decode steps compile as the dense models' do.
+(`native_kernels.moe_experts`, moe_kernels.c), after the router's own (`native_kernels.moe_route`): no Python per
+expert, and a graph a whole-step compile can trace (the grouping happens inside the call). The runner's native
+decoder step (runner/native_step.py) makes the same two calls, so both give the same bits.
 
 Batch invariance: a row's output bits depend on that row alone where the expert matmuls do (kvflow's kernels):
-- the router's logits are one small float matmul done in blocks of `ROUTER_ROWS` rows of the same shape, so a
-  row's logits do not depend on how many rows the step has;
+- the router's logits are one small float matmul done in blocks of `ROUTER_ROWS` rows of the same shape (in torch),
+  or each row's dot products in one fixed order (moe_kernels.c), so a row's logits do not depend on how many rows
+  the step has;
 - the k expert outputs of a row are summed in the row's own top-k order (highest weight first), one add at a time,
   whatever order the experts ran in.
 
@@ -58,6 +60,7 @@ class Router(nn.Module):
             raise ValueError(f"expert router {kind!r} is not supported ({', '.join(ROUTERS)})")
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.top_k, self.kind, self.norm_topk_prob = top_k, kind, norm_topk_prob
+        self.rule = ROUTERS.index(kind)      # moe_kernels.c's ROUTE_* for the same rule
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 weights [T, k], expert ids [T, k]), highest weight first."""
@@ -99,13 +102,15 @@ class SparseMoE(nn.Module):
         self.gate_up_bits = self.down_bits = 0
 
     def forward(self, x: torch.Tensor, meta=None) -> torch.Tensor:
-        weights, ids = self.gate(x)
         if self.native:
             rows = x.reshape(-1, x.shape[-1])
+            weights, ids = native_kernels.moe_route(rows, self.gate.weight, self.top_k, self.gate.rule,
+                                                    self.gate.norm_topk_prob)
             y = native_kernels.moe_experts(rows, ids, weights, self.gate_up_codes, self.gate_up_scale,
                                            self.gate_up_minimum, self.gate_up_bits, self.down_codes, self.down_scale,
                                            self.down_minimum, self.down_bits, self.intermediate_size)
             return y.to(x.dtype).view(x.shape)
+        weights, ids = self.gate(x)
         return self.combine(x, self.run_experts(x, ids), weights)
 
     def use_native_kernels(self) -> bool:

@@ -18,14 +18,81 @@
 
 #include "linear_kernels.h"
 
-enum { MOE_Q4 = 0, MOE_Q8 = 1, MOE_Q5 = 2 };
+// experts_t (linear_kernels.h): one kind of matrix of every expert, [E] matrices of N (padded: `rows`) x K
 
-// One kind of matrix of every expert: [E] matrices of N (padded: `rows`) x K
-typedef struct {
-    const uint8_t *codes, *scale, *minimum;
-    int64_t codes_stride, scale_stride, minimum_stride;   // bytes from one expert's to the next's
-    int kind, flags;                                      // MOE_*; the scales' forms (native_kernels.c)
-} experts_t;
+// The router: each row's logits x @ router.T, each a dot product in one fixed order (ROUTE_LANES partial sums over
+// the row, then added in lane order), so a row's choices do not depend on the rows beside it, the machine's vector
+// width or the thread count; then layers/moe.py's rules (ROUTERS), as transformers states them:
+//   ROUTE_SOFTMAX_TOPK              softmax over all experts, the top k; divided by their sum when norm_topk_prob
+//   ROUTE_SOFTMAX_TOPK_RENORMALIZED the same, always divided by their sum (Mixtral)
+//   ROUTE_TOPK_SOFTMAX              the top k logits, then a softmax over those k (GraniteMoE)
+// The top k highest first; of equal values the lower expert id first. The module path (layers/moe.py, where the
+// experts are on kvflow's kernels) and the native step (decoder_step.c) both call this: the same choices and bits.
+#define ROUTE_LANES 16
+static float router_dot(const float *x, const float *w, int64_t H) {
+    float acc[ROUTE_LANES] = {0};
+    int64_t h = 0;
+    for (; h + ROUTE_LANES <= H; h += ROUTE_LANES)
+        for (int j = 0; j < ROUTE_LANES; j++) acc[j] += x[h + j] * w[h + j];
+    for (int j = 0; h < H; h++, j++) acc[j] += x[h] * w[h];
+    float sum = 0.0f;
+    for (int j = 0; j < ROUTE_LANES; j++) sum += acc[j];
+    return sum;
+}
+
+static void route_row(const float *x, int64_t H, const float *router, int64_t E, int64_t k, int rule, int norm,
+                      float *logits, int64_t *ids, float *weights) {
+    float top = -INFINITY;
+    for (int64_t e = 0; e < E; e++) {
+        logits[e] = router_dot(x, router + e * H, H);
+        top = logits[e] > top ? logits[e] : top;
+    }
+    if (rule != ROUTE_TOPK_SOFTMAX) {        // the probabilities over every expert, in place of the logits
+        float sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) sum += logits[e] = expf(logits[e] - top);
+        for (int64_t e = 0; e < E; e++) logits[e] /= sum;
+    }
+    for (int64_t j = 0; j < k; j++) {        // selection: k is small (<= 8 in every family here)
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j && !taken; i++) taken = ids[i] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        ids[j] = best;
+        weights[j] = logits[best];
+    }
+    if (rule == ROUTE_TOPK_SOFTMAX) {        // a softmax over the k chosen logits (weights[0] is their largest)
+        const float most = weights[0];
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) sum += weights[j] = expf(weights[j] - most);
+        for (int64_t j = 0; j < k; j++) weights[j] /= sum;
+    } else if (rule == ROUTE_SOFTMAX_TOPK_RENORMALIZED || norm) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) sum += weights[j];
+        for (int64_t j = 0; j < k; j++) weights[j] /= sum;
+    }
+}
+
+// x [T, H], router [E, H] float32 -> ids [T, k] int64, weights [T, k] float32. Returns 0, 1 (out of memory), 2 (k
+// not in 1..E or an unknown rule).
+int kvflow_moe_route(const float *x, int64_t T, int64_t H, const float *router, int64_t E, int64_t k, int rule,
+                     int norm_topk_prob, int64_t *ids, float *weights, int threads) {
+    if (k < 1 || k > E || rule < ROUTE_SOFTMAX_TOPK || rule > ROUTE_TOPK_SOFTMAX) return 2;
+    int err = 0;
+    // rows apart on OpenMP's threads only where there are enough of them to pay for it (a row is E dot products)
+#pragma omp parallel num_threads(threads) if (T * E * H >= (1 << 22) && threads > 1) reduction(| : err)
+    {
+        float *logits = malloc((size_t)E * sizeof(float));
+        if (!logits) err = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            if (logits)
+                route_row(x + t * H, H, router, E, k, rule, norm_topk_prob, logits, ids + t * k, weights + t * k);
+        free(logits);
+    }
+    return err;
+}
 
 static int expert_linear(const experts_t *w, int64_t e, const float *x, int64_t M, int64_t K, int64_t N, float *y,
                          int threads) {

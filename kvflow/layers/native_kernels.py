@@ -109,9 +109,11 @@ def library() -> ctypes.CDLL | None:
     lib.kvflow_rms_norm.restype = None
     lib.kvflow_lora_add.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int]
     lib.kvflow_lora_add.restype = ctypes.c_int
-    lib.kvflow_moe_experts.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, _Experts, i64, _Experts, i64, ptr,
+    lib.kvflow_moe_experts.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, Experts, i64, Experts, i64, ptr,
                                        ctypes.c_int]
     lib.kvflow_moe_experts.restype = ctypes.c_int
+    lib.kvflow_moe_route.argtypes = [ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ctypes.c_int, ptr, ptr, ctypes.c_int]
+    lib.kvflow_moe_route.restype = ctypes.c_int
     lib.kvflow_decoder_step.argtypes = [ptr, ptr, ptr, ptr, ptr]
     lib.kvflow_decoder_step.restype = ctypes.c_int
     lib.kvflow_decoder_step_scratch.argtypes = [ptr, ptr, i64]
@@ -134,7 +136,7 @@ def library() -> ctypes.CDLL | None:
 X16 = 16      # weight rows per block of the layout
 
 
-class _Experts(ctypes.Structure):
+class Experts(ctypes.Structure):
     """moe_kernels.c's experts_t: one kind of matrix of every expert, stacked."""
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("minimum", ctypes.c_void_p),
                 ("codes_stride", ctypes.c_int64), ("scale_stride", ctypes.c_int64),
@@ -279,6 +281,7 @@ _OPS.define("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor ta
 _OPS.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _OPS.define("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gu_codes, Tensor gu_scale, Tensor gu_minimum, "
             "int gu_bits, Tensor dn_codes, Tensor dn_scale, Tensor dn_minimum, int dn_bits, int intermediate) -> Tensor")
+_OPS.define("moe_route(Tensor x, Tensor router, int k, int rule, bool norm_topk_prob) -> (Tensor, Tensor)")
 _OPS.define("lora_add(Tensor out, Tensor x, Tensor a, Tensor b, Tensor pieces, Tensor mask, int max_loras) -> Tensor")
 
 
@@ -330,9 +333,9 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 _MOE_KINDS = {4: 0, 8: 1, 5: 2}        # moe_kernels.c's MOE_Q4, MOE_Q8, MOE_Q5
 
 
-def _stacked(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, k: int) -> tuple:
+def stacked_experts(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, k: int) -> tuple:
     """One kind of matrix of every expert, [E, ...] each (minimum: [E, 0] where the codes have none) ->
-    (_Experts, output rows), checked as `_run` checks one matrix: nothing is read past them."""
+    (Experts, output rows), checked as `_run` checks one matrix: nothing is read past them."""
     experts = codes.shape[0]
     n = codes.shape[1] * X16
     groups = n * (k // GROUP)
@@ -347,12 +350,23 @@ def _stacked(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bi
             or (2 in forms and (k // GROUP) % 8)):
         raise ValueError("native kernel: stacked experts' weights and scales not in one layout of this shape")
     m = minimum if bits == 4 else None
-    spec = _Experts(codes.data_ptr(), scale.data_ptr(), m.data_ptr() if m is not None else None,
+    spec = Experts(codes.data_ptr(), scale.data_ptr(), m.data_ptr() if m is not None else None,
                     each[0] * codes.element_size(), each[1] * scale.element_size(),
                     each[2] * m.element_size() if m is not None else 0,
                     _MOE_KINDS[bits],
                     sum(f << (2 * i) for i, f in enumerate(forms)))
     return spec, n
+
+
+def experts_pair(gu_codes: torch.Tensor, gu_scale: torch.Tensor, gu_minimum: torch.Tensor, gu_bits: int,
+                 dn_codes: torch.Tensor, dn_scale: torch.Tensor, dn_minimum: torch.Tensor, dn_bits: int, hidden: int,
+                 intermediate: int) -> tuple[tuple[Experts, int], tuple[Experts, int]]:
+    """A layer's stacked gate/up and down matrices (`stacked_experts` each), checked to fit together."""
+    gu, gu_rows = stacked_experts(gu_codes, gu_scale, gu_minimum, gu_bits, hidden)
+    dn, dn_rows = stacked_experts(dn_codes, dn_scale, dn_minimum, dn_bits, intermediate)
+    if gu_rows < 2 * intermediate or dn_rows < hidden or gu_codes.shape[0] != dn_codes.shape[0]:
+        raise ValueError("native kernel: the experts' gate/up and down matrices do not fit together")
+    return (gu, gu_rows), (dn, dn_rows)
 
 
 def _moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gu_codes: torch.Tensor,
@@ -365,10 +379,8 @@ def _moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gu_c
     x = x.float().contiguous()
     T, H = x.shape
     k = ids.shape[1]
-    gu, gu_rows = _stacked(gu_codes, gu_scale, gu_minimum, gu_bits, H)
-    dn, dn_rows = _stacked(dn_codes, dn_scale, dn_minimum, dn_bits, intermediate)
-    if gu_rows < 2 * intermediate or dn_rows < H or gu_codes.shape[0] != dn_codes.shape[0]:
-        raise ValueError("native kernel: the experts' gate/up and down matrices do not fit together")
+    (gu, gu_rows), (dn, dn_rows) = experts_pair(gu_codes, gu_scale, gu_minimum, gu_bits, dn_codes, dn_scale,
+                                                dn_minimum, dn_bits, H, intermediate)
     ids = ids.to(torch.int64).contiguous()
     weights = weights.float().contiguous()
     y = torch.empty(T, H, dtype=torch.float32)
@@ -381,6 +393,29 @@ def _moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gu_c
         if err:
             raise MemoryError("native kernel: out of memory for the experts' activations")
     return y
+
+
+def _moe_route(x: torch.Tensor, router: torch.Tensor, k: int, rule: int, norm_topk_prob: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture-of-experts router (moe_kernels.c): x [T, H], router [E, H] -> (weights [T, k] float32, expert ids
+    [T, k] int64), highest weight first, by rule `rule` (layers/moe.py's ROUTERS, by index); each row's logits in one
+    fixed order (batch invariant)."""
+    x = x.float().contiguous()
+    router = router.float().contiguous()
+    T, H = x.shape
+    E = router.shape[0]
+    if router.shape[1] != H:
+        raise ValueError("native kernel: the router's width is not the rows'")
+    weights = torch.empty(T, k, dtype=torch.float32)
+    ids = torch.empty(T, k, dtype=torch.int64)
+    if T:
+        err = library().kvflow_moe_route(x.data_ptr(), T, H, router.data_ptr(), E, k, rule, int(norm_topk_prob),
+                                         ids.data_ptr(), weights.data_ptr(), threads())
+        if err == 2:
+            raise ValueError(f"native kernel: top {k} of {E} experts by rule {rule} is not a routing it computes")
+        if err:
+            raise MemoryError("native kernel: out of memory for the router's logits")
+    return weights, ids
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -418,7 +453,7 @@ def _lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
 
 for _name, _kernel in (("q4_linear", _q4_linear), ("q8_linear", _q8_linear), ("q5_linear", _q5_linear),
                        ("paged_attention", _paged_attention), ("rms_norm", _rms_norm), ("lora_add", _lora_add),
-                       ("moe_experts", _moe_experts)):
+                       ("moe_experts", _moe_experts), ("moe_route", _moe_route)):
     _OPS.impl(_name, _kernel, "CPU")
 torch.library.register_fake("kvflow::q4_linear", lambda x, codes, scale, minimum:
                             x.new_empty(*x.shape[:-1], _out_rows(codes)), lib=_OPS)
@@ -431,6 +466,8 @@ torch.library.register_fake("kvflow::rms_norm", lambda x, weight, eps: torch.emp
 torch.library.register_fake("kvflow::lora_add", lambda out, *rest: out.new_empty(out.shape), lib=_OPS)
 torch.library.register_fake("kvflow::moe_experts", lambda x, *rest: x.new_empty(x.shape, dtype=torch.float32),
                             lib=_OPS)
+torch.library.register_fake("kvflow::moe_route", lambda x, router, k, rule, norm: (
+    x.new_empty(x.shape[0], k, dtype=torch.float32), x.new_empty(x.shape[0], k, dtype=torch.int64)), lib=_OPS)
 q4_linear = torch.ops.kvflow.q4_linear.default
 q8_linear = torch.ops.kvflow.q8_linear.default
 q5_linear = torch.ops.kvflow.q5_linear.default
@@ -438,6 +475,7 @@ paged_attention = torch.ops.kvflow.paged_attention.default
 rms_norm = torch.ops.kvflow.rms_norm.default
 lora_add = torch.ops.kvflow.lora_add.default
 moe_experts = torch.ops.kvflow.moe_experts.default
+moe_route = torch.ops.kvflow.moe_route.default
 
 
 # the KV cache element types the attention kernel reads, and its number for each (native_kernels.c's KV_F32 ..);

@@ -67,14 +67,9 @@ class MoeForCausalLM(LlamaForCausalLM):
                              f"mixture-of-experts models ({cfg.architecture}); use tensor_parallel_size=1")
         super().__init__(cfg, max_positions, tp)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
-        if self.config.embedding_multiplier is not None:
-            h = h * self.config.embedding_multiplier
-        rope = self.rotary.lookup(positions)
-        for layer in self.layers:
-            h = layer(rope, h, meta)
-        return self.norm(h)
+        return h if self.config.embedding_multiplier is None else h * self.config.embedding_multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)

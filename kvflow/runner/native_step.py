@@ -1,7 +1,7 @@
-"""A step's whole decoder in one native call (layers/decoder_step.c), for the Llama-family and Gemma 3 models
-whose every matmul, norm and attention already runs on kvflow's kernels: Python embeds the tokens (scaled, on
-Gemma 3), hands the step's tensors over once, and gets the final hidden states back; the LM head and sampling stay
-as they are.
+"""A step's whole decoder in one native call (layers/decoder_step.c), for the Llama-family, Gemma 3 and
+mixture-of-experts models whose every matmul, norm and attention already runs on kvflow's kernels (the experts
+stacked for one call per layer: layers/moe.py): Python embeds the tokens (scaled, on Gemma 3 and Granite), hands the
+step's tensors over once, and gets the final hidden states back; the LM head and sampling stay as they are.
 
 Why: driven layer by layer from Python, a batch-1 step of the embedded model spent about as long around its ~210
 operator calls as in them (docs/performance.md, "Where a decode step's time goes"). With this step there is also
@@ -9,8 +9,9 @@ nothing left to compile: the runner starts no compile process where it is built.
 
 `NativeDecoderStep.build` says which models it takes, and why not (logged at boot); every other model, and any
 machine where the kernels cannot be built, runs the modules as before. `KVFLOW_NATIVE_STEP=0` turns it off. The
-same kernels run either way, and the elementwise work is computed as torch's eager ops compute it (SiLU with
-torch's own vector exp), so both paths give the same bits.
+same kernels run either way (a MoE layer's router and experts too: the module path calls them as well), and the
+elementwise work is computed as torch's eager ops compute it (SiLU with torch's own vector exp), so both paths give
+the same bits.
 """
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ from torch import nn
 
 from kvflow.layers import native_kernels
 from kvflow.layers.int4 import Int4Linear
+from kvflow.layers.moe import SparseMoE
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.quantization import NativeQ8Linear
 from kvflow.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
 from kvflow.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from kvflow.models.moe import MoeDecoderLayer, MoeForCausalLM
 
 _W_Q4, _W_Q8, _W_Q5 = 0, 1, 2
 _KV_FORMS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -43,11 +46,17 @@ class _Norm(ctypes.Structure):
     _fields_ = [("weight", _ptr), ("eps", _f32)]
 
 
+class _Moe(ctypes.Structure):
+    _fields_ = [("router", _ptr), ("experts", _i64), ("top_k", _i64), ("intermediate", _i64), ("gu_rows", _i64),
+                ("dn_rows", _i64), ("rule", _int), ("norm_topk_prob", _int), ("gate_up", native_kernels.Experts),
+                ("down", native_kernels.Experts)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("input", _Norm), ("mlp_in", _Norm), ("attn_out", _Norm), ("mlp_out", _Norm), ("q", _Norm),
                 ("k", _Norm), ("scale", _f32), ("window", _i64), ("cos", _ptr), ("sin_signed", _ptr),
                 ("k_cache", _ptr), ("v_cache", _ptr), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear)]
+                ("down", _Linear), ("qk_whole", _int), ("residual_scale", _f32), ("moe", _Moe)]
 
 
 class _Shape(ctypes.Structure):
@@ -112,6 +121,27 @@ def _norm(module: nn.Module | None, width: int) -> _Norm:
     return _Norm(module.weight.data_ptr(), module.eps)
 
 
+def _residual_scale(layer: nn.Module) -> float:
+    """What a layer multiplies each block's output by before its residual add (Granite's residual_multiplier; 1:
+    none, which decoder_step.c adds as it is)."""
+    scale = getattr(layer, "residual_multiplier", None)
+    return 1.0 if scale is None else scale
+
+
+def _moe(moe: SparseMoE, hidden: int) -> _Moe:
+    """A MoE layer's router and stacked experts, as moe_kernels.c reads them (the module path's two calls)."""
+    if not moe.native:
+        raise Unsupported("experts not stacked on kvflow's kernels")
+    router = moe.gate.weight
+    if router.dtype != torch.float32 or not router.is_contiguous() or router.shape != (moe.num_experts, hidden):
+        raise Unsupported("a router that is not float32 [experts, hidden]")
+    (gu, gu_rows), (dn, dn_rows) = native_kernels.experts_pair(
+        moe.gate_up_codes, moe.gate_up_scale, moe.gate_up_minimum, moe.gate_up_bits, moe.down_codes, moe.down_scale,
+        moe.down_minimum, moe.down_bits, hidden, moe.intermediate_size)
+    return _Moe(router.data_ptr(), moe.num_experts, moe.top_k, moe.intermediate_size, gu_rows, dn_rows,
+                moe.gate.rule, int(moe.gate.norm_topk_prob), gu, dn)
+
+
 class NativeDecoderStep:
     """Holds the model's weights' and caches' addresses in decoder_step.c's structs (they live as long as the model;
     the runner builds this after the KV cache is allocated and changes neither after)."""
@@ -121,18 +151,28 @@ class NativeDecoderStep:
         self.model = model
         self.lib = native_kernels.library()
         gemma = type(model) is Gemma3ForCausalLM
-        layer_type = Gemma3DecoderLayer if gemma else DecoderLayer
+        layer_type = {Gemma3ForCausalLM: Gemma3DecoderLayer, MoeForCausalLM: MoeDecoderLayer}.get(type(model),
+                                                                                               DecoderLayer)
+        mlp_types = (MLP, SparseMoE) if layer_type is MoeDecoderLayer else (MLP,)
         rotaries = []
         layers = []
+        intermediates = set()      # the dense MLPs' (decoder_step.c's step_shape holds one)
         H = cfg.hidden_size
         for layer in model.layers:
-            if type(layer) is not layer_type or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
-                raise Unsupported("a decoder layer other than Llama's or Gemma 3's")
+            if (type(layer) is not layer_type or type(layer.self_attn) is not Attention
+                    or type(layer.mlp) not in mlp_types):
+                raise Unsupported("a decoder layer other than Llama's, Gemma 3's or a mixture of experts'")
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.qk_norm_whole or attn.clip_qkv is not None or attn.qkv_lora or attn.o_lora:
-                raise Unsupported("Q/K norms over all heads at once, QKV clipping or LoRA terms")
-            if mlp.gate_up_lora or mlp.down_lora or cfg.hidden_act not in _ACTS:
-                raise Unsupported(f"an MLP of {cfg.hidden_act} or with LoRA terms")
+            if attn.clip_qkv is not None or attn.qkv_lora or attn.o_lora:
+                raise Unsupported("QKV clipping or LoRA terms")
+            if type(mlp) is SparseMoE:
+                moe, gate_up, down = _moe(mlp, H), _Linear(), _Linear()
+            else:
+                if mlp.gate_up_lora or mlp.down_lora or cfg.hidden_act not in _ACTS:
+                    raise Unsupported(f"an MLP of {cfg.hidden_act} or with LoRA terms")
+                moe = _Moe()
+                gate_up, down = _linear(mlp.gate_up_proj, H), _linear(mlp.down_proj, mlp.intermediate_size)
+                intermediates.add(mlp.intermediate_size)
             # the tables the model's forward rotates this layer with
             rotary = model.rotary_local if gemma and layer.sliding else model.rotary
             if (not gemma and attn.rotary is not model.rotary) or attn.attn.k_cache is None:
@@ -146,7 +186,9 @@ class NativeDecoderStep:
             rotaries.append(rotary)
             D = attn.head_dim
             q_size = attn.num_heads * D
-            norms = dict(input=_norm(layer.input_layernorm, H), q=_norm(attn.q_norm, D), k=_norm(attn.k_norm, D))
+            whole = attn.qk_norm_whole
+            norms = dict(input=_norm(layer.input_layernorm, H), q=_norm(attn.q_norm, q_size if whole else D),
+                         k=_norm(attn.k_norm, attn.kv_size if whole else D))
             if gemma:
                 norms.update(attn_out=_norm(layer.post_attention_layernorm, H),
                              mlp_in=_norm(layer.pre_feedforward_layernorm, H),
@@ -158,19 +200,20 @@ class NativeDecoderStep:
                                  cos=rotary.cos.data_ptr(), sin_signed=rotary.sin_signed.data_ptr(),
                                  k_cache=attn.attn.k_cache.data_ptr(), v_cache=attn.attn.v_cache.data_ptr(),
                                  qkv=_linear(attn.qkv_proj, H, True), o=_linear(attn.o_proj, q_size),
-                                 gate_up=_linear(mlp.gate_up_proj, H),
-                                 down=_linear(mlp.down_proj, mlp.intermediate_size)))
-            if (layers[-1].qkv.rows != q_size + 2 * attn.num_kv_heads * D
-                    or layers[-1].gate_up.rows != 2 * mlp.intermediate_size
-                    or layers[-1].o.rows != H or layers[-1].down.rows != H):
+                                 gate_up=gate_up, down=down, qk_whole=int(whole),
+                                 residual_scale=_residual_scale(layer), moe=moe))
+            if (layers[-1].qkv.rows != q_size + 2 * attn.num_kv_heads * D or layers[-1].o.rows != H
+                    or (not moe.router and (gate_up.rows != 2 * mlp.intermediate_size or down.rows != H))):
                 raise Unsupported("projections of unexpected shapes")
         first = model.layers[0]
         if len({r.cos.shape[1] for r in rotaries}) != 1:
             raise Unsupported("layers rotating different widths")
+        if len(intermediates) > 1:
+            raise Unsupported("dense MLPs of different widths")
         self.layers = (_Layer * len(layers))(*layers)
         self.shape = _Shape(layers=len(layers), hidden=H, heads=first.self_attn.num_heads,
                             kv_heads=first.self_attn.num_kv_heads, head_dim=first.self_attn.head_dim,
-                            rotary_dim=rotaries[0].cos.shape[1], intermediate=first.mlp.intermediate_size,
+                            rotary_dim=rotaries[0].cos.shape[1], intermediate=max(intermediates, default=0),
                             block_size=block_size, kv_form=_KV_FORMS[kv_dtype], act=_ACTS[cfg.hidden_act])
         final = _norm(model.norm, H)
         self.shape.final_norm, self.shape.final_eps = final.weight, final.eps
@@ -186,8 +229,8 @@ class NativeDecoderStep:
             return None, "KVFLOW_NATIVE_STEP=0"
         if not kernel_pool or native_kernels.library() is None:
             return None, "not every matmul, norm and attention runs on kvflow's kernels here"
-        if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM):
-            return None, f"{type(model).__name__} is not a Llama-family decoder that it computes"
+        if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM, MoeForCausalLM):
+            return None, f"{type(model).__name__} is not a decoder that it computes"
         if dtype != torch.float32 or tp_size != 1 or lora or kv_dtype not in _KV_FORMS:
             return None, "it computes float32 on one rank, without LoRA, over a float32/bf16/fp16 KV cache"
         try:
@@ -214,7 +257,7 @@ class NativeDecoderStep:
             err = self.lib.kvflow_decoder_step(ctypes.byref(s), self.layers, h.data_ptr(), out.data_ptr(),
                                                self.scratch.data_ptr())
             if err == 2:
-                raise ValueError("native step: attention of this shape is not supported")
+                raise ValueError("native step: a kernel refused the step's shapes (attention, experts or router)")
             if err:
                 raise MemoryError("native step: a kernel ran out of memory")
         self.steps += 1
