@@ -134,6 +134,34 @@ def test_experts_equal_the_per_token_loop():
     assert called == set(ids[0].tolist())         # at batch 1, only the row's top-k experts are read
 
 
+@pytest.mark.skipif(not native_kernels.usable(), reason="kvflow's kernels do not run here")
+def test_the_native_router_follows_each_rule_and_gives_a_row_its_bits_alone():
+    """moe_kernels.c's router (the module path's and the native step's where the experts are on kvflow's kernels):
+    each rule's choices and weights as the torch router gives them, and a row's bits the same alone, in any
+    subset and in a step large enough to be split over threads."""
+    from kvflow.layers.moe import ROUTERS
+
+    x, w = torch.randn(37, 100), torch.randn(8, 100)       # 100: not a multiple of its 16 partial sums
+    for rule, kind in enumerate(ROUTERS):
+        for norm in (False, True):
+            router = Router(100, 8, 3, kind, norm)
+            router.weight.data.copy_(w)
+            want_weights, want_ids = router(x)
+            weights, ids = native_kernels.moe_route(x, w, 3, rule, norm)
+            assert torch.equal(ids, want_ids), (kind, norm)
+            torch.testing.assert_close(weights, want_weights)
+            for rows in (slice(0, 1), slice(5, 6), slice(3, 20)):
+                alone = native_kernels.moe_route(x[rows], w, 3, rule, norm)
+                assert torch.equal(alone[0], weights[rows]) and torch.equal(alone[1], ids[rows])
+    big, wide = torch.randn(1000, 96), torch.randn(64, 96)
+    weights, ids = native_kernels.moe_route(big, wide, 8, 0, True)
+    for rows in (slice(0, 1), slice(500, 503), slice(990, 1000)):
+        alone = native_kernels.moe_route(big[rows], wide, 8, 0, True)
+        assert torch.equal(alone[0], weights[rows]) and torch.equal(alone[1], ids[rows])
+    with pytest.raises(ValueError, match="top 9 of 8"):
+        native_kernels.moe_route(x, w, 9, 0, False)
+
+
 def test_router_logits_do_not_depend_on_the_rows_beside():
     x, w = torch.randn(37, 64), torch.randn(8, 64)
     full = blocked_linear(x, w)
