@@ -11,9 +11,10 @@ Checkpoint names reach `load_weights` in one form, `layers.N.mlp.gate.weight` (t
 Mixtral's `block_sparse_moe.experts.E.w1/w3/w2`, GraniteMoE's stacked `input_linear` / `output_linear`, a GGUF's
 stacked `ffn_*_exps`); llama.py fuses each expert's gate and up as it fuses the dense MLP's.
 
-Compiled decode steps where kvflow's kernels hold every expert (layers/moe.py: the grouping by expert is then inside
-one native call); off otherwise (grouping in Python depends on the step's data, which a whole-graph compile cannot
-trace). Not here: tensor parallelism (experts are not split over ranks) and LoRA on MoE models: both refused.
+Where kvflow's kernels hold every expert (layers/moe.py: the routing and the grouping by expert are then native
+calls), the runner's native decoder step computes the whole model (runner/native_step.py), or, where that does not
+build (OLMoE's QKV clipping), decode steps compile; neither otherwise (grouping in Python depends on the step's
+data, which a whole-graph compile cannot trace). Not here: tensor parallelism (experts are not split over ranks) and LoRA on MoE models: both refused.
 """
 from __future__ import annotations
 
