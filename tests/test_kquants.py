@@ -1,6 +1,7 @@
 """GGUF K-quants and the other block formats served from their own codes: Q4_K as group-32 4-bit codes with the
-file's own scales and minimums (bit for bit gguf's float32 values), Q5_0 as 8-bit codes (Q8_0's format), and
-what is still re-rounded (Q5_K, Q6_K, ...) rounded in slices of rows."""
+file's own scales and minimums, Q6_K as 6-bit codes with its int8 multipliers per 16 and d per 256 (both bit for bit
+gguf's float32 values), Q5_0 as 8-bit codes (Q8_0's format), and what is still re-rounded (Q5_K, ...) rounded in
+slices of rows."""
 from __future__ import annotations
 
 import gguf
@@ -26,14 +27,22 @@ def matrix(rows: int, cols: int, scale: float, seed: int = 0) -> np.ndarray:
 
 
 @pytest.mark.parametrize("scale", [0.05, 1e-4, 40.0])
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0", "Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q4_0", "Q4_1", "Q8_0"])
 def test_codes_dequantize_to_ggufs_values_bit_for_bit(qtype, scale):
     x = matrix(48, 768, scale)
-    raw = quantize_q4_k(x) if qtype == "Q4_K" else gguf.quants.quantize(x, T[qtype])
+    raw = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}.get(qtype, lambda x: gguf.quants.quantize(x, T[qtype]))(x)
     gq = group_quantized(raw, T[qtype], x.shape)
-    assert gq.exact and gq.group == 32 and gq.bits == (4 if qtype in ("Q4_K", "Q4_0", "Q4_1") else 8)
     want = torch.from_numpy(dequantize(raw, T[qtype], x.shape))
     assert torch.equal(gq.dequantize(), want)
+    if qtype == "Q6_K":
+        # what the 6-bit kernel takes, (code - 32) * multiplier * d (the file's two levels), is exact too
+        d, multipliers = gq.scale_parts
+        assert gq.exact and (gq.group, gq.bits, gq.offset) == (16, 6, 32) and int(gq.codes.max()) <= 63
+        scale = d.repeat_interleave(16, 1) * multipliers.float()
+        w = (gq.codes.view(48, -1, 16).float() - 32) * scale[..., None]
+        assert torch.equal(w.view(48, 768), want)
+        return
+    assert gq.exact and gq.group == 32 and gq.bits == (4 if qtype in ("Q4_K", "Q4_0", "Q4_1") else 8)
     # what kvflow's kernels take (value = code * scale + minimum) is exact too
     q = gq.codes.view(48, -1, 32).float() - (gq.offset if gq.bits == 8 else 0)
     w = q * gq.scale[..., None] + (gq.minimum()[..., None] if gq.bits == 4 else 0)
@@ -76,7 +85,7 @@ def test_q4_k_file_kept_as_its_own_codes(wide_hf, tmp_path):
 
 # --------------------------------------------------------------------------- re-rounded formats, slice by slice
 
-@pytest.mark.parametrize("qtype,writer", [("Q6_K", quantize_q6_k), ("Q5_K", quantize_q5_k)])
+@pytest.mark.parametrize("qtype,writer", [("Q5_K", quantize_q5_k)])
 def test_other_k_quants_are_rerounded_to_8_bits_in_slices(qtype, writer, monkeypatch):
     from kvflow.models import loader
     from kvflow.models.gguf_reader import GGUFTensorInfo
@@ -106,14 +115,16 @@ def test_mixed_stacks_keep_8_bit_pieces_as_the_files_codes():
     q5 = group_quantized(gguf.quants.quantize(x, T.Q5_0), T.Q5_0, x.shape)
     q40 = group_quantized(gguf.quants.quantize(x, T.Q4_0), T.Q4_0, x.shape)
     q4k = group_quantized(quantize_q4_k(x), T.Q4_K, x.shape)
-    layer = torch.nn.Linear(256, 256)
-    layer.gguf_pieces = [q4k, q8, q5, q40]
+    q6k = group_quantized(quantize_q6_k(x), T.Q6_K, x.shape)
+    layer = torch.nn.Linear(256, 320)
+    layer.gguf_pieces = [q4k, q8, q5, q40, q6k]
     stacked = _gguf_codes(layer)
-    assert stacked.bits == 8 and stacked.zero is None
+    assert stacked.bits == 8 and stacked.zero is None and stacked.group == 32
     for i, piece in enumerate((q8, q5, q40)):                            # exactly their own values
         assert torch.equal(stacked.take_rows(torch.arange(64 * (i + 1), 64 * (i + 2))).dequantize(), piece.dequantize())
-    got = stacked.take_rows(torch.arange(64)).dequantize()
-    assert (got - q4k.dequantize()).abs().max() <= q4k.dequantize().abs().max() / 254 * 1.001
+    for rows, piece in ((torch.arange(64), q4k), (torch.arange(256, 320), q6k)):     # rounded to 8 bits, group 32
+        got = stacked.take_rows(rows).dequantize()
+        assert (got - piece.dequantize()).abs().max() <= piece.dequantize().abs().max() / 254 * 1.001
 
 
 @pytest.mark.slow
@@ -131,12 +142,14 @@ def test_q4_k_m_file_serves_from_its_codes(wide_hf, tmp_path):
     assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)            # Q4_K
     if native_kernels.usable():
         assert isinstance(model.layers[1].self_attn.qkv_proj, NativeQ8Linear)    # Q4_K q/k + Q6_K v: 8-bit
+        assert model.layers[1].self_attn.qkv_proj.code_bits == 8
+        assert model.layers[1].mlp.down_proj.code_bits == 6                        # Q6_K: its own 6-bit codes
     out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 6
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ftype", ["q8_0", "q5_0"])
+@pytest.mark.parametrize("ftype", ["q8_0", "q5_0", "q6_k"])
 def test_untied_8_bit_head_multiplies_the_files_codes(tmp_path, ftype):
     from kvflow import LLM
     from kvflow.layers import native_kernels
@@ -144,21 +157,22 @@ def test_untied_8_bit_head_multiplies_the_files_codes(tmp_path, ftype):
 
     if not native_kernels.usable():
         pytest.skip("kvflow's kernels do not run here")
-    hf = make_tiny_hf_model(tmp_path / "hf", "qwen2", seed=2)
+    wide = dict(hidden_size=256, intermediate_size=512) if ftype == "q6_k" else {}     # Q6_K: rows of 256
+    hf = make_tiny_hf_model(tmp_path / "hf", "qwen2", seed=2, **wide)
     path = write_gguf_from_hf(hf, tmp_path / f"m-{ftype}.gguf", ftype=ftype)
     llm = LLM(str(path), max_model_len=64, kv_cache_memory="4MiB", enforce_eager=True)
     head = llm.engine.runner.model.lm_head
     assert isinstance(head, NativeQ8Linear)
     files = resolve_model_files(path)
     want = dict(iter_weights(files, keep_quantized=True))["lm_head.weight"].resolve()
-    assert head.code_bits == (5 if ftype == "q5_0" else 8)                        # Q5_0: held in 5 bits
-    assert torch.equal(head.int8_codes(torch.arange(want.shape[0])), want.codes)
+    assert head.code_bits == {"q5_0": 5, "q6_k": 6}.get(ftype, 8)                # Q5_0: held in 5 bits
+    assert torch.equal(head.int8_codes(torch.arange(want.shape[0])), (want.codes.to(torch.int16) - want.offset).to(torch.int8))
 
 
 # --------------------------------------------------------------------------- a tied table held once
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ftype", ["q4_k", "q4_0", "q4_1", "q8_0", "q4_k_m"])
+@pytest.mark.parametrize("ftype", ["q4_k", "q4_0", "q4_1", "q8_0", "q4_k_m", "q6_k"])
 def test_tied_table_is_held_once_and_looks_up_the_files_values(wide_hf, tmp_path, ftype):
     from kvflow import LLM, SamplingParams
     from kvflow.layers import native_kernels
@@ -175,10 +189,10 @@ def test_tied_table_is_held_once_and_looks_up_the_files_values(wide_hf, tmp_path
     vocab, hidden = table.num_rows, model.config.hidden_size
     held = sum(t.numel() * t.element_size() for t in [*table.parameters(), *table.buffers()])
     # codes + a scale (and a minimum) per 32 values as the file stores them: fp16 (Q4_0, Q4_1, Q8_0), Q4_K's
-    # 6-bit multiplier (a byte) per 32 and fp16 super-scale per 256; float32 for re-rounded scales (q4_k_m: a Q6_K
-    # table, re-rounded to 8-bit codes)
+    # 6-bit multiplier (a byte) per 32 and fp16 super-scale per 256; Q6_K (q6_k, and q4_k_m's table) its 6-bit
+    # codes, an int8 multiplier per 16 and fp16 d per 256: the file's 6.5625 bits a value
     per_value = {"q8_0": 1 + 2 / 32, "q4_0": 0.5 + 4 / 32, "q4_1": 0.5 + 4 / 32, "q4_k": 0.5 + 2 * 1.25 / 32,
-                 "q4_k_m": 1 + 4 / 32}[ftype]
+                 "q4_k_m": 210 / 256, "q6_k": 210 / 256}[ftype]
     assert held <= vocab * hidden * per_value * 1.001
     if ftype in ("q8_0", "q4_0", "q4_1"):
         assert {t.dtype for t in table.buffers() if t.is_floating_point()} == {torch.float16}
@@ -186,10 +200,7 @@ def test_tied_table_is_held_once_and_looks_up_the_files_values(wide_hf, tmp_path
     gq = dict(iter_weights(files, keep_quantized=True))["model.embed_tokens.weight"].resolve()
     ids = torch.tensor([[0, 5, vocab - 1], [3, 3, 1000]])
     want = gq.dequantize()[ids]
-    if gq.exact:
-        assert torch.equal(table(ids), want)
-    else:                                         # Q6_K re-rounded: the codes kvflow holds
-        assert torch.allclose(table(ids), want)
+    assert gq.exact and torch.equal(table(ids), want)
     hidden_states = torch.randn(5, hidden)
     logits = table.project(hidden_states)
     assert logits.shape == (5, vocab)

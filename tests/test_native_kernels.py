@@ -1,4 +1,4 @@
-"""kvflow's CPU kernels (layers/native_kernels.c): 4-bit and 8-bit weights against a torch reference of the same
+"""kvflow's CPU kernels (layers/native_kernels.c): 4-, 6- and 8-bit weights against a torch reference of the same
 arithmetic (int8 activations per group of 32), every row-count remainder, on each instruction set this CPU runs
 (AVX2, AVX-512 VNNI); paged attention and RMSNorm against float64; the LoRA term against torch's; each
 kernel's batch invariance (a row's bits depend on that row alone), inside a compiled graph, and greedy output of the
@@ -86,14 +86,55 @@ def test_q8_kernel_matches_the_reference_including_code_minus_128(isa, rows):
     torch.testing.assert_close(got[:, :n].double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def q6_weights(n: int, k: int, seed: int = 0):
+    """Q6_K's form: codes 0..63, an int8 multiplier per 16 columns, fp16 d per 256; value (code - 32) * mult * d.
+    Codes and multipliers at both ends of their ranges in the first and last rows."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8)
+    multipliers = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
+    codes[0], codes[-1], multipliers[0], multipliers[-1] = 0, 63, -128, 127
+    d = (torch.rand(n, k // 256, generator=g) * 1e-3).half()
+    scale16 = d.float().repeat_interleave(16, 1) * multipliers.float()
+    packed = (native_kernels.pack_q6(codes, multipliers), native_kernels.pack_q6_scales(d))
+    return codes, scale16, packed
+
+
+def reference_q6(x, codes, scale16):
+    """The 6-bit kernel's arithmetic in float64: per group of 32, the integer dot of each half (codes - 32 times the
+    activation codes) times its multiplier, summed, times d_w * d_x."""
+    q, dx = quantized_activations(x)
+    n = codes.shape[0]
+    w = (codes.double() - 32).view(n, -1, 2, 16)
+    halves = torch.einsum("mghk,nghk->mngh", q.view(q.shape[0], -1, 2, 16), w)
+    mult = scale16.double().view(n, -1, 2)          # d * multiplier per half; d is one per group
+    return (halves * mult[None]).sum(-1).mul(dx[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 70])
+@pytest.mark.parametrize("n,k", [(1, 256), (40, 512)])
+def test_q6_kernel_matches_the_reference_with_ggufs_q6_k_values(isa, rows, n, k):
+    codes, scale16, packed = q6_weights(n, k, rows + n)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, :32] = 0                                       # an all-zero group
+    got = native_kernels.q6_linear(x, *packed)
+    assert got.shape == (rows, native_kernels.padded_rows(n))
+    want = reference_q6(x, codes, scale16)
+    torch.testing.assert_close(got[:, :n].double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    w = ((codes.float() - 32).view(n, -1, 16) * scale16[..., None]).view(n, k)      # against float weights
+    assert ((got[:, :n] - x @ w.T).norm() / (x @ w.T).norm()).item() < 0.02
+
+
 def test_linear_kernels_give_a_row_the_same_bits_alone_as_in_any_batch(isa):
     """Row blocks of 4, their remainders, passes of 64 rows and the thread count must not change a row's sums."""
     n, k = 40, 96
     codes, scale, minimum, packed = q4_weights(n, k)
     codes8 = (codes.to(torch.int16) * 16 - 128).to(torch.int8)
     packed8 = (native_kernels.pack_q8(codes8), native_kernels.pack_scales(scale))
-    x = torch.randn(131, k, generator=torch.Generator().manual_seed(3))
-    for fn, weights in ((native_kernels.q4_linear, packed), (native_kernels.q8_linear, packed8)):
+    wide = torch.randn(131, 256, generator=torch.Generator().manual_seed(3))
+    packed6 = q6_weights(n, 256)[2]
+    for fn, weights in ((native_kernels.q4_linear, packed), (native_kernels.q8_linear, packed8),
+                        (native_kernels.q6_linear, packed6)):
+        x = wide[:, :weights[0].shape[1] * 32].contiguous()      # K: the weight's groups of 32
         batch = fn(x, *weights)
         for lo, hi in ((0, 1), (5, 6), (63, 66), (127, 131), (2, 9)):
             assert torch.equal(fn(x[lo:hi], *weights), batch[lo:hi])
@@ -113,13 +154,19 @@ def test_the_layout_round_trips_and_lookups_read_the_codes_back():
     codes8 = torch.randint(-128, 128, (n, k), dtype=torch.int8)
     ids = torch.tensor([[0, 36], [17, 16]])
     assert torch.equal(native_kernels.q8_rows(native_kernels.pack_q8(codes8), ids), codes8[ids])
+    codes6, _, (packed6, _) = q6_weights(n, 256)
+    multipliers = torch.randint(-128, 128, (n, 16), dtype=torch.int8)
+    got_codes, got_multipliers = native_kernels.q6_rows(native_kernels.pack_q6(codes6, multipliers), ids)
+    assert torch.equal(got_codes, (codes6.to(torch.int16) - 32).to(torch.int8)[ids])
+    assert torch.equal(got_multipliers, multipliers[ids])
 
 
 @pytest.mark.skipif(not native_kernels.has_avx512_vnni(), reason="no AVX-512 VNNI here: only the AVX2 kernels run")
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_x16_kernels_give_the_same_bits_on_avx2_as_on_avx512(bits):
     """Layout x16's two block kernels (native_kernels.c): every scale form (float32, fp16, Q4_K's two levels,
-    Q4_0's minimums made from d), pool and OpenMP sizes, each row-count remainder, codes at both ends."""
+    Q4_0's minimums made from d, Q6_K's multipliers and d), pool and OpenMP sizes, each row-count remainder, codes
+    at both ends."""
     lib = native_kernels.library()
     g = torch.Generator().manual_seed(bits)
     n, k = 40, 512
@@ -136,6 +183,9 @@ def test_x16_kernels_give_the_same_bits_on_avx2_as_on_avx512(bits):
         calls = [lambda x, d=d: native_kernels.q4_linear(x, packed, d, native_kernels.minimums(-8 * d, d))
                  for d in forms[:2]]
         calls += [lambda x, d=d: native_kernels.q4_linear(x, packed, d, forms[0] * -0.5) for d in forms]
+    elif bits == 6:
+        packed6 = q6_weights(n, k, 6)[2]
+        calls = [lambda x: native_kernels.q6_linear(x, *packed6)]
     else:
         low, high = (-16, 16) if bits == 5 else (-128, 128)
         codes = torch.randint(low, high, (n, k), generator=g, dtype=torch.int8)
@@ -160,6 +210,12 @@ def test_weights_in_the_wrong_layout_are_refused_not_read_past():
     codes, scale, minimum, packed = q4_weights(48, 64)
     with pytest.raises(ValueError):
         native_kernels.q4_linear(torch.randn(2, 64), packed[0], scale[:1], minimum)
+    _, _, (codes6, d) = q6_weights(48, 512)
+    for bad in (d[:, :1].contiguous(), d.float()):     # d for one block of 256 of the two; float32 d
+        with pytest.raises(ValueError):
+            native_kernels.q6_linear(torch.randn(2, 512), codes6, bad)
+    with pytest.raises(ValueError):                     # rows 256 wide, codes for 512
+        native_kernels.q6_linear(torch.randn(2, 256), codes6, d)
 
 
 def q4_0_weights(n: int, k: int, seed: int = 0):

@@ -26,7 +26,7 @@
 
 #include "linear_kernels.h"
 
-enum { W_Q4 = 0, W_Q8 = 1, W_Q5 = 2 };                // the weight's codes (native_kernels.py: pack_q4 / q8 / q5)
+enum { W_Q4 = 0, W_Q8 = 1, W_Q5 = 2, W_Q6 = 3 };     // the weight's codes (native_kernels.py: pack_q4 / q8 / q5 / q6)
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };          // native_kernels.c's forms that this step writes
 
 typedef struct {
@@ -84,6 +84,9 @@ static int linear(const step_linear *w, const float *x, int64_t M, int64_t K, fl
         break;
     case W_Q8:
         err = kvflow_q8_linear(x, M, K, w->codes, w->scale, w->width, y, threads, w->flags);
+        break;
+    case W_Q6:
+        err = kvflow_q6_linear(x, M, K, w->codes, w->scale, w->width, y, threads, w->flags);
         break;
     default:
         err = kvflow_q5_linear(x, M, K, w->codes, w->scale, w->width, y, threads, w->flags);

@@ -1,5 +1,5 @@
 """A weight matrix as integer codes with a scale and zero per group of columns: what a GGUF's Q4_0 / Q4_1 / Q8_0 /
-Q5_0 / Q4_K blocks are, and what torch's int4 kernel and kvflow's kernels multiply.
+Q5_0 / Q4_K / Q6_K blocks are, and what torch's int4 kernel and kvflow's kernels multiply.
 
 value[n, k] = (code[n, k] - offset) * scale[n, g] + zero[n, g], g = k // group. Every GGUF block format kept here
 maps into it without touching the codes, and with the file's own float32 arithmetic, so `dequantize` gives
@@ -10,6 +10,8 @@ gguf's float32 values bit for bit: one exact product, then at most one rounded a
                                                                     exact in float32: 11 x 6 mantissa bits)
   Q8_0  d * q                 offset 0, scale d, no zero            8-bit codes -128..127
   Q5_0  d * (q - 16)          offset 0, scale d, no zero            8-bit codes q - 16 (-16..15)
+  Q6_K  d*sc * (q - 32)       offset 32, scale d*sc, no zero        6-bit codes 0..63, per sub-block of 16 (the
+                                                                    product exact: 11 x 8 mantissa bits)
 (torch's int4 kernel takes (q - 8) * scale + zero': `zero_for_offset(8)` converts, rounding, for it alone.)
 The 4-bit codes default to offset 8 (round_to_nearest's and torch's convention), the 8-bit ones to 0.
 """
@@ -22,15 +24,16 @@ import torch
 
 @dataclass(frozen=True)
 class GroupQuantized:
-    codes: torch.Tensor            # [N, K] uint8 (4-bit codes) or int8 (8-bit)
+    codes: torch.Tensor            # [N, K] uint8 (4- and 6-bit codes) or int8 (8-bit)
     scale: torch.Tensor            # [N, K // group] float32
     zero: torch.Tensor | None      # [N, K // group] float32, None for 0
     group: int
-    bits: int                      # 4 or 8
+    bits: int                      # 4, 6 or 8
     exact: bool = True             # the file's own codes (False: re-rounded at load from another format)
     offset: int | None = None      # subtracted from the codes (None: 8 for 4-bit codes, 0 for 8-bit ones)
     # Q4_K's two levels as the file stores them, (fp16 super-scale [N, K // 256], uint8 multiplier [N, K // 32]):
-    # scale == super * multiplier (and zero the same of -dmin and m), so kernels can hold 10 bits a group, not 32
+    # scale == super * multiplier (and zero the same of -dmin and m), so kernels can hold 10 bits a group, not 32;
+    # Q6_K's, (fp16 d [N, K // 256], int8 multiplier [N, K // 16])
     scale_parts: tuple[torch.Tensor, torch.Tensor] | None = None
     zero_parts: tuple[torch.Tensor, torch.Tensor] | None = None
 

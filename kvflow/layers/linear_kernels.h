@@ -10,6 +10,8 @@ int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes,
                      float *y, int threads, int flags);
 int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
                      float *y, int threads, int flags);
+int kvflow_q6_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
+                     float *y, int threads, int flags);
 #define KVFLOW_GROUPED_MAX 64      // the most groups (matrices) one kvflow_grouped_linear call takes
 int kvflow_grouped_linear(int bits, const float *x, int64_t M, int64_t K, const int64_t *matrix, const int64_t *rows,
                           int64_t groups, const uint8_t *codes, int64_t codes_stride, const void *d, int64_t d_stride,
@@ -26,7 +28,7 @@ typedef struct {
     int64_t codes_stride, scale_stride, minimum_stride;   // bytes from one expert's to the next's
     int kind, flags;                                      // MOE_*; the scales' forms (native_kernels.c)
 } experts_t;
-enum { MOE_Q4 = 0, MOE_Q8 = 1, MOE_Q5 = 2 };
+enum { MOE_Q4 = 0, MOE_Q8 = 1, MOE_Q5 = 2, MOE_Q6 = 3 };
 enum { ROUTE_SOFTMAX_TOPK = 0, ROUTE_SOFTMAX_TOPK_RENORMALIZED = 1, ROUTE_TOPK_SOFTMAX = 2 };   // layers/moe.py's ROUTERS
 int kvflow_moe_route(const float *x, int64_t T, int64_t H, const float *router, int64_t E, int64_t k, int rule,
                      int norm_topk_prob, int64_t *ids, float *weights, int threads);

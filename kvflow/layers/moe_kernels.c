@@ -10,7 +10,7 @@
 // sum are per element, in a fixed order. So a row's bits depend on that row alone, at every step size.
 //
 // Weights: every expert's matrix of one kind in one stacked buffer, expert e at e * stride bytes (codes, scales
-// and minimums each), in the kernels' layout (x16; `kind`: MOE_Q4 / MOE_Q8 / MOE_Q5).
+// and minimums each), in the kernels' layout (x16; `kind`: MOE_Q4 / MOE_Q8 / MOE_Q5 / MOE_Q6).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -102,11 +102,12 @@ static int expert_linear(const experts_t *w, int64_t e, const float *x, int64_t 
     case MOE_Q4: return kvflow_q4_linear(x, M, K, c, d, m, N, y, threads, w->flags);
     case MOE_Q8: return kvflow_q8_linear(x, M, K, c, d, N, y, threads, w->flags);
     case MOE_Q5: return kvflow_q5_linear(x, M, K, c, d, N, y, threads, w->flags);
+    case MOE_Q6: return kvflow_q6_linear(x, M, K, c, d, N, y, threads, w->flags);
     default: return 2;
     }
 }
 
-static int kind_bits(int kind) { return kind == MOE_Q4 ? 4 : kind == MOE_Q8 ? 8 : 5; }
+static int kind_bits(int kind) { return kind == MOE_Q4 ? 4 : kind == MOE_Q8 ? 8 : kind == MOE_Q6 ? 6 : 5; }
 
 // The experts of a step of at most GROUPED_PAIRS (row, choice) pairs: the pairs' rows gathered in expert order, then
 // each kind of matrix of every chosen expert in one pool job (kvflow_grouped_linear) instead of one call per expert,

@@ -11,9 +11,10 @@
 // Weights are repacked at load into one layout, "x16" (16 weight rows interleaved; described with its kernels
 // below), which has a kernel for AVX-512 VNNI (vpdpbusd) and one for AVX2 (vpmaddubsw) giving the same bits. The
 // codes: 4-bit 0..15 with value = code * d[n, g] + m[n, g] (GGUF Q4_0 / Q4_1 / Q4_K), 8-bit -128..127 with value
-// = code * d[n, g] (Q8_0, re-rounded Q6_K / Q5_K), 5-bit 0..31 with value = (code - 16) * d[n, g] (Q5_0), summed in
+// = code * d[n, g] (Q8_0, re-rounded Q5_K), 5-bit 0..31 with value = (code - 16) * d[n, g] (Q5_0), summed in
 // integers as sum(code * a) - 16 * sum(a): the same sums, so the same bits, as the 8-bit kernel on codes - 16, from
-// 5/8 of the bytes.
+// 5/8 of the bytes; 6-bit 0..63 with an int8 multiplier per 16 columns, value = (code - 32) * sc[n, k / 16] *
+// d[n, g / 8] (GGUF Q6_K exactly, as the file holds it: 6.5625 bits a weight).
 // Activations x [M, K] float32, row-major; y [M, N] float32. K must be a multiple of 32.
 // Scales d and minimums m, each in one of three forms (`flags` bits 0-1: d's, bits 2-3: m's; shapes as logical
 // [N, G], held in layout x16's order), all widened to the same float32 values as they are read, so every form gives
@@ -22,6 +23,7 @@
 //   1  fp16 [N, G], as GGUF stores Q4_0 / Q4_1 / Q8_0's d and m
 //   2  two levels, as Q4_K stores them: uint8 multipliers [N, G] then fp16 super-scales [N, G / 8] (one per 8
 //      groups: a block of 256), value = super * multiplier (exact in float32: 11 x 6 mantissa bits)
+//   3  (d of 6-bit codes only) fp16 [N, G / 8], one per 8 groups, as Q6_K's d; the multipliers are in the codes
 #include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
@@ -52,8 +54,8 @@
 
 int kvflow_pool_rows(void) { return POOL_ROWS; }
 
-// x [M, K] -> int8 codes q [M, K], scale d [M, G], d * sum(codes) s [M, G] and sum(codes) qs [M, G] (if not NULL)
-// per group of 32
+// x [M, K] -> int8 codes q [M, K], scale d [M, G] and d * sum(codes) s [M, G] per group of 32, and the sums of the
+// codes of each half of a group, qs [M, 2 G] (if not NULL: the 6-bit kernel needs them per 16 columns)
 static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s, int32_t *qs,
                                  int threads) {
     const int64_t groups = M * (K / QK);
@@ -63,15 +65,15 @@ static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *q
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xg[j]));
         const float dg = amax / 127.0f, inv = dg > 0.0f ? 1.0f / dg : 0.0f;
-        int sum = 0;
+        int half[2] = {0, 0};
         for (int j = 0; j < QK; j++) {
             const int v = (int)nearbyintf(xg[j] * inv);
             q[i * QK + j] = (int8_t)v;
-            sum += v;
+            half[j >= QK / 2] += v;
         }
         d[i] = dg;
-        s[i] = dg * (float)sum;
-        if (qs) qs[i] = sum;
+        s[i] = dg * (float)(half[0] + half[1]);
+        if (qs) qs[2 * i] = half[0], qs[2 * i + 1] = half[1];
     }
 }
 
@@ -150,7 +152,7 @@ static int pool_activations(const float *x, int64_t M, int64_t K, int8_t **q, fl
     *q = pool_buffer(POOL_LINEAR_Q, M * K);
     *d = pool_buffer(POOL_LINEAR_D, M * G * (int64_t)sizeof(float));
     *s = pool_buffer(POOL_LINEAR_S, M * G * (int64_t)sizeof(float));
-    *qs = pool_buffer(POOL_LINEAR_QS, M * G * (int64_t)sizeof(int32_t));
+    *qs = pool_buffer(POOL_LINEAR_QS, 2 * M * G * (int64_t)sizeof(int32_t));
     if (!*q || !*d || !*s || !*qs) return 1;
     quantize_activations(x, M, K, *q, *d, *s, *qs, 1);
     return 0;
@@ -674,15 +676,26 @@ int kvflow_lora_add(const float *x, int64_t M, int64_t K, const float *a, const 
 //   5-bit: [N/16, G, 5, 64] bytes: registers 0..3 the nibbles as 4-bit's, register 4 the fifth bits (bit c of
 //          a byte: that row's and column's bit in quad c); code 0..31, value = (code - 16) * d, the extra 16 *
 //          sum(activation codes) subtracted in integers (the 8-bit kernel's sums on codes - 16, exactly)
+//   6-bit: [N/16, G, 416] bytes: registers 0..3 the low nibbles as 4-bit's, register 4 the top two bits of quads
+//          0..3 (bits 2c, 2c + 1 of a byte: that row's and column's in quad c), register 5 those of quads 4..7,
+//          then 32 int8 multipliers: the 16 rows' for columns 0..15 of the group, then for columns 16..31; the
+//          integer dot of a group is sc0 * (sum over columns 0..15 of code * a - 32 * their sum(a)) + sc1 * (the
+//          same over 16..31), exact in int32 (<= 2 x 128 x 16 x 32 x 127)
 //   scales and minimums: [N/16, G, 16] float32 or fp16, or uint8 [N/16, G, 16] then fp16 [N/16, G/8, 16] (forms
-//   as above)
+//   as above); the 6-bit codes' d fp16 [N/16, G/8, 16]
 // Each output is sum over groups, in order, of float(integer dot) * (d_w * d_x) by one FMA per group (+ the
 // minimum's term), whatever the number of rows, their block, or the thread count: batch invariant. The integer dot
 // of a group is exact on both instruction sets, so AVX2 gives AVX-512's bits: one block kernel per ISA
 // (block_x16_avx512, block_x16_avx2), chosen once per process (kvflow_x16_use_avx512) and called through
 // `x16_block`, so the drivers below hold no AVX-512 instruction and run on an AVX2-only CPU.
-// the bytes of one block of 16 weight rows over G groups: 4, 5 or 8 64-byte registers a group
-static inline int64_t block_bytes(int bits, int64_t G) { return G * (bits == 4 ? 4 : bits == 5 ? 5 : 8) * 64; }
+// the bytes of one block of 16 weight rows over G groups: 4, 5, 6.5 or 8 64-byte registers a group
+#define Q6_GROUP_BYTES (6 * 64 + 2 * X16)
+static inline int64_t block_bytes(int bits, int64_t G) {
+    return G * (bits == 4 ? 4 * 64 : bits == 5 ? 5 * 64 : bits == 6 ? Q6_GROUP_BYTES : 8 * 64);
+}
+
+// the sum of the activation codes of a group (both halves of qs)
+static inline int32_t group_sum(const int32_t *qs, int64_t i) { return qs[2 * i] + qs[2 * i + 1]; }
 
 #define ROWS_X16 4          // activation rows per pass over a block's unpacked weights (registers: 8 + 3 * 4)
 
@@ -701,6 +714,8 @@ static inline __m512 load16(scales_t s, int64_t at, int64_t g) {
         const __m512 mult = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)s.p + i))));
         const __m512 sup = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s.super + at / 8 + (g / 8) * X16)));
         v = _mm512_mul_ps(mult, sup);
+    } else if (s.form == 3) {      // one per 8 groups [N/16, G/8, 16]
+        v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s.p + at / 8 + (g / 8) * X16)));
     } else {
         v = _mm512_loadu_ps((const float *)s.p + i);
     }
@@ -713,15 +728,26 @@ static void block_x16_avx512(int bits, int R, const uint8_t *w, scales_t wd, sca
                              const int32_t *qs, int64_t K, int64_t m, float *y, int64_t N, int64_t n0) {
     __m512 acc[ROWS_X16], bias[ROWS_X16];
     for (int r = 0; r < R; r++) acc[r] = bias[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     for (int64_t g = 0; g < G; g++) {
-        __m512i wq[8];
-        if (bits == 4) {
-            const uint8_t *wg = w + g * 4 * 64;
+        __m512i wq[8], sc0 = _mm512_setzero_si512(), sc1 = sc0;
+        if (bits == 4 || bits == 6) {
+            const uint8_t *wg = w + g * block_bytes(bits, 1);
             for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(wg + c * 64));
                 wq[c] = _mm512_and_si512(v, low);
                 wq[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            if (bits == 6) {       // bits 4-5 of quad c (and c + 4) from bits 2c, 2c + 1 of registers 4 and 5
+                for (int r = 0; r < 2; r++) {
+                    const __m512i hi = _mm512_loadu_si512((const void *)(wg + (4 + r) * 64));
+                    const __m512i moved[4] = {_mm512_slli_epi16(hi, 4), _mm512_slli_epi16(hi, 2), hi,
+                                              _mm512_srli_epi16(hi, 2)};
+                    for (int c = 0; c < 4; c++)
+                        wq[4 * r + c] = _mm512_or_si512(wq[4 * r + c], _mm512_and_si512(moved[c], top));
+                }
+                sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wg + 6 * 64)));
+                sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wg + 6 * 64 + X16)));
             }
         } else if (bits == 5) {
             const uint8_t *wg = w + g * 5 * 64;
@@ -745,13 +771,23 @@ static void block_x16_avx512(int bits, int R, const uint8_t *w, scales_t wd, sca
             const int32_t *a = (const int32_t *)(q + row * K + g * QK);
             // two independent chains (integer sums: any split gives the same bits), half the latency of one
             __m512i dot = _mm512_setzero_si512(), dot2 = _mm512_setzero_si512();
-            for (int c = 0; c < 8; c += 2) {
-                dot = _mm512_dpbusd_epi32(dot, wq[c], _mm512_set1_epi32(a[c]));
-                dot2 = _mm512_dpbusd_epi32(dot2, wq[c + 1], _mm512_set1_epi32(a[c + 1]));
+            if (bits == 6) {       // the two halves apart (their own multipliers): quads 0..3, then 4..7
+                for (int c = 0; c < 4; c++) {
+                    dot = _mm512_dpbusd_epi32(dot, wq[c], _mm512_set1_epi32(a[c]));
+                    dot2 = _mm512_dpbusd_epi32(dot2, wq[c + 4], _mm512_set1_epi32(a[c + 4]));
+                }
+                const int32_t *half = qs + 2 * (row * G + g);
+                dot = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(dot, _mm512_set1_epi32(32 * half[0])), sc0),
+                                       _mm512_mullo_epi32(_mm512_sub_epi32(dot2, _mm512_set1_epi32(32 * half[1])), sc1));
+            } else {
+                for (int c = 0; c < 8; c += 2) {
+                    dot = _mm512_dpbusd_epi32(dot, wq[c], _mm512_set1_epi32(a[c]));
+                    dot2 = _mm512_dpbusd_epi32(dot2, wq[c + 1], _mm512_set1_epi32(a[c + 1]));
+                }
+                dot = _mm512_add_epi32(dot, dot2);
             }
-            dot = _mm512_add_epi32(dot, dot2);
-            if (bits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * qs[row * G + g]));
-            if (bits == 5) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * qs[row * G + g]));
+            if (bits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * group_sum(qs, row * G + g)));
+            if (bits == 5) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * group_sum(qs, row * G + g)));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sd, _mm512_set1_ps(d[row * G + g])),
                                      acc[r]);
             if (bits == 4) bias[r] = _mm512_fmadd_ps(sm, _mm512_set1_ps(s[row * G + g]), bias[r]);
@@ -774,6 +810,9 @@ static inline __m256 load8_of16(scales_t s, int64_t at, int64_t g, int h) {
         const __m256 sup = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s.super + at / 8 + (g / 8) * X16
                                                                              + h * 8)));
         v = _mm256_mul_ps(mult, sup);
+    } else if (s.form == 3) {
+        v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s.p + at / 8 + (g / 8) * X16
+                                                              + h * 8)));
     } else {
         v = _mm256_loadu_ps((const float *)s.p + i);
     }
@@ -784,20 +823,21 @@ static inline __m256 load8_of16(scales_t s, int64_t at, int64_t g, int h) {
 // 64-byte quad register) at a time. vpmaddubsw sums pairs of products into int16 with saturation, so the integer
 // dot is built so that no sum can saturate: 4-bit codes (<= 15 * 127 * 2 a pair) summed over all 8 quads in int16
 // (<= 30,480); 5-bit codes (<= 31 * 127 * 2) over 4 quads at a time (<= 31,496); 8-bit codes turned back to signed
-// (x16 stores code + 128) and multiplied as |code| * (a * sign(code)) (<= 128 * 127 * 2 = 32,512), quad by quad.
+// (x16 stores code + 128) and multiplied as |code| * (a * sign(code)) (<= 128 * 127 * 2 = 32,512), quad by quad;
+// 6-bit codes (<= 63 * 127 * 2) over 2 quads at a time (<= 32,004), each half of the group apart (its multiplier).
 // Each gives the exact integer dot, the same as vpdpbusd's, so the same floats follow.
 __attribute__((target("avx2,fma,f16c"), noinline))
 static void block_x16_avx2(int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at, int64_t G,
                            const int8_t *q, const float *d, const float *s, const int32_t *qs, int64_t K, int64_t m,
                            float *y, int64_t N, int64_t n0) {
-    const int regs = bits == 4 ? 4 : bits == 5 ? 5 : 8;       // 64-byte registers per group
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int64_t group_bytes = block_bytes(bits, 1);
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {
         __m256 acc[ROWS_X16], bias[ROWS_X16];
         for (int r = 0; r < R; r++) acc[r] = bias[r] = _mm256_setzero_ps();
         for (int64_t g = 0; g < G; g++) {
-            const uint8_t *wg = w + g * regs * 64 + h * 32;
-            __m256i wq[8];
+            const uint8_t *wg = w + g * group_bytes + h * 32;
+            __m256i wq[8], sc0 = _mm256_setzero_si256(), sc1 = sc0;
             if (bits == 8) {
                 for (int c = 0; c < 8; c++)
                     wq[c] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + c * 64)),
@@ -815,6 +855,18 @@ static void block_x16_avx2(int bits, int R, const uint8_t *w, scales_t wd, scale
                         const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit);
                         wq[c] = _mm256_add_epi8(wq[c], _mm256_and_si256(set, _mm256_set1_epi8(16)));
                     }
+                } else if (bits == 6) {
+                    for (int r = 0; r < 2; r++) {
+                        const __m256i hi = _mm256_loadu_si256((const __m256i *)(wg + (4 + r) * 64));
+                        const __m256i moved[4] = {_mm256_slli_epi16(hi, 4), _mm256_slli_epi16(hi, 2), hi,
+                                                  _mm256_srli_epi16(hi, 2)};
+                        for (int c = 0; c < 4; c++)
+                            wq[4 * r + c] = _mm256_or_si256(wq[4 * r + c], _mm256_and_si256(moved[c], top));
+                    }
+                    // this half's 8 rows' multipliers: bytes 8h .. 8h + 7 of each 16 (wg is 32h past the group)
+                    const uint8_t *sc = wg - h * 32 + 6 * 64 + h * 8;
+                    sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+                    sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + X16)));
                 }
             }
             const __m256 sd = load8_of16(wd, at, g, h);
@@ -836,7 +888,21 @@ static void block_x16_avx2(int bits, int R, const uint8_t *w, scales_t wd, scale
                         p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(wq[c + 4], _mm256_set1_epi32(a[c + 4])));
                     }
                     dot = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
-                    dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(16 * qs[row * G + g]));
+                    dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(16 * group_sum(qs, row * G + g)));
+                } else if (bits == 6) {
+                    __m256i half[2];
+                    for (int k = 0; k < 2; k++) {
+                        const __m256i *wk = wq + 4 * k;
+                        const int32_t *ak = a + 4 * k;
+                        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(wk[0], _mm256_set1_epi32(ak[0])),
+                                                            _mm256_maddubs_epi16(wk[1], _mm256_set1_epi32(ak[1])));
+                        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(wk[2], _mm256_set1_epi32(ak[2])),
+                                                            _mm256_maddubs_epi16(wk[3], _mm256_set1_epi32(ak[3])));
+                        half[k] = _mm256_sub_epi32(
+                            _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)),
+                            _mm256_set1_epi32(32 * qs[2 * (row * G + g) + k]));
+                    }
+                    dot = _mm256_add_epi32(_mm256_mullo_epi32(half[0], sc0), _mm256_mullo_epi32(half[1], sc1));
                 } else {
                     dot = _mm256_setzero_si256();
                     for (int c = 0; c < 8; c++) {
@@ -889,7 +955,7 @@ static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint
     int8_t *q = malloc((size_t)(M * K));
     float *d = malloc((size_t)(M * G) * sizeof(float));
     float *s = malloc((size_t)(M * G) * sizeof(float));
-    int32_t *qs = malloc((size_t)(M * G) * sizeof(int32_t));
+    int32_t *qs = malloc((size_t)(2 * M * G) * sizeof(int32_t));
     if (!q || !d || !s || !qs) {
         free(q); free(d); free(s); free(qs);
         return 1;
@@ -919,6 +985,11 @@ int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes,
 int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
                      float *y, int threads, int flags) {
     return linear_x16(5, x, M, K, codes, d, NULL, N, y, threads, flags);
+}
+
+int kvflow_q6_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
+                     float *y, int threads, int flags) {
+    return linear_x16(6, x, M, K, codes, d, NULL, N, y, threads, flags);
 }
 
 // Matrices of one stacked kind (a mixture-of-experts layer's experts), each multiplying its own run of rows, in one
@@ -971,7 +1042,7 @@ static int grouped_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) {
     const scales_t sm = minimums_of(j->m ? j->m + e * j->m_stride : NULL, (j->flags >> 2) & 3, sd, N, G);
     const int8_t *q = j->q + row0 * K;
     const float *qd = j->qd + row0 * G, *qsum = j->qsum + row0 * G;
-    const int32_t *qs = j->qs + row0 * G;
+    const int32_t *qs = j->qs + row0 * 2 * G;
     for (int64_t b = u0; b < u0 + units; b++)
         x16_rows(j->bits, j->codes + e * j->codes_stride + b * unit_bytes, sd, sm, b * G * X16, G, q, qd, qsum, qs, K,
                  0, rows, dst, ld, (b - u0) * X16);

@@ -102,7 +102,7 @@ def library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.kvflow_q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.kvflow_q8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
-    lib.kvflow_q5_linear.argtypes = lib.kvflow_q8_linear.argtypes
+    lib.kvflow_q5_linear.argtypes = lib.kvflow_q6_linear.argtypes = lib.kvflow_q8_linear.argtypes
     lib.kvflow_paged_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr,
                                            ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int, i64]
     lib.kvflow_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
@@ -125,7 +125,8 @@ def library() -> ctypes.CDLL | None:
     lib.kvflow_x16_use_avx512.argtypes = [ctypes.c_int]
     lib.kvflow_x16_use_avx512.restype = None
     lib.kvflow_x16_use_avx512(int(isa() == "avx512"))
-    for fn in (lib.kvflow_q4_linear, lib.kvflow_q8_linear, lib.kvflow_q5_linear, lib.kvflow_paged_attention):
+    for fn in (lib.kvflow_q4_linear, lib.kvflow_q8_linear, lib.kvflow_q5_linear, lib.kvflow_q6_linear,
+               lib.kvflow_paged_attention):
         fn.restype = ctypes.c_int
     if not _self_check(lib):
         log.warning("native kernels: self-check against torch failed; torch's int4/int8 kernels instead")
@@ -216,6 +217,44 @@ def q5_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return (u.to(torch.int16) - 16).to(torch.int8).reshape(*rows.shape, g * GROUP)
 
 
+Q6_GROUP_BYTES = 6 * 64 + 2 * X16     # a block's group of 6-bit codes: six registers, then 32 int8 multipliers
+
+
+def pack_q6(codes: torch.Tensor, multipliers: torch.Tensor) -> torch.Tensor:
+    """6-bit codes [N, K] (0..63, one per byte; value (code - 32) * multiplier * d) and their int8 multipliers
+    [N, K / 16] -> the 6-bit kernel's layout (native_kernels.c), x16 [N / 16, G, 13, 32] bytes a group: 4-bit's
+    four registers of nibbles, two whose byte (row, column c % 4 of a quad) holds the top two bits of quads 0..3
+    (4..7) in bits 2q, 2q + 1, then the 16 rows' multipliers of the group's first 16 columns and of its last 16."""
+    n, k = codes.shape
+    g = k // GROUP
+    u = codes.to(torch.uint8)
+    nibbles = pack_q4(u & 15)                                                    # [blocks, G, 4, 64]
+    high = _x16(u >> 4, k).reshape(-1, g, 2, 4, 64).to(torch.int32)             # [blocks, G, reg, quad, 64]
+    tops = (high << (2 * torch.arange(4, dtype=torch.int32))[:, None]).sum(3).to(torch.uint8)
+    mult = torch.nn.functional.pad(multipliers.view(torch.uint8), (0, 0, 0, padded_rows(n) - n))
+    mult = mult.view(-1, X16, g, 2).permute(0, 2, 3, 1).reshape(-1, g, 2 * X16)   # [blocks, G, half x 16 rows]
+    packed = torch.cat([nibbles.view(-1, g, 256), tops.view(-1, g, 128), mult], dim=2)
+    return packed.view(-1, g, Q6_GROUP_BYTES // 32, 32).contiguous()
+
+
+def q6_rows(packed: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `pack_q6`'s layout: (codes - 32 as int8 [*rows, K], multipliers int8 [*rows, K / 16])."""
+    g = packed.shape[1]
+    flat = packed.view(-1, g, Q6_GROUP_BYTES)
+    regs = flat[:, :, :384].view(-1, g, 6, X16, 4)[rows // X16, :, :, rows % X16]     # [*rows, G, 6, 4]
+    nib = torch.cat([regs[..., :4, :] & 15, regs[..., :4, :] >> 4], dim=-2)        # quads 0..7
+    shifts = (2 * torch.arange(4, dtype=torch.uint8))[:, None]
+    top = torch.cat([(regs[..., 4:5, :] >> shifts) & 3, (regs[..., 5:6, :] >> shifts) & 3], dim=-2)
+    codes = ((nib | (top << 4)).to(torch.int16) - 32).to(torch.int8).reshape(*rows.shape, g * GROUP)
+    mult = flat[:, :, 384:].view(-1, g, 2, X16)[rows // X16, :, :, rows % X16]        # [*rows, G, 2]
+    return codes, mult.view(torch.int8).reshape(*rows.shape, 2 * g)
+
+
+def pack_q6_scales(d: torch.Tensor) -> torch.Tensor:
+    """The 6-bit codes' d, fp16 [N, K / 256] (one per 8 groups: a Q6_K block) -> the layout [N / 16, G / 8, 16]."""
+    return _scale_layout(d.half())
+
+
 def q8_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows of the int8 codes held in `pack_q8`'s layout (embedding lookups from the LM head's own codes)."""
     g = packed.shape[1]
@@ -276,6 +315,7 @@ _OPS = torch.library.Library("kvflow", "DEF")
 _OPS.define("q4_linear(Tensor x, Tensor codes, Tensor scale, Tensor minimum) -> Tensor")
 _OPS.define("q8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor")
 _OPS.define("q5_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor")
+_OPS.define("q6_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor")
 _OPS.define("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor row_seq, "
             "Tensor positions, float scale, int window=0) -> Tensor")
 _OPS.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
@@ -300,6 +340,12 @@ def _q5_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> tor
     """x [..., K] float32 @ W.T, W = code * scale per group of 32, codes -16..15 (from `pack_q5`): the same bits as
     `q8_linear` on the same codes."""
     return _run(library().kvflow_q5_linear, x, codes, scale, bits=5)
+
+
+def _q6_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] float32 @ W.T, W = (code - 32) * multiplier per 16 columns * d per 256 (codes from `pack_q6`, d
+    from `pack_q6_scales`): GGUF Q6_K's values."""
+    return _run(library().kvflow_q6_linear, x, codes, scale, bits=6)
 
 
 def _out_rows(codes: torch.Tensor) -> int:
@@ -330,7 +376,7 @@ def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out.to(dtype)
 
 
-_MOE_KINDS = {4: 0, 8: 1, 5: 2}        # moe_kernels.c's MOE_Q4, MOE_Q8, MOE_Q5
+_MOE_KINDS = {4: 0, 8: 1, 5: 2, 6: 3}        # moe_kernels.c's MOE_Q4, MOE_Q8, MOE_Q5, MOE_Q6
 
 
 def stacked_experts(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, k: int) -> tuple:
@@ -338,16 +384,13 @@ def stacked_experts(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Ten
     (Experts, output rows), checked as `_run` checks one matrix: nothing is read past them."""
     experts = codes.shape[0]
     n = codes.shape[1] * X16
-    groups = n * (k // GROUP)
     tensors = [scale] + ([minimum] if bits == 4 else [])
-    forms = [_form(t, i == 1) for i, t in enumerate(tensors)]
+    forms = _forms(bits, tensors)
     # elements per expert from the whole tensors' sizes (no per-expert views: this runs every layer of every step)
     each = [t.numel() // experts if experts else 0 for t in (codes, *tensors)]
     if (bits not in _MOE_KINDS or codes.dim() != 5 or None in forms
             or not all(t.is_contiguous() for t in (codes, *tensors))
-            or any(t.shape[0] != experts for t in tensors) or each[0] * 8 != n * k * bits
-            or any(e != _scale_elements(f, groups) for e, f in zip(each[1:], forms))
-            or (2 in forms and (k // GROUP) % 8)):
+            or any(t.shape[0] != experts for t in tensors) or not _layout_fits(bits, n, k, each, forms)):
         raise ValueError("native kernel: stacked experts' weights and scales not in one layout of this shape")
     m = minimum if bits == 4 else None
     spec = Experts(codes.data_ptr(), scale.data_ptr(), m.data_ptr() if m is not None else None,
@@ -452,6 +495,7 @@ def _lora_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
 
 
 for _name, _kernel in (("q4_linear", _q4_linear), ("q8_linear", _q8_linear), ("q5_linear", _q5_linear),
+                       ("q6_linear", _q6_linear),
                        ("paged_attention", _paged_attention), ("rms_norm", _rms_norm), ("lora_add", _lora_add),
                        ("moe_experts", _moe_experts), ("moe_route", _moe_route)):
     _OPS.impl(_name, _kernel, "CPU")
@@ -460,6 +504,8 @@ torch.library.register_fake("kvflow::q4_linear", lambda x, codes, scale, minimum
 torch.library.register_fake("kvflow::q8_linear", lambda x, codes, scale: x.new_empty(*x.shape[:-1], _out_rows(codes)),
                             lib=_OPS)
 torch.library.register_fake("kvflow::q5_linear", lambda x, codes, scale: x.new_empty(*x.shape[:-1], _out_rows(codes)),
+                            lib=_OPS)
+torch.library.register_fake("kvflow::q6_linear", lambda x, codes, scale: x.new_empty(*x.shape[:-1], _out_rows(codes)),
                             lib=_OPS)
 torch.library.register_fake("kvflow::paged_attention", lambda q, *rest: torch.empty_like(q), lib=_OPS)
 torch.library.register_fake("kvflow::rms_norm", lambda x, weight, eps: torch.empty_like(x), lib=_OPS)
@@ -471,6 +517,7 @@ torch.library.register_fake("kvflow::moe_route", lambda x, router, k, rule, norm
 q4_linear = torch.ops.kvflow.q4_linear.default
 q8_linear = torch.ops.kvflow.q8_linear.default
 q5_linear = torch.ops.kvflow.q5_linear.default
+q6_linear = torch.ops.kvflow.q6_linear.default
 paged_attention = torch.ops.kvflow.paged_attention.default
 rms_norm = torch.ops.kvflow.rms_norm.default
 lora_add = torch.ops.kvflow.lora_add.default
@@ -492,6 +539,7 @@ _FORMS = {torch.float32: 0, torch.float16: 1, torch.uint8: 2}
 
 
 MINUS_8_D = 3      # a minimum's form (flags bits 2-3): not stored, -8 times d (GGUF Q4_0; `minimums_of` in the C)
+PER_8_GROUPS = 3   # the 6-bit codes' d's form (flags bits 0-1): fp16, one per 8 groups (Q6_K's d)
 
 
 def minimums(minimum: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -510,9 +558,33 @@ def _form(t: torch.Tensor, minimum: bool) -> int | None:
     return MINUS_8_D if minimum and t.numel() == 0 else _FORMS.get(t.dtype)
 
 
+def _forms(bits: int, scales) -> list[int | None]:
+    """The forms of a matrix's scales (and minimums); 6-bit codes take one: fp16 d per 8 groups (PER_8_GROUPS)."""
+    if bits == 6:
+        return [PER_8_GROUPS if i == 0 and t.dtype == torch.float16 else None for i, t in enumerate(scales)]
+    return [_form(t, i == 1 and bits == 4) for i, t in enumerate(scales)]
+
+
 def _scale_elements(form: int, groups: int) -> int:
     """Elements a scale array of this form holds for `groups` groups (two levels: 10 bits a group, as bytes)."""
     return {2: groups * 5 // 4, MINUS_8_D: 0}.get(form, groups)
+
+
+def _layout_fits(bits: int, n: int, k: int, elements: list[int], forms: list[int]) -> bool:
+    """Whether codes and scales (and minimums) of these element counts and forms are one layout of an [n (padded),
+    k] matrix of `bits`-bit codes."""
+    groups = n * (k // GROUP)
+    if k % GROUP or elements[0] != _code_bytes(bits, n, k):
+        return False
+    if bits == 6:       # d per 8 groups
+        return k % (8 * GROUP) == 0 and elements[1:] == [groups // 8]
+    return (all(e == _scale_elements(f, groups) for e, f in zip(elements[1:], forms))
+            and not (2 in forms and (k // GROUP) % 8))
+
+
+def _code_bytes(bits: int, n: int, k: int) -> int:
+    """Bytes of an [n (padded), k] matrix's codes in the layout of `bits`-bit codes (6-bit: with its multipliers)."""
+    return n * (k // GROUP) * Q6_GROUP_BYTES // X16 if bits == 6 else n * k * bits // 8
 
 
 def linear_flags(codes: torch.Tensor, k: int, bits: int, *scales: torch.Tensor) -> int:
@@ -520,12 +592,10 @@ def linear_flags(codes: torch.Tensor, k: int, bits: int, *scales: torch.Tensor) 
     are one layout of an [out rows, k] matrix of `bits`-bit codes: a kernel never reads past them."""
     n = _out_rows(codes)
     # float32, fp16, or two levels (uint8 + fp16, 10 bits each); a 4-bit minimum also MINUS_8_D (nothing stored)
-    forms = [_form(s, i == 1 and bits == 4) for i, s in enumerate(scales)]
+    forms = _forms(bits, scales)
     if None in forms or not all(s.is_contiguous() for s in (codes, *scales)):
         raise ValueError("native kernel: scales must be contiguous float32, float16 or pack_scales' two levels")
-    groups = n * (k // GROUP)
-    if (k % GROUP or any(s.numel() != _scale_elements(f, groups) for s, f in zip(scales, forms))
-            or codes.numel() * 8 != n * k * bits or (2 in forms and (k // GROUP) % 8)):
+    if not _layout_fits(bits, n, k, [t.numel() for t in (codes, *scales)], forms):
         raise ValueError("native kernel: weights and scales not in one layout of this shape")
     return sum(f << (2 * i) for i, f in enumerate(forms))
 
@@ -572,4 +642,13 @@ def _self_check(lib: ctypes.CDLL) -> bool:
         five = _run(lib.kvflow_q5_linear, x, pack_q5(codes5), pack_scales(scale), bits=5)
         if not torch.equal(five, eight):
             return False
-    return True
+    # 6-bit codes, an int8 multiplier per 16 columns and d per 256 (Q6_K's values), over two blocks of 256
+    codes6 = torch.randint(0, 64, (n, 512), generator=g, dtype=torch.uint8)
+    mult = torch.randint(-128, 128, (n, 32), generator=g, dtype=torch.int8)
+    d6 = (torch.rand(n, 2, generator=g) * 0.001).half()
+    scale6 = d6.float().repeat_interleave(16, 1) * mult.float()
+    w6 = ((codes6.float() - 32).view(n, -1, 16) * scale6[..., None]).view(n, 512)
+    x = torch.randn(7, 512, generator=g)
+    want = x @ w6.T
+    got = _run(lib.kvflow_q6_linear, x, pack_q6(codes6, mult), pack_q6_scales(d6), bits=6)[:, :n]
+    return torch.allclose(got, want, rtol=0, atol=0.02 * want.abs().max().item())

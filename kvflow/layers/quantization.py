@@ -230,14 +230,15 @@ def _gguf_codes(module: nn.Module) -> GroupQuantized | None:
 
 
 def _as_8_bit(codes: GroupQuantized) -> GroupQuantized:
-    """8-bit symmetric group codes of the same values: 8-bit pieces (Q8_0, Q5_0) and Q4_0's codes (q - 8, scale d)
-    as they are, exactly; 4-bit codes with a minimum (Q4_1, Q4_K) rounded to nearest, piece by piece."""
+    """8-bit symmetric group-32 codes of the same values: 8-bit pieces (Q8_0, Q5_0) and Q4_0's codes (q - 8, scale
+    d) as they are, exactly; 4-bit codes with a minimum (Q4_1, Q4_K) and 6-bit ones (Q6_K) rounded to nearest,
+    piece by piece."""
     if codes.bits == 8 and codes.zero is None and codes.offset == 0:
         return codes
     if codes.bits == 4 and codes.zero is None:
         return GroupQuantized((codes.codes.to(torch.int16) - codes.offset).to(torch.int8), codes.scale, None,
                               codes.group, 8, codes.exact)
-    return GroupQuantized.round_to_nearest(codes.dequantize(), bits=8, group=codes.group)
+    return GroupQuantized.round_to_nearest(codes.dequantize(), bits=8, group=native_kernels.GROUP)
 
 
 def _int4_linear(layer: nn.Linear, method: str, native: bool) -> nn.Module:
@@ -250,25 +251,32 @@ def _int4_linear(layer: nn.Linear, method: str, native: bool) -> nn.Module:
         return fill_gguf_floats(layer)
     if codes.bits == 4:
         return Int4Linear(codes, layer.bias, native).to(layer.weight.device)
-    if native and _native_q8(codes):
+    if native and (_native_q8(codes) or _native_q6(codes)):
         return NativeQ8Linear(codes, layer.bias).to(layer.weight.device)
     return QuantizedLinear(fill_gguf_floats(layer), "int8")
 
 
 class NativeQ8Linear(nn.Module):
-    """8-bit group-32 codes (Q8_0, Q5_0, or K-quants re-rounded to it) multiplied by kvflow's kernel for steps of
-    every size, each row alone: where the 4-bit layers run kvflow's kernels, the 8-bit ones must too, or a row's
-    bits would depend on its step again (torch's int8 kernel takes bf16 activations and is not batch invariant).
-    Codes that are 5-bit ones (Q5_0's q - 16, -16..15) are held in 5 bits (`code_bits`), which kvflow's 5-bit
-    kernel multiplies to the same bits as the 8-bit one."""
+    """8-bit group-32 codes (Q8_0, Q5_0, or K-quants re-rounded to it) or Q6_K's 6-bit ones multiplied by kvflow's
+    kernel for steps of every size, each row alone: where the 4-bit layers run kvflow's kernels, these must too, or
+    a row's bits would depend on its step again (torch's int8 kernel takes bf16 activations and is not batch
+    invariant). Codes that are 5-bit ones (Q5_0's q - 16, -16..15) are held in 5 bits (`code_bits`), which
+    kvflow's 5-bit kernel multiplies to the same bits as the 8-bit one; Q6_K's in its own 6-bit layout, with
+    their int8 multiplier per 16 columns and d per 256, as the file holds them."""
 
     def __init__(self, codes: GroupQuantized, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        self.code_bits = 5 if native_kernels.fits_q5(codes.codes) else 8
-        pack = native_kernels.pack_q5 if self.code_bits == 5 else native_kernels.pack_q8
-        self.register_buffer("codes", pack(codes.codes))
-        self.register_buffer("scale", native_kernels.pack_scales(codes.scale, compact=True))   # Q8_0's fp16 d
+        if codes.bits == 6:
+            self.code_bits = 6
+            d, multipliers = codes.scale_parts
+            self.register_buffer("codes", native_kernels.pack_q6(codes.codes, multipliers))
+            self.register_buffer("scale", native_kernels.pack_q6_scales(d))
+        else:
+            self.code_bits = 5 if native_kernels.fits_q5(codes.codes) else 8
+            pack = native_kernels.pack_q5 if self.code_bits == 5 else native_kernels.pack_q8
+            self.register_buffer("codes", pack(codes.codes))
+            self.register_buffer("scale", native_kernels.pack_scales(codes.scale, compact=True))   # Q8_0's fp16 d
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -277,23 +285,30 @@ class NativeQ8Linear(nn.Module):
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """As an LM head."""
-        kernel = native_kernels.q5_linear if self.code_bits == 5 else native_kernels.q8_linear
-        return kernel(hidden.float(), self.codes, self.scale)[..., :self.out_features].to(hidden.dtype)
+        kernel = {5: native_kernels.q5_linear, 6: native_kernels.q6_linear, 8: native_kernels.q8_linear}
+        return kernel[self.code_bits](hidden.float(), self.codes, self.scale)[..., :self.out_features].to(hidden.dtype)
 
     def int8_codes(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the codes, as int8 [*ids, K]."""
+        """Rows `ids` of the codes, as int8 [*ids, K] (6-bit ones less 32: value = code * its scale)."""
+        if self.code_bits == 6:
+            return native_kernels.q6_rows(self.codes, ids)[0]
         return (native_kernels.q5_rows if self.code_bits == 5 else native_kernels.q8_rows)(self.codes, ids)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The float32 values of rows `ids` (a tied embedding's lookups from the head's own codes)."""
-        codes = self.int8_codes(ids).to(torch.float32).view(*ids.shape, -1, native_kernels.GROUP)
+        """The float32 values of rows `ids` (a tied embedding's lookups from the head's own codes): the file's."""
+        codes = self.int8_codes(ids).to(torch.float32)
+        if self.code_bits == 6:      # code * (d * multiplier), d per 16 multipliers (per 256 columns)
+            multipliers = native_kernels.q6_rows(self.codes, ids)[1]
+            scale = int4.native_rows(self.scale, ids).float().repeat_interleave(16, -1) * multipliers.float()
+            return (codes.view(*ids.shape, -1, 16) * scale[..., None]).flatten(-2)
+        codes = codes.view(*ids.shape, -1, native_kernels.GROUP)
         return (codes * int4.native_rows(self.scale, ids).float()[..., None]).flatten(-2)
 
 
 class GGUFVocabulary(nn.Module):
     """The vocabulary table kept as the file stores it: lookups dequantize the rows they need from the file's own
-    codes (exact values). With `native_head` (kvflow's kernels run here, 4-bit or 8-bit group-32 codes) the table
-    is held in its kernel's layout (`head`, an Int4Linear or NativeQ8Linear), which serves the lookups
+    codes (exact values). With `native_head` (kvflow's kernels run here: 4-bit or 8-bit group-32 codes, or Q6_K's)
+    the table is held in its kernel's layout (`head`, an Int4Linear or NativeQ8Linear), which serves the lookups
     (`head.rows`) and, when tied, the LM head's matmuls: no second copy. Otherwise, when tied, the head is a
     separate matrix (`head`) quantized for matmuls."""
 
@@ -328,12 +343,17 @@ def _native_q8(codes: GroupQuantized) -> bool:
     return codes.bits == 8 and codes.group == native_kernels.GROUP and codes.zero is None
 
 
+def _native_q6(codes: GroupQuantized) -> bool:
+    """Q6_K's codes, with the two levels of scales the 6-bit kernel holds, over whole blocks of 256."""
+    return codes.bits == 6 and codes.scale_parts is not None and codes.shape[1] % 256 == 0
+
+
 def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype, tied: bool,
                 native: bool) -> nn.Module:
     """int4: int8 rows shared by lookups and the head, as the int8 mode. gguf: an untied LM head from 4-bit codes
-    runs as int4, from 8-bit group codes through kvflow's kernel where it runs, else as int8; the embedding keeps
-    the file's codes for its lookups, and when it doubles as the head, kvflow's kernels multiply those same codes
-    where they run (one copy), else the head is its own int8 matrix (the int8 kernel)."""
+    runs as int4, from 8-bit group codes or Q6_K's through kvflow's kernel where it runs, else as int8; the
+    embedding keeps the file's codes for its lookups, and when it doubles as the head, kvflow's kernels multiply
+    those same codes where they run (one copy), else the head is its own int8 matrix (the int8 kernel)."""
     codes = _gguf_codes(table) if method == "gguf" else None
     if codes is None:
         fill_gguf_floats(table)
@@ -342,10 +362,11 @@ def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype
     if isinstance(table, nn.Linear):
         if codes.bits == 4:
             return Int4Linear(codes, None, native).to(device)
-        if native and _native_q8(codes):                   # Q8_0 / Q5_0 / re-rounded: the codes themselves
+        if native and (_native_q8(codes) or _native_q6(codes)):     # the codes themselves
             return NativeQ8Linear(codes, None).to(device)
         return QuantizedEmbedding(fill_gguf_floats(table), "int8", dtype)
-    kernel_layout = native and (_native_q8(codes) or (codes.bits == 4 and codes.group == native_kernels.GROUP))
+    kernel_layout = native and (_native_q8(codes) or _native_q6(codes)
+                                or (codes.bits == 4 and codes.group == native_kernels.GROUP))
     if not tied:        # lookups only: in the kernel's layout too where it runs (4-bit codes packed two a byte)
         return GGUFVocabulary(codes, None, dtype, native_head=kernel_layout).to(device)
     if kernel_layout:

@@ -15,6 +15,8 @@ _GROUP_BLOCKS = {2: (18, 2, False, 4),      # Q4_0: d fp16, 16 bytes of nibbles;
                  8: (34, 2, False, 8),      # Q8_0: d fp16, 32 int8; d * q
                  6: (22, 6, False, 5)}      # Q5_0: d fp16, qh (32 high bits), 16 bytes of nibbles; d * (q - 16)
 Q4_K, Q4_K_BYTES = 12, 144                 # per 256 values: d, dmin fp16, 12 bytes of 6-bit sc/m, 128 of nibbles
+Q6_K, Q6_K_BYTES = 14, 210                 # per 256 values: 128 bytes of low nibbles, 64 of top bit pairs, 16 int8
+                                           # scales, d fp16
 
 
 def _fp16(b: torch.Tensor) -> torch.Tensor:
@@ -24,11 +26,11 @@ def _fp16(b: torch.Tensor) -> torch.Tensor:
 
 def keeps_codes(qtype: int, shape: tuple[int, ...]) -> bool:
     """`group_quantized` decodes this matrix (else: None)."""
-    return len(shape) == 2 and (qtype == Q4_K or qtype in _GROUP_BLOCKS)
+    return len(shape) == 2 and (qtype in (Q4_K, Q6_K) or qtype in _GROUP_BLOCKS)
 
 
 def group_quantized(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> GroupQuantized | None:
-    """A Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K matrix's blocks as codes and per-group scales (None for other types),
+    """A Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K matrix's blocks as codes and per-group scales (None for other types),
     codes untouched, every scale and zero the float32 value gguf's dequantize computes (group_quant.py's table):
     `.dequantize()` equals `dequantize(raw, ...)` bit for bit. Vectorized over all blocks.
 
@@ -36,12 +38,16 @@ def group_quantized(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> Grou
     j of its 32-bit qh as element j's fifth bit and becomes 8-bit codes q - 16 (-16..15), scale d, which is
     exactly Q8_0's format. Q4_K (ggml's block_q4_K) is a group-32 4-bit asymmetric format once its two levels of
     scales are multiplied out: sub-block j of a block has scale d * sc[j] and minimum -(dmin * m[j]), and its
-    codes are the low (j even) or high (j odd) nibbles of bytes 32 * (j // 2) .. + 31."""
+    codes are the low (j even) or high (j odd) nibbles of bytes 32 * (j // 2) .. + 31. Q6_K (block_q6_K) is a
+    group-16 6-bit format: element e of a block is (q - 32) * (d * sc[e // 16]), q its nibble and top two bits as
+    ggml's dequantize_row_q6_K places them."""
     if not keeps_codes(qtype, shape):
         return None
     n, k = shape
     if qtype == Q4_K:
         return _q4_k(torch.from_numpy(raw).view(n, k // 256, Q4_K_BYTES), n, k)
+    if qtype == Q6_K:
+        return _q6_k(torch.from_numpy(raw).view(n, k // 256, Q6_K_BYTES), n, k)
     block_bytes, codes_at, has_min, bits = _GROUP_BLOCKS[qtype]
     blocks = torch.from_numpy(raw).view(n, k // 32, block_bytes)
     d = _fp16(blocks[..., :2])
@@ -71,3 +77,17 @@ def _q4_k(blocks: torch.Tensor, n: int, k: int) -> GroupQuantized:
     minimum = (-(dmin[..., None] * m.float())).reshape(n, k // 32)                  # d*sc*q + (-(dmin*m)): gguf's
     return GroupQuantized(codes, scale, minimum, 32, 4, offset=0, scale_parts=(d, sc.reshape(n, k // 32)),
                           zero_parts=(-dmin, m.reshape(n, k // 32)))
+
+
+def _q6_k(blocks: torch.Tensor, n: int, k: int) -> GroupQuantized:
+    # each half of a block (128 values): 64 bytes ql, 32 bytes qh; value 32j + l of the half (j = 0..3, l = 0..31)
+    # has the low (j < 2) or high nibble of ql[l + 32 * (j % 2)] and bits 2j, 2j + 1 of qh[l]
+    ql = blocks[..., :128].reshape(n, k // 256, 2, 2, 32)
+    qh = blocks[..., 128:192].reshape(n, k // 256, 2, 1, 32)
+    low = torch.cat([ql & 15, ql >> 4], dim=3)                                        # [n, blocks, half, j, l]
+    top = (qh >> (2 * torch.arange(4, dtype=torch.uint8))[:, None]) & 3
+    codes = (low | (top << 4)).reshape(n, k)
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).reshape(n, k // 16)
+    d = _fp16(blocks[..., 208:210])                                                   # [n, k / 256]
+    scale = (d.repeat_interleave(16, 1) * sc.float())                                 # d * sc: exact in float32
+    return GroupQuantized(codes, scale, None, 16, 6, offset=32, scale_parts=(d, sc))

@@ -75,13 +75,12 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-# GGUF types kept as codes with `keep_quantized`: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K exactly as stored
+# GGUF types kept as codes with `keep_quantized`: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K exactly as stored
 # (gguf_codes.group_quantized). The others are re-rounded at load to the nearest format kvflow multiplies, by
 # round to nearest on the file's float values, slice by slice (`_rerounded`): 4-bit group 32 for the types of 4
 # bits or fewer, 8-bit group 32 (symmetric, Q8_0's format) for the rest. None of those has an exact mapping to a
-# kernel format: Q6_K's groups are 16 wide with an int8 scale each (two per group of 32, and codes times scale
-# ratios overflow int8), Q5_K / Q5_1 are 5-bit codes with a minimum (kvflow's 8-bit kernels have none), Q2_K /
-# Q3_K have 16-wide groups, the IQ types are codebooks.
+# kernel format: Q5_K / Q5_1 are 5-bit codes with a minimum (kvflow's 8-bit kernels have none), Q2_K / Q3_K have
+# 16-wide groups, the IQ types are codebooks.
 _FOUR_BITS_OR_FEWER = {"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
                        "IQ4_XS"}
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}                   # stay float

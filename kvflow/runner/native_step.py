@@ -32,7 +32,7 @@ from kvflow.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
 from kvflow.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from kvflow.models.moe import MoeDecoderLayer, MoeForCausalLM
 
-_W_Q4, _W_Q8, _W_Q5 = 0, 1, 2
+_W_Q4, _W_Q8, _W_Q5, _W_Q6 = 0, 1, 2, 3
 _KV_FORMS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ptr, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -101,7 +101,7 @@ def _linear(module: nn.Module, in_features: int, bias_allowed: bool = False) -> 
         bits = 4
     elif type(module) is NativeQ8Linear:
         codes, scales, bits = module.codes, (module.scale,), module.code_bits
-        kind = _W_Q5 if bits == 5 else _W_Q8
+        kind = {5: _W_Q5, 6: _W_Q6, 8: _W_Q8}[bits]
     else:
         raise Unsupported(f"a {type(module).__name__} projection (not on kvflow's kernels)")
     if module.in_features != in_features:
