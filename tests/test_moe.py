@@ -91,9 +91,10 @@ def test_qwen3_moe_dense_layers(tmp_path):
 
 # ---- the layer: grouped by expert, batch invariant ---------------------------------------------------------------
 
-def _moe_layer(router: str = "softmax_topk", experts: int = 8, top_k: int = 3) -> SparseMoE:
+def _moe_layer(router: str = "softmax_topk", experts: int = 8, top_k: int = 3, hidden: int = 64,
+               intermediate: int = 32) -> SparseMoE:
     torch.manual_seed(0)
-    layer = SparseMoE(64, 32, experts, top_k, router, True, torch.nn.functional.silu)
+    layer = SparseMoE(hidden, intermediate, experts, top_k, router, True, torch.nn.functional.silu)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(0.2 * torch.randn(p.shape))
@@ -170,9 +171,9 @@ def test_router_logits_do_not_depend_on_the_rows_beside():
 
 
 @pytest.mark.skipif(not native_kernels.usable(), reason="kvflow's kernels do not run here")
-@pytest.mark.parametrize("bits", [4, 8, 5])
+@pytest.mark.parametrize("bits", [4, 8, 5, 6])
 def test_quantized_experts_in_one_native_call_are_bit_for_bit_batch_invariant(bits):
-    """Experts on kvflow's kernels (4-, 8- and 5-bit codes, each row alone), stacked into one native call per layer
+    """Experts on kvflow's kernels (4-, 8-, 5- and Q6_K's 6-bit codes, each row alone), stacked into one native call per layer
     (`use_native_kernels`): the call gives what the per-expert modules give (to float rounding: its SiLU is its own),
     and a row's output bits are the same alone, in any subset and in the whole step, whichever experts the other
     rows chose: steps of up to 1,024 (row, choice) pairs run every chosen expert's matrices as one pool job
@@ -181,21 +182,34 @@ def test_quantized_experts_in_one_native_call_are_bit_for_bit_batch_invariant(bi
     from kvflow.layers.int4 import Int4Linear
     from kvflow.layers.quantization import NativeQ8Linear
 
-    layer = _moe_layer()
+    from gguf import GGMLQuantizationType
+
+    from kvflow.models.gguf_codes import group_quantized
+    from tiny_models import quantize_q6_k
+
+    hidden = 256 if bits == 6 else 64           # Q6_K: rows of whole blocks of 256
+    layer = _moe_layer(hidden=hidden, intermediate=256 if bits == 6 else 32)
     for expert in layer.experts:
         for name in ("gate_up_proj", "down_proj"):
-            codes = GroupQuantized.round_to_nearest(getattr(expert, name).weight.detach(), bits=4 if bits == 4 else 8,
-                                                     group=32)
+            weight = getattr(expert, name).weight.detach()
+            if bits == 6:
+                codes = group_quantized(quantize_q6_k(weight.numpy()), GGMLQuantizationType.Q6_K, weight.shape)
+                setattr(expert, name, NativeQ8Linear(codes, None))
+                continue
+            codes = GroupQuantized.round_to_nearest(weight, bits=4 if bits == 4 else 8, group=32)
             if bits == 5:       # 5-bit codes (Q5_0's): held and multiplied by the 5-bit kernel
                 codes = GroupQuantized(codes.codes.clamp(-16, 15), codes.scale, None, 32, 8)
             setattr(expert, name, Int4Linear(codes, None, native=True) if bits == 4 else NativeQ8Linear(codes, None))
-    if bits == 5:
-        assert layer.experts[0].down_proj.code_bits == 5
-    x = torch.randn(350, 64)        # 1,050 pairs: one call per expert
+    if bits in (5, 6):
+        assert layer.experts[0].down_proj.code_bits == bits
+    x = torch.randn(350, hidden)    # 1,050 pairs: one call per expert
     per_expert = layer(x[:29])
     assert layer.use_native_kernels() and layer.native and len(layer.experts) == 0
     full = layer(x)
-    torch.testing.assert_close(full[:29], per_expert, rtol=1e-5, atol=1e-5)
+    # float rounding apart (its router's dot products and its SiLU are its own), ~1e-5 of the output a
+    # 64-wide row, more over 256
+    torch.testing.assert_close(full[:29], per_expert, rtol=1e-5 if hidden == 64 else 1e-4,
+                               atol=1e-5 if hidden == 64 else 1e-4)
     for rows in ([0], [7], [3, 4, 5], list(range(1, 29, 2)), list(range(28, -1, -3)), list(range(340))):
         assert torch.equal(layer(x[rows]), full[rows]), rows
 
@@ -296,8 +310,8 @@ def test_unsupported_gguf_experts_are_refused_at_load(tmp_path):
 
 def test_stacked_expert_slices_keep_the_files_codes(tmp_path):
     """Each expert's slice of a stacked quantized tensor is a matrix in the file's format: its codes dequantize to
-    gguf's own values of that expert, bit for bit (Q4_0, Q8_0, Q4_K kept as codes; Q5_K, Q6_K re-rounded to 8-bit
-    codes as their 2-D matrices are)."""
+    gguf's own values of that expert, bit for bit (Q4_0, Q8_0, Q4_K, Q6_K kept as codes; Q5_K re-rounded to 8-bit
+    codes as its 2-D matrices are)."""
     import numpy as np
 
     from kvflow.layers.group_quant import GroupQuantized
@@ -306,7 +320,7 @@ def test_stacked_expert_slices_keep_the_files_codes(tmp_path):
 
     path = make_tiny_hf_model(tmp_path / "hf", family="olmoe", seed=4, hidden_size=256, intermediate_size=256,
                               num_hidden_layers=1)
-    for ftype, exact in (("q4_0", True), ("q8_0", True), ("q4_k", True), ("q5_k", False), ("q6_k", False)):
+    for ftype, exact in (("q4_0", True), ("q8_0", True), ("q4_k", True), ("q5_k", False), ("q6_k", True)):
         g = read_gguf(write_gguf_from_hf(path, tmp_path / f"{ftype}.gguf", ftype=ftype))
         info = g.tensors["blk.0.ffn_up_exps.weight"]
         assert len(info.shape) == 3 and info.shape[0] == 8

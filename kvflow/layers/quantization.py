@@ -180,8 +180,8 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
     int8 / fp8: per-channel codes rounded from the float weights. int4: group-32 codes rounded to nearest from the
     float weights (layers whose K is not a multiple of 32 take int8). gguf: the file's own codes, as
     `iter_weights(keep_quantized=True)` attached them to the layers they were loaded into (`gguf_pieces`):
-    4-bit ones run as int4, 8-bit ones (Q8_0, re-rounded K-quants) through kvflow's kernel where it runs (else as
-    per-channel int8), float ones stay float."""
+    4-bit ones run as int4, 8-bit ones (Q8_0, re-rounded K-quants) and Q6_K's 6-bit ones through kvflow's kernels
+    where they run (else as per-channel int8), float ones stay float."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
     if method != "gguf":
