@@ -54,8 +54,9 @@
 
 int kvflow_pool_rows(void) { return POOL_ROWS; }
 
-// x [M, K] -> int8 codes q [M, K], scale d [M, G] and d * sum(codes) s [M, G] per group of 32, and the sums of the
-// codes of each half of a group, qs [M, 2 G] (if not NULL: the 6-bit kernel needs them per 16 columns)
+// x [M, K] -> int8 codes q [M, K], scale d [M, G] and d * sum(codes) s [M, G] per group of 32, and (if qs is not
+// NULL) the sums of the codes, qs [M, 2 G]: a row's G groups' sums, then the sums of their first 16 codes (the 6-bit
+// kernel's multipliers are per 16 columns); group_sum / first_half_sum read them
 static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s, int32_t *qs,
                                  int threads) {
     const int64_t groups = M * (K / QK);
@@ -65,15 +66,23 @@ static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *q
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xg[j]));
         const float dg = amax / 127.0f, inv = dg > 0.0f ? 1.0f / dg : 0.0f;
-        int half[2] = {0, 0};
-        for (int j = 0; j < QK; j++) {
-            const int v = (int)nearbyintf(xg[j] * inv);
-            q[i * QK + j] = (int8_t)v;
-            half[j >= QK / 2] += v;
+        int half[2];
+        for (int h = 0; h < 2; h++) {          // two plain loops of 16: each vectorizes (one indexed sum did not)
+            int sum = 0;
+            for (int j = h * QK / 2; j < (h + 1) * QK / 2; j++) {
+                const int v = (int)nearbyintf(xg[j] * inv);
+                q[i * QK + j] = (int8_t)v;
+                sum += v;
+            }
+            half[h] = sum;
         }
         d[i] = dg;
         s[i] = dg * (float)(half[0] + half[1]);
-        if (qs) qs[2 * i] = half[0], qs[2 * i + 1] = half[1];
+        if (qs) {
+            const int64_t row = i / (K / QK), g = i % (K / QK);
+            qs[row * 2 * (K / QK) + g] = half[0] + half[1];
+            qs[row * 2 * (K / QK) + K / QK + g] = half[0];
+        }
     }
 }
 
@@ -694,8 +703,11 @@ static inline int64_t block_bytes(int bits, int64_t G) {
     return G * (bits == 4 ? 4 * 64 : bits == 5 ? 5 * 64 : bits == 6 ? Q6_GROUP_BYTES : 8 * 64);
 }
 
-// the sum of the activation codes of a group (both halves of qs)
-static inline int32_t group_sum(const int32_t *qs, int64_t i) { return qs[2 * i] + qs[2 * i + 1]; }
+// the sum of the activation codes of group g of a row, and of its first 16 (quantize_activations' qs)
+static inline int32_t group_sum(const int32_t *qs, int64_t row, int64_t g, int64_t G) { return qs[row * 2 * G + g]; }
+static inline int32_t first_half_sum(const int32_t *qs, int64_t row, int64_t g, int64_t G) {
+    return qs[row * 2 * G + G + g];
+}
 
 #define ROWS_X16 4          // activation rows per pass over a block's unpacked weights (registers: 8 + 3 * 4)
 
@@ -722,10 +734,11 @@ static inline __m512 load16(scales_t s, int64_t at, int64_t g) {
     return s.minus8 ? _mm512_mul_ps(v, _mm512_set1_ps(-8.0f)) : v;
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vnni"), noinline))
-static void block_x16_avx512(int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at,
-                             int64_t G, const int8_t *q, const float *d, const float *s,
-                             const int32_t *qs, int64_t K, int64_t m, float *y, int64_t N, int64_t n0) {
+// (inlined with `bits` a constant: one kernel per code width, each with only its own registers' work)
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
+static inline void x16_avx512_of(const int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at,
+                                 int64_t G, const int8_t *q, const float *d, const float *s,
+                                 const int32_t *qs, int64_t K, int64_t m, float *y, int64_t N, int64_t n0) {
     __m512 acc[ROWS_X16], bias[ROWS_X16];
     for (int r = 0; r < R; r++) acc[r] = bias[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
@@ -776,9 +789,9 @@ static void block_x16_avx512(int bits, int R, const uint8_t *w, scales_t wd, sca
                     dot = _mm512_dpbusd_epi32(dot, wq[c], _mm512_set1_epi32(a[c]));
                     dot2 = _mm512_dpbusd_epi32(dot2, wq[c + 4], _mm512_set1_epi32(a[c + 4]));
                 }
-                const int32_t *half = qs + 2 * (row * G + g);
-                dot = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(dot, _mm512_set1_epi32(32 * half[0])), sc0),
-                                       _mm512_mullo_epi32(_mm512_sub_epi32(dot2, _mm512_set1_epi32(32 * half[1])), sc1));
+                const int32_t first = first_half_sum(qs, row, g, G), second = group_sum(qs, row, g, G) - first;
+                dot = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(dot, _mm512_set1_epi32(32 * first)), sc0),
+                                       _mm512_mullo_epi32(_mm512_sub_epi32(dot2, _mm512_set1_epi32(32 * second)), sc1));
             } else {
                 for (int c = 0; c < 8; c += 2) {
                     dot = _mm512_dpbusd_epi32(dot, wq[c], _mm512_set1_epi32(a[c]));
@@ -786,8 +799,8 @@ static void block_x16_avx512(int bits, int R, const uint8_t *w, scales_t wd, sca
                 }
                 dot = _mm512_add_epi32(dot, dot2);
             }
-            if (bits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * group_sum(qs, row * G + g)));
-            if (bits == 5) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * group_sum(qs, row * G + g)));
+            if (bits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * group_sum(qs, row, g, G)));
+            if (bits == 5) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(16 * group_sum(qs, row, g, G)));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sd, _mm512_set1_ps(d[row * G + g])),
                                      acc[r]);
             if (bits == 4) bias[r] = _mm512_fmadd_ps(sm, _mm512_set1_ps(s[row * G + g]), bias[r]);
@@ -826,10 +839,10 @@ static inline __m256 load8_of16(scales_t s, int64_t at, int64_t g, int h) {
 // (x16 stores code + 128) and multiplied as |code| * (a * sign(code)) (<= 128 * 127 * 2 = 32,512), quad by quad;
 // 6-bit codes (<= 63 * 127 * 2) over 2 quads at a time (<= 32,004), each half of the group apart (its multiplier).
 // Each gives the exact integer dot, the same as vpdpbusd's, so the same floats follow.
-__attribute__((target("avx2,fma,f16c"), noinline))
-static void block_x16_avx2(int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at, int64_t G,
-                           const int8_t *q, const float *d, const float *s, const int32_t *qs, int64_t K, int64_t m,
-                           float *y, int64_t N, int64_t n0) {
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void x16_avx2_of(const int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at,
+                               int64_t G, const int8_t *q, const float *d, const float *s, const int32_t *qs,
+                               int64_t K, int64_t m, float *y, int64_t N, int64_t n0) {
     const int64_t group_bytes = block_bytes(bits, 1);
     const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {
@@ -888,8 +901,10 @@ static void block_x16_avx2(int bits, int R, const uint8_t *w, scales_t wd, scale
                         p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(wq[c + 4], _mm256_set1_epi32(a[c + 4])));
                     }
                     dot = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
-                    dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(16 * group_sum(qs, row * G + g)));
+                    dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(16 * group_sum(qs, row, g, G)));
                 } else if (bits == 6) {
+                    const int32_t first = first_half_sum(qs, row, g, G);
+                    const int32_t sums[2] = {first, group_sum(qs, row, g, G) - first};
                     __m256i half[2];
                     for (int k = 0; k < 2; k++) {
                         const __m256i *wk = wq + 4 * k;
@@ -900,7 +915,7 @@ static void block_x16_avx2(int bits, int R, const uint8_t *w, scales_t wd, scale
                                                             _mm256_maddubs_epi16(wk[3], _mm256_set1_epi32(ak[3])));
                         half[k] = _mm256_sub_epi32(
                             _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)),
-                            _mm256_set1_epi32(32 * qs[2 * (row * G + g) + k]));
+                            _mm256_set1_epi32(32 * sums[k]));
                     }
                     dot = _mm256_add_epi32(_mm256_mullo_epi32(half[0], sc0), _mm256_mullo_epi32(half[1], sc1));
                 } else {
@@ -918,6 +933,29 @@ static void block_x16_avx2(int bits, int R, const uint8_t *w, scales_t wd, scale
         }
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m + r) * N + n0 + h * 8, _mm256_add_ps(acc[r], bias[r]));
     }
+}
+
+// the block kernels as `x16_block` calls them: one specialization per code width
+#define X16_BY_BITS(KERNEL)                                                                                  \
+    switch (bits) {                                                                                          \
+    case 4: KERNEL(4, R, w, wd, wm, at, G, q, d, s, qs, K, m, y, N, n0); break;                              \
+    case 5: KERNEL(5, R, w, wd, wm, at, G, q, d, s, qs, K, m, y, N, n0); break;                              \
+    case 6: KERNEL(6, R, w, wd, wm, at, G, q, d, s, qs, K, m, y, N, n0); break;                              \
+    default: KERNEL(8, R, w, wd, wm, at, G, q, d, s, qs, K, m, y, N, n0);                                    \
+    }
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"), noinline))
+static void block_x16_avx512(int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at, int64_t G,
+                             const int8_t *q, const float *d, const float *s, const int32_t *qs, int64_t K,
+                             int64_t m, float *y, int64_t N, int64_t n0) {
+    X16_BY_BITS(x16_avx512_of)
+}
+
+__attribute__((target("avx2,fma,f16c"), noinline))
+static void block_x16_avx2(int bits, int R, const uint8_t *w, scales_t wd, scales_t wm, int64_t at, int64_t G,
+                           const int8_t *q, const float *d, const float *s, const int32_t *qs, int64_t K, int64_t m,
+                           float *y, int64_t N, int64_t n0) {
+    X16_BY_BITS(x16_avx2_of)
 }
 
 static x16_block_fn x16_block = block_x16_avx2;
