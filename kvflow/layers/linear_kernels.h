@@ -12,10 +12,13 @@ int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes,
                      float *y, int threads, int flags);
 int kvflow_q6_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
                      float *y, int threads, int flags);
+int kvflow_x16_linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *wd,
+                      const void *wm, int64_t N, float *y, int threads, int flags, int on_pool);
+int kvflow_pool_rows(void);
 #define KVFLOW_GROUPED_MAX 64      // the most groups (matrices) one kvflow_grouped_linear call takes
 int kvflow_grouped_linear(int bits, const float *x, int64_t M, int64_t K, const int64_t *matrix, const int64_t *rows,
                           int64_t groups, const uint8_t *codes, int64_t codes_stride, const void *d, int64_t d_stride,
-                          const void *m, int64_t m_stride, int flags, int64_t N, float *y, int threads);
+                          const void *m, int64_t m_stride, int flags, int64_t N, float *y, int threads, int on_pool);
 int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const void *k_cache,
                            const void *v_cache, int64_t block_size, const int64_t *tables, int64_t width,
                            const int64_t *row_seq, const int64_t *positions, float scale, float *out, int threads,

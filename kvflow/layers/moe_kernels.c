@@ -94,20 +94,16 @@ int kvflow_moe_route(const float *x, int64_t T, int64_t H, const float *router, 
     return err;
 }
 
+static int kind_bits(int kind) { return kind == MOE_Q4 ? 4 : kind == MOE_Q8 ? 8 : kind == MOE_Q6 ? 6 : 5; }
+
+// `on_pool`: the step's other kernels run on kvflow's pool (a step of up to its rows), so these may too; else
+// OpenMP's threads, whatever the expert's rows (kvflow_x16_linear says why)
 static int expert_linear(const experts_t *w, int64_t e, const float *x, int64_t M, int64_t K, int64_t N, float *y,
-                         int threads) {
+                         int threads, int on_pool) {
     const uint8_t *c = w->codes + e * w->codes_stride, *d = w->scale + e * w->scale_stride;
     const uint8_t *m = w->minimum ? w->minimum + e * w->minimum_stride : NULL;
-    switch (w->kind) {
-    case MOE_Q4: return kvflow_q4_linear(x, M, K, c, d, m, N, y, threads, w->flags);
-    case MOE_Q8: return kvflow_q8_linear(x, M, K, c, d, N, y, threads, w->flags);
-    case MOE_Q5: return kvflow_q5_linear(x, M, K, c, d, N, y, threads, w->flags);
-    case MOE_Q6: return kvflow_q6_linear(x, M, K, c, d, N, y, threads, w->flags);
-    default: return 2;
-    }
+    return kvflow_x16_linear(kind_bits(w->kind), x, M, K, c, d, m, N, y, threads, w->flags, on_pool);
 }
-
-static int kind_bits(int kind) { return kind == MOE_Q4 ? 4 : kind == MOE_Q8 ? 8 : kind == MOE_Q6 ? 6 : 5; }
 
 // The experts of a step of at most GROUPED_PAIRS (row, choice) pairs: the pairs' rows gathered in expert order, then
 // each kind of matrix of every chosen expert in one pool job (kvflow_grouped_linear) instead of one call per expert,
@@ -118,7 +114,7 @@ static int kind_bits(int kind) { return kind == MOE_Q4 ? 4 : kind == MOE_Q8 ? 8 
 #define GROUPED_PAIRS 1024
 static int grouped_experts(const float *x, int64_t H, int64_t k, int64_t E, int64_t I, const experts_t *gu,
                            int64_t gu_rows, const experts_t *dn, int64_t dn_rows, const int64_t *count,
-                           const int64_t *order, int64_t P, float *out, int threads) {
+                           const int64_t *order, int64_t P, float *out, int threads, int on_pool) {
     int64_t matrix[KVFLOW_GROUPED_MAX], rows[KVFLOW_GROUPED_MAX], groups = 0;
     for (int64_t e = 0; e < E; e++) {
         if (count[e + 1] == count[e]) continue;
@@ -135,7 +131,7 @@ static int grouped_experts(const float *x, int64_t H, int64_t k, int64_t E, int6
         for (int64_t i = 0; i < P; i++) memcpy(xs + i * H, x + (order[i] / k) * H, (size_t)H * sizeof(float));
         err = kvflow_grouped_linear(kind_bits(gu->kind), xs, P, H, matrix, rows, groups, gu->codes, gu->codes_stride,
                                     gu->scale, gu->scale_stride, gu->minimum, gu->minimum_stride, gu->flags, gu_rows,
-                                    h, threads);
+                                    h, threads, on_pool);
     }
     if (!err) {
         for (int64_t i = 0; i < P; i++) {
@@ -145,10 +141,11 @@ static int grouped_experts(const float *x, int64_t H, int64_t k, int64_t E, int6
         }
         err = kvflow_grouped_linear(kind_bits(dn->kind), a, P, I, matrix, rows, groups, dn->codes, dn->codes_stride,
                                     dn->scale, dn->scale_stride, dn->minimum, dn->minimum_stride, dn->flags, dn_rows,
-                                    o, threads);
+                                    o, threads, on_pool);
         // the pool taken by another thread between the two jobs: the down matrices one call per expert
         for (int64_t i = 0, row = 0; err == -1 && i < groups; row += rows[i++])
-            if ((err = expert_linear(dn, matrix[i], a + row * I, rows[i], I, dn_rows, o + row * dn_rows, threads)))
+            if ((err = expert_linear(dn, matrix[i], a + row * I, rows[i], I, dn_rows, o + row * dn_rows, threads,
+                                     on_pool)))
                 break;
         if (err == -1) err = 0;
     }
@@ -166,6 +163,7 @@ int kvflow_moe_experts(const float *x, int64_t T, int64_t H, const int64_t *ids,
                        int64_t E, int64_t I, experts_t gate_up, int64_t gu_rows, experts_t down, int64_t dn_rows,
                        float *y, int threads) {
     const int64_t P = T * k;
+    const int on_pool = T <= kvflow_pool_rows();
     int64_t *count = calloc((size_t)E + 1, sizeof(int64_t));
     int64_t *order = malloc((size_t)(P ? P : 1) * sizeof(int64_t));
     float *out = malloc((size_t)(P ? P : 1) * (size_t)H * sizeof(float));
@@ -186,7 +184,8 @@ int kvflow_moe_experts(const float *x, int64_t T, int64_t H, const int64_t *ids,
             free(next);
         }
         if (!err && P <= GROUPED_PAIRS) {
-            err = grouped_experts(x, H, k, E, I, &gate_up, gu_rows, &down, dn_rows, count, order, P, out, threads);
+            err = grouped_experts(x, H, k, E, I, &gate_up, gu_rows, &down, dn_rows, count, order, P, out, threads,
+                                  on_pool);
             if (err != -1) most = 0;          // done (or failed): the loop below has nothing to do
             else err = 0;
         }
@@ -199,14 +198,14 @@ int kvflow_moe_experts(const float *x, int64_t T, int64_t H, const int64_t *ids,
             const int64_t n = count[e + 1] - count[e], *pairs = order + count[e];
             if (!n) continue;
             for (int64_t i = 0; i < n; i++) memcpy(xs + i * H, x + (pairs[i] / k) * H, (size_t)H * sizeof(float));
-            err = expert_linear(&gate_up, e, xs, n, H, gu_rows, h, threads);
+            err = expert_linear(&gate_up, e, xs, n, H, gu_rows, h, threads, on_pool);
             if (err) break;
             for (int64_t i = 0; i < n; i++) {
                 const float *g = h + i * gu_rows, *u = g + I;
                 float *ai = a + i * I;
                 for (int64_t c = 0; c < I; c++) ai[c] = g[c] / (1.0f + expf(-g[c])) * u[c];
             }
-            err = expert_linear(&down, e, a, n, I, dn_rows, o, threads);
+            err = expert_linear(&down, e, a, n, I, dn_rows, o, threads, on_pool);
             for (int64_t i = 0; !err && i < n; i++)
                 memcpy(out + pairs[i] * H, o + i * dn_rows, (size_t)H * sizeof(float));
         }

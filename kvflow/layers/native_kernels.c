@@ -64,7 +64,10 @@ static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *q
     for (int64_t i = 0; i < groups; i++) {
         const float *xg = x + i * QK;
         float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xg[j]));
+        for (int j = 0; j < QK; j++) {         // (not fmaxf: GCC calls libm's for it, one call a value)
+            const float a = fabsf(xg[j]);
+            amax = a > amax ? a : amax;
+        }
         const float dg = amax / 127.0f, inv = dg > 0.0f ? 1.0f / dg : 0.0f;
         int half[2];
         for (int h = 0; h < 2; h++) {          // two plain loops of 16: each vectorizes (one indexed sum did not)
@@ -984,11 +987,15 @@ static int linear_x16_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) 
     return 0;
 }
 
-static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *wd,
-                      const void *wm, int64_t N, float *y, int threads, int flags) {
+// `on_pool`: the call may run on kvflow's pool (calls of up to POOL_ROWS rows), else on OpenMP's threads whatever its
+// rows. Where a step's other calls run on OpenMP's threads, so must its small ones: an OpenMP worker spins for a
+// while after each region, and on 2 cores a pool worker beside it gets no core (a MoE step of 32 rows with its
+// experts' small calls on the pool: 20% of its time in libgomp's spin, measured).
+int kvflow_x16_linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *wd,
+                      const void *wm, int64_t N, float *y, int threads, int flags, int on_pool) {
     const int64_t G = K / QK, blocks = N / X16;
     const int64_t unit_bytes = block_bytes(bits, G);
-    if (M <= POOL_ROWS && pool_acquire(threads))
+    if (on_pool && M <= POOL_ROWS && pool_acquire(threads))
         return pool_linear(linear_x16_chunk, bits, x, M, K, codes, wd, wm, N, y, threads, flags, unit_bytes);
     int8_t *q = malloc((size_t)(M * K));
     float *d = malloc((size_t)(M * G) * sizeof(float));
@@ -1012,22 +1019,22 @@ static int linear_x16(int bits, const float *x, int64_t M, int64_t K, const uint
 
 int kvflow_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d,
                      const void *m, int64_t N, float *y, int threads, int flags) {
-    return linear_x16(4, x, M, K, codes, d, m, N, y, threads, flags);
+    return kvflow_x16_linear(4, x, M, K, codes, d, m, N, y, threads, flags, 1);
 }
 
 int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
                      float *y, int threads, int flags) {
-    return linear_x16(8, x, M, K, codes, d, NULL, N, y, threads, flags);
+    return kvflow_x16_linear(8, x, M, K, codes, d, NULL, N, y, threads, flags, 1);
 }
 
 int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
                      float *y, int threads, int flags) {
-    return linear_x16(5, x, M, K, codes, d, NULL, N, y, threads, flags);
+    return kvflow_x16_linear(5, x, M, K, codes, d, NULL, N, y, threads, flags, 1);
 }
 
 int kvflow_q6_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
                      float *y, int threads, int flags) {
-    return linear_x16(6, x, M, K, codes, d, NULL, N, y, threads, flags);
+    return kvflow_x16_linear(6, x, M, K, codes, d, NULL, N, y, threads, flags, 1);
 }
 
 // Matrices of one stacked kind (a mixture-of-experts layer's experts), each multiplying its own run of rows, in one
@@ -1087,21 +1094,33 @@ static int grouped_chunk(const void *ctx, int64_t c, float *dst, int64_t ld) {
     return 0;
 }
 
-// 0; 1: out of memory; -1: not taken (more than KVFLOW_GROUPED_MAX groups, a group over 255 rows, one thread, or
-// the pool held elsewhere): make one call per group
+// `on_pool`: on kvflow's pool, else on OpenMP's threads (kvflow_x16_linear says when each). 0; 1: out of memory;
+// -1: not taken (more than KVFLOW_GROUPED_MAX groups, a group over 255 rows, one thread, or the pool held
+// elsewhere): make one call per group
 int kvflow_grouped_linear(int bits, const float *x, int64_t M, int64_t K, const int64_t *matrix, const int64_t *rows,
                           int64_t groups, const uint8_t *codes, int64_t codes_stride, const void *d, int64_t d_stride,
-                          const void *m, int64_t m_stride, int flags, int64_t N, float *y, int threads) {
-    if (groups > KVFLOW_GROUPED_MAX) return -1;
+                          const void *m, int64_t m_stride, int flags, int64_t N, float *y, int threads, int on_pool) {
+    if (groups > KVFLOW_GROUPED_MAX || threads <= 1) return -1;
     for (int64_t i = 0; i < groups; i++)
         if (rows[i] > 255 || matrix[i] > 65535) return -1;
-    if (!pool_acquire(threads)) return -1;
-    int8_t *q;
-    float *qd, *qsum;
-    int32_t *qs;
-    int failed = pool_activations(x, M, K, &q, &qd, &qsum, &qs);
+    if (on_pool && !pool_acquire(threads)) return -1;
+    const int64_t G = K / QK;
+    int8_t *q = NULL;
+    float *qd = NULL, *qsum = NULL;
+    int32_t *qs = NULL;
+    int failed;
+    if (on_pool) {
+        failed = pool_activations(x, M, K, &q, &qd, &qsum, &qs);
+    } else {
+        q = malloc((size_t)(M * K));
+        qd = malloc((size_t)(M * G) * sizeof(float));
+        qsum = malloc((size_t)(M * G) * sizeof(float));
+        qs = malloc((size_t)(2 * M * G) * sizeof(int32_t));
+        failed = !q || !qd || !qsum || !qs;
+        if (!failed) quantize_activations(x, M, K, q, qd, qsum, qs, threads);
+    }
     if (!failed) {
-        const int64_t unit_bytes = block_bytes(bits, K / QK), units = N / X16;
+        const int64_t unit_bytes = block_bytes(bits, G), units = N / X16;
         // the split of one call over all the groups' blocks, no chunk across two groups
         const int64_t per = chunk_units(units * groups, unit_bytes, threads), per_group = (units + per - 1) / per;
         grouped_job job = {codes, d, m, codes_stride, d_stride, m_stride, q, qd, qsum, qs,
@@ -1111,9 +1130,21 @@ int kvflow_grouped_linear(int bits, const float *x, int64_t M, int64_t K, const 
             job.matrix[i] = (uint16_t)matrix[i];
             job.rows[i] = (uint8_t)rows[i];
         }
-        failed = pool_run(grouped_chunk, grouped_region, &job, sizeof job, groups * per_group, y, threads);
+        if (on_pool) {
+            failed = pool_run(grouped_chunk, grouped_region, &job, sizeof job, groups * per_group, y, threads);
+        } else {
+            #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+            for (int64_t c = 0; c < groups * per_group; c++) {
+                const pool_region r = grouped_region(&job, c);
+                grouped_chunk(&job, c, y + r.offset, r.stride);
+            }
+        }
     }
-    pool_release();
+    if (on_pool) {
+        pool_release();
+    } else {
+        free(q); free(qd); free(qsum); free(qs);
+    }
     return failed;
 }
 
