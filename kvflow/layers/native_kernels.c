@@ -1,5 +1,5 @@
-// kvflow's CPU kernels (AVX2, and AVX-512 VNNI where the CPU has it): 4-, 5- and 8-bit group-quantized weights times
-// float32 activations; paged attention, RMSNorm and LoRA terms.
+// kvflow's CPU kernels (AVX2, and AVX-512 VNNI where the CPU has it): 4-, 5-, 6- and 8-bit group-quantized weights
+// times float32 activations; paged attention, RMSNorm and LoRA terms.
 //
 // Why hand-written: on a CPU without native bf16 (AVX2, no AVX-512-BF16/AMX), torch 2.13's int4 and int8
 // weight-only kernels dequantize every weight to float for every row and run at ~7 GFLOP/s a core, so a 4-bit

@@ -1,6 +1,6 @@
-"""kvflow's own CPU kernels (native_kernels.c) for 4-bit and 8-bit group-quantized weights, paged attention,
-RMSNorm and LoRA terms, built with the machine's C compiler on first use and called as torch custom ops (so
-compiled decode graphs keep them). Every one computes each row alone, in one fixed order: a row's bits do not
+"""kvflow's own CPU kernels (native_kernels.c) for 4-, 5-, 6- and 8-bit group-quantized weights, paged attention,
+RMSNorm, LoRA terms and mixture-of-experts layers, built with the machine's C compiler on first use and called as
+torch custom ops (so compiled decode graphs keep them). Every one computes each row alone, in one fixed order: a row's bits do not
 depend on what shares its step (batch invariance), which torch's kernels do not promise.
 
 The matmul kernels read weights in one layout, "x16" (16 weight rows interleaved per register, repacked at load),
