@@ -80,8 +80,8 @@ int kvflow_moe_route(const float *x, int64_t T, int64_t H, const float *router, 
                      int norm_topk_prob, int64_t *ids, float *weights, int threads) {
     if (k < 1 || k > E || rule < ROUTE_SOFTMAX_TOPK || rule > ROUTE_TOPK_SOFTMAX) return 2;
     int err = 0;
-    // rows apart on OpenMP's threads only where there are enough of them to pay for it (a row is E dot products)
-#pragma omp parallel num_threads(threads) if (T * E * H >= (1 << 22) && threads > 1) reduction(| : err)
+    // rows apart on OpenMP's threads where the step's other kernels run there (steps of more than the pool's rows)
+#pragma omp parallel num_threads(threads) if (T > kvflow_pool_rows() && threads > 1) reduction(| : err)
     {
         float *logits = malloc((size_t)E * sizeof(float));
         if (!logits) err = 1;
@@ -92,6 +92,17 @@ int kvflow_moe_route(const float *x, int64_t T, int64_t H, const float *router, 
         free(logits);
     }
     return err;
+}
+
+// a [n, I] = SiLU(gate) * up of h's n rows [gate (I) | up (I) | ...], `ld` floats apart; rows apart on OpenMP's
+// threads unless the step runs on the pool (each value alone: the same bits either way)
+static void silu_mul_rows(const float *h, int64_t ld, int64_t n, int64_t I, float *a, int threads, int on_pool) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (!on_pool && threads > 1)
+    for (int64_t i = 0; i < n; i++) {
+        const float *g = h + i * ld, *u = g + I;
+        float *ai = a + i * I;
+        for (int64_t c = 0; c < I; c++) ai[c] = g[c] / (1.0f + expf(-g[c])) * u[c];
+    }
 }
 
 static int kind_bits(int kind) { return kind == MOE_Q4 ? 4 : kind == MOE_Q8 ? 8 : kind == MOE_Q6 ? 6 : 5; }
@@ -134,11 +145,7 @@ static int grouped_experts(const float *x, int64_t H, int64_t k, int64_t E, int6
                                     h, threads, on_pool);
     }
     if (!err) {
-        for (int64_t i = 0; i < P; i++) {
-            const float *g = h + i * gu_rows, *u = g + I;
-            float *ai = a + i * I;
-            for (int64_t c = 0; c < I; c++) ai[c] = g[c] / (1.0f + expf(-g[c])) * u[c];
-        }
+        silu_mul_rows(h, gu_rows, P, I, a, threads, on_pool);
         err = kvflow_grouped_linear(kind_bits(dn->kind), a, P, I, matrix, rows, groups, dn->codes, dn->codes_stride,
                                     dn->scale, dn->scale_stride, dn->minimum, dn->minimum_stride, dn->flags, dn_rows,
                                     o, threads, on_pool);
@@ -200,11 +207,7 @@ int kvflow_moe_experts(const float *x, int64_t T, int64_t H, const int64_t *ids,
             for (int64_t i = 0; i < n; i++) memcpy(xs + i * H, x + (pairs[i] / k) * H, (size_t)H * sizeof(float));
             err = expert_linear(&gate_up, e, xs, n, H, gu_rows, h, threads, on_pool);
             if (err) break;
-            for (int64_t i = 0; i < n; i++) {
-                const float *g = h + i * gu_rows, *u = g + I;
-                float *ai = a + i * I;
-                for (int64_t c = 0; c < I; c++) ai[c] = g[c] / (1.0f + expf(-g[c])) * u[c];
-            }
+            silu_mul_rows(h, gu_rows, n, I, a, threads, on_pool);
             err = expert_linear(&down, e, a, n, I, dn_rows, o, threads, on_pool);
             for (int64_t i = 0; !err && i < n; i++)
                 memcpy(out + pairs[i] * H, o + i * dn_rows, (size_t)H * sizeof(float));
