@@ -341,7 +341,7 @@ def test_quantized_gguf_default_config_serves_the_files_codes_batch_invariant(tm
     """A quantized MoE GGUF at the default dtype keeps its codes (the experts on kvflow's kernels where they run),
     and a mixed batch gives each request its tokens alone."""
     from kvflow.layers.int4 import Int4Linear
-    from kvflow.layers.quantization import NativeQ8Linear
+    from kvflow.layers.quantization import QuantizedLinear
 
     path = make_tiny_hf_model(tmp_path / "hf", family="qwen3_moe", seed=6, hidden_size=256,
                               moe_intermediate_size=256)
@@ -355,7 +355,9 @@ def test_quantized_gguf_default_config_serves_the_files_codes_batch_invariant(tm
     else:
         experts = [e for m in layers for e in m.experts]
         assert len(experts) == 16
-        assert all(isinstance(e.gate_up_proj, (Int4Linear, NativeQ8Linear)) for e in experts)
+        # without kvflow's kernels: 4-bit codes on torch's int4 kernel, 6- and 8-bit ones as per-channel int8
+        assert all(isinstance(e.gate_up_proj, Int4Linear if ftype.startswith("q4") else QuantizedLinear)
+                   for e in experts)
     batch = prompts()
     together = greedy(llm, batch, 10)
     if native_kernels.usable():
