@@ -256,7 +256,8 @@ static int moe_block(const step_moe *m, const float *x, int64_t T, int64_t H, fl
 
 // The scratch a step of T rows works in, in floats: the normed rows, the widest projection's output, q and the
 // attention's output, the MLP's activations, and one row's normed and rotated heads. The caller owns it
-// (runner/native_step.py keeps one that grows), so a step allocates nothing.
+// (runner/native_step.py keeps one that grows), so a dense step allocates nothing (a MoE layer's router and experts
+// allocate their own working buffers, as they do on the module path).
 static int64_t widest_projection(const step_shape *s, const step_layer *layers) {
     int64_t widest = 0;
     for (int64_t l = 0; l < s->layers; l++) {

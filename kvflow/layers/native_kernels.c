@@ -156,9 +156,26 @@ static inline int64_t chunk_units(int64_t units, int64_t unit_bytes, int threads
     return bytes / unit_bytes > 1 ? bytes / unit_bytes : 1;
 }
 
-// quantizes x into the pool's buffers (a worker late from this call may still read them) and runs `chunk` over
-// the weight's units; the caller holds the pool (pool_acquire)
-// x [M, K] rounded to int8 codes per group of QK (quantize_activations) into the pool's buffers; 1: out of memory
+// x [M, K] rounded to int8 codes per group of QK (quantize_activations) into the pool's buffers (a worker late from
+// this call may still read them); 1: out of memory
+// x [M, K] rounded as pool_activations does, into buffers of the caller's own (free_activations after); threads:
+// OpenMP's, for big calls; 1: out of memory
+static int own_activations(const float *x, int64_t M, int64_t K, int threads, int8_t **q, float **d, float **s,
+                           int32_t **qs) {
+    const int64_t G = K / QK;
+    *q = malloc((size_t)(M * K));
+    *d = malloc((size_t)(M * G) * sizeof(float));
+    *s = malloc((size_t)(M * G) * sizeof(float));
+    *qs = malloc((size_t)(2 * M * G) * sizeof(int32_t));
+    if (!*q || !*d || !*s || !*qs) return 1;
+    quantize_activations(x, M, K, *q, *d, *s, *qs, threads);
+    return 0;
+}
+
+static void free_activations(int8_t *q, float *d, float *s, int32_t *qs) {
+    free(q); free(d); free(s); free(qs);
+}
+
 static int pool_activations(const float *x, int64_t M, int64_t K, int8_t **q, float **d, float **s, int32_t **qs) {
     const int64_t G = K / QK;
     *q = pool_buffer(POOL_LINEAR_Q, M * K);
@@ -170,6 +187,7 @@ static int pool_activations(const float *x, int64_t M, int64_t K, int8_t **q, fl
     return 0;
 }
 
+// x's activations, then `chunk` over the weight's units, on the pool; the caller holds it (pool_acquire)
 static int pool_linear(pool_chunk_fn chunk, int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
                        const void *wd, const void *wm, int64_t N, float *y, int threads, int flags,
                        int64_t unit_bytes) {
@@ -747,14 +765,21 @@ static inline void x16_avx512_of(const int bits, int R, const uint8_t *w, scales
     const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     for (int64_t g = 0; g < G; g++) {
         __m512i wq[8], sc0 = _mm512_setzero_si512(), sc1 = sc0;
-        if (bits == 4 || bits == 6) {
-            const uint8_t *wg = w + g * block_bytes(bits, 1);
+        const uint8_t *wg = w + g * block_bytes(bits, 1);
+        if (bits == 8) {
+            for (int c = 0; c < 8; c++) wq[c] = _mm512_loadu_si512((const void *)(wg + c * 64));
+        } else {
             for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(wg + c * 64));
                 wq[c] = _mm512_and_si512(v, low);
                 wq[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
-            if (bits == 6) {       // bits 4-5 of quad c (and c + 4) from bits 2c, 2c + 1 of registers 4 and 5
+            if (bits == 5) {
+                const __m512i high = _mm512_loadu_si512((const void *)(wg + 4 * 64));
+                for (int c = 0; c < 8; c++)
+                    wq[c] = _mm512_mask_add_epi8(wq[c], _mm512_test_epi8_mask(high, _mm512_set1_epi8((char)(1 << c))),
+                                                 wq[c], _mm512_set1_epi8(16));
+            } else if (bits == 6) {       // bits 4-5 of quad c (and c + 4) from bits 2c, 2c + 1 of registers 4 and 5
                 for (int r = 0; r < 2; r++) {
                     const __m512i hi = _mm512_loadu_si512((const void *)(wg + (4 + r) * 64));
                     const __m512i moved[4] = {_mm512_slli_epi16(hi, 4), _mm512_slli_epi16(hi, 2), hi,
@@ -765,20 +790,6 @@ static inline void x16_avx512_of(const int bits, int R, const uint8_t *w, scales
                 sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wg + 6 * 64)));
                 sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wg + 6 * 64 + X16)));
             }
-        } else if (bits == 5) {
-            const uint8_t *wg = w + g * 5 * 64;
-            const __m512i high = _mm512_loadu_si512((const void *)(wg + 4 * 64));
-            for (int c = 0; c < 4; c++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(wg + c * 64));
-                wq[c] = _mm512_and_si512(v, low);
-                wq[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            }
-            for (int c = 0; c < 8; c++)
-                wq[c] = _mm512_mask_add_epi8(wq[c], _mm512_test_epi8_mask(high, _mm512_set1_epi8((char)(1 << c))),
-                                             wq[c], _mm512_set1_epi8(16));
-        } else {
-            const uint8_t *wg = w + g * 8 * 64;
-            for (int c = 0; c < 8; c++) wq[c] = _mm512_loadu_si512((const void *)(wg + c * 64));
         }
         const __m512 sd = load16(wd, at, g);
         const __m512 sm = bits == 4 ? load16(wm, at, g) : _mm512_setzero_ps();
@@ -997,15 +1008,13 @@ int kvflow_x16_linear(int bits, const float *x, int64_t M, int64_t K, const uint
     const int64_t unit_bytes = block_bytes(bits, G);
     if (on_pool && M <= POOL_ROWS && pool_acquire(threads))
         return pool_linear(linear_x16_chunk, bits, x, M, K, codes, wd, wm, N, y, threads, flags, unit_bytes);
-    int8_t *q = malloc((size_t)(M * K));
-    float *d = malloc((size_t)(M * G) * sizeof(float));
-    float *s = malloc((size_t)(M * G) * sizeof(float));
-    int32_t *qs = malloc((size_t)(2 * M * G) * sizeof(int32_t));
-    if (!q || !d || !s || !qs) {
-        free(q); free(d); free(s); free(qs);
+    int8_t *q = NULL;
+    float *d = NULL, *s = NULL;
+    int32_t *qs = NULL;
+    if (own_activations(x, M, K, threads, &q, &d, &s, &qs)) {
+        free_activations(q, d, s, qs);
         return 1;
     }
-    quantize_activations(x, M, K, q, d, s, qs, threads);
     const scales_t sd = scales_of(wd, flags & 3, N, G), sm = minimums_of(wm, (flags >> 2) & 3, sd, N, G);
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
@@ -1013,7 +1022,7 @@ int kvflow_x16_linear(int bits, const float *x, int64_t M, int64_t K, const uint
         for (int64_t b = 0; b < blocks; b++)
             x16_rows(bits, codes + b * unit_bytes, sd, sm, b * G * X16, G, q, d, s, qs, K, m0, m1, y, N, b * X16);
     }
-    free(q); free(d); free(s); free(qs);
+    free_activations(q, d, s, qs);
     return 0;
 }
 
@@ -1108,17 +1117,8 @@ int kvflow_grouped_linear(int bits, const float *x, int64_t M, int64_t K, const 
     int8_t *q = NULL;
     float *qd = NULL, *qsum = NULL;
     int32_t *qs = NULL;
-    int failed;
-    if (on_pool) {
-        failed = pool_activations(x, M, K, &q, &qd, &qsum, &qs);
-    } else {
-        q = malloc((size_t)(M * K));
-        qd = malloc((size_t)(M * G) * sizeof(float));
-        qsum = malloc((size_t)(M * G) * sizeof(float));
-        qs = malloc((size_t)(2 * M * G) * sizeof(int32_t));
-        failed = !q || !qd || !qsum || !qs;
-        if (!failed) quantize_activations(x, M, K, q, qd, qsum, qs, threads);
-    }
+    int failed = on_pool ? pool_activations(x, M, K, &q, &qd, &qsum, &qs)
+                         : own_activations(x, M, K, threads, &q, &qd, &qsum, &qs);
     if (!failed) {
         const int64_t unit_bytes = block_bytes(bits, G), units = N / X16;
         // the split of one call over all the groups' blocks, no chunk across two groups
@@ -1143,7 +1143,7 @@ int kvflow_grouped_linear(int bits, const float *x, int64_t M, int64_t K, const 
     if (on_pool) {
         pool_release();
     } else {
-        free(q); free(qd); free(qsum); free(qs);
+        free_activations(q, qd, qsum, qs);
     }
     return failed;
 }
