@@ -80,6 +80,7 @@ def test_without_kvflows_kernels_the_plan_says_so(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+@pytest.mark.alone
 def test_beside_busy_processes_steps_take_the_cores_they_leave_and_the_same_tokens():
     """Busy processes on every core but one: within a few seconds the engine's steps run on one thread; once they
     stop, on every thread again. The greedy tokens are the same throughout (the same bits on any thread count)."""
