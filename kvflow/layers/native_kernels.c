@@ -156,8 +156,6 @@ static inline int64_t chunk_units(int64_t units, int64_t unit_bytes, int threads
     return bytes / unit_bytes > 1 ? bytes / unit_bytes : 1;
 }
 
-// x [M, K] rounded to int8 codes per group of QK (quantize_activations) into the pool's buffers (a worker late from
-// this call may still read them); 1: out of memory
 // x [M, K] rounded as pool_activations does, into buffers of the caller's own (free_activations after); threads:
 // OpenMP's, for big calls; 1: out of memory
 static int own_activations(const float *x, int64_t M, int64_t K, int threads, int8_t **q, float **d, float **s,
@@ -176,6 +174,8 @@ static void free_activations(int8_t *q, float *d, float *s, int32_t *qs) {
     free(q); free(d); free(s); free(qs);
 }
 
+// x [M, K] rounded to int8 codes per group of QK (quantize_activations) into the pool's buffers (a worker late from
+// this call may still read them); 1: out of memory
 static int pool_activations(const float *x, int64_t M, int64_t K, int8_t **q, float **d, float **s, int32_t **qs) {
     const int64_t G = K / QK;
     *q = pool_buffer(POOL_LINEAR_Q, M * K);
