@@ -7,7 +7,7 @@ Two workloads per model shape (heads, KV heads, head dim of the embedded SmolLM2
   prefilled in chunks: the last chunk attends to everything before it);
 - **decode**: 1 and 8 sequences, one query row each, at 512 .. 8192 tokens of context.
 
-"kernel" is `native_kernels.paged_attention` straight from the paged cache (what kvflow's default runs on a CPU).
+"kernel" is `ops.paged_attention` straight from the paged cache (what kvflow's default runs on a CPU).
 "sdpa" is the torch path of `layers/attention.py`: the context gathered by slot with `index_select` (converted
 to float32), then one `scaled_dot_product_attention` under an offset-causal mask (decode: no mask, one row). Both
 run on all of torch's threads; the time is the median of --reps calls after one warm-up, one layer. Nothing else
@@ -22,7 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvflow.layers import kv_int8, native_kernels
+from kvflow.layers import kv_int8
+from kvflow.kernels import ops
 
 SHAPES = {"smollm2": (9, 3, 64), "qwen2-0.5b": (14, 2, 64)}
 BLOCK = 16
@@ -66,7 +67,7 @@ def run(shape: str, kv: str, reps: int) -> None:
                 positions = torch.full((seqs,), length - 1)
                 row_seq = torch.arange(seqs)
             q = torch.randn(rows, heads, dim, generator=g)
-            kernel = median_ms(lambda: native_kernels.paged_attention(q, kc, vc, tables, row_seq, positions, scale),
+            kernel = median_ms(lambda: ops.paged_attention(q, kc, vc, tables, row_seq, positions, scale),
                                reps)
 
             def sdpa():

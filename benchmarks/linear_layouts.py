@@ -1,6 +1,6 @@
 """kvflow's 4-, 5- and 8-bit matmul kernels (layout x16: 16 weight rows interleaved) per instruction set, on the
 embedded model's matrix shapes: AVX2 (`vpmaddubsw`) and, where the CPU has it, AVX-512 VNNI (`vpdpbusd`). Both give
-the same bits (tests/test_native_kernels.py).
+the same bits (tests/test_kernels/).
 
     python benchmarks/linear_layouts.py [--rows 1 4 8 16 32 64] [--threads 1 2] [--bits 4 5 8] [--reps 7]
 
@@ -18,7 +18,16 @@ import time
 
 import torch
 
-from kvflow.layers import native_kernels as nk
+from kvflow.kernels import build, layout, ops
+
+from kvflow.kernels.formats import FORMATS
+
+
+def _linear(bits: int):
+    return lambda x, codes, scale, minimum=torch.empty(0): ops.x16_linear(x, codes, scale, minimum, bits)
+
+
+q4_linear, q5_linear, q8_linear = (_linear(bits) for bits in (4, 5, 8))
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]   # (N, K)
 
@@ -28,15 +37,15 @@ def weights(bits: int, g: torch.Generator) -> list[tuple]:
     out = []
     for n, k in SHAPES:
         scale = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
-        d = nk.pack_scales(scale, compact=True)
+        d = layout.pack_scales(scale, compact=True)
         if bits == 4:
             codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-            out.append((nk.q4_linear, k, nk.pack_q4(codes), d, nk.minimums(-8 * scale, scale)))
+            out.append((q4_linear, k, FORMATS[4].pack_codes(codes), d, layout.minimums(-8 * scale, scale)))
         elif bits == 5:
-            out.append((nk.q5_linear, k, nk.pack_q5(torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)),
+            out.append((q5_linear, k, FORMATS[5].pack_codes(torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)),
                         d))
         else:
-            out.append((nk.q8_linear, k, nk.pack_q8(torch.randint(-128, 128, (n, k), generator=g,
+            out.append((q8_linear, k, FORMATS[8].pack_codes(torch.randint(-128, 128, (n, k), generator=g,
                                                                   dtype=torch.int8)), d))
     return out
 
@@ -49,11 +58,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--passes", type=int, default=20, help="passes over the layer per timed repetition")
     args = ap.parse_args()
-    lib = nk.library()
+    lib = build.library()
     if lib is None:
         raise SystemExit("kvflow's kernels cannot run here")
-    variants = [("AVX2", 0)] + ([("AVX-512 VNNI", 1)] if nk.has_avx512_vnni() else [])
-    print(f"kvflow kernels, isa() = {nk.isa()}; median of {args.reps} x {args.passes} passes over one layer")
+    variants = [("AVX2", 0)] + ([("AVX-512 VNNI", 1)] if build.has_avx512_vnni() else [])
+    print(f"kvflow kernels, isa() = {build.isa()}; median of {args.reps} x {args.passes} passes over one layer")
     print("| bits | rows | threads | " + " | ".join(f"{name}: us (GB/s)" for name, _ in variants) + " |")
     print("| --- " * (3 + len(variants)) + "|")
     try:
@@ -64,7 +73,7 @@ def main() -> None:
             for rows in args.rows:
                 x = torch.randn(rows, max(k for _, k in SHAPES), generator=g)
                 for threads in args.threads:
-                    nk.set_threads(threads)
+                    ops.set_threads(threads)
                     times = {name: [] for name, _ in variants}
                     for _ in range(args.reps):
                         for name, avx512 in variants:
@@ -78,8 +87,8 @@ def main() -> None:
                              f"({nbytes / statistics.median(times[name]) / 1e9:.1f})" for name, _ in variants]
                     print(f"| {bits} | {rows} | {threads} | " + " | ".join(cells) + " |", flush=True)
     finally:
-        lib.kvflow_x16_use_avx512(int(nk.isa() == "avx512"))
-        nk.set_threads(None)
+        lib.kvflow_x16_use_avx512(int(build.isa() == "avx512"))
+        ops.set_threads(None)
 
 
 if __name__ == "__main__":

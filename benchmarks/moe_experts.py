@@ -18,7 +18,7 @@ import time
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.layers import native_kernels
+from kvflow.kernels import ops
 from kvflow.layers.moe import SparseMoE
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     layer = layers[0]
     print(f"machine: {platform.processor() or platform.machine()}; {len(layers)} MoE layers, native call: "
           f"{layer.native} (gate/up {layer.gate_up_bits}-bit, down {layer.down_bits}-bit codes)")
-    native_kernels.set_threads(args.threads)
+    ops.set_threads(args.threads)
     with torch.inference_mode():
         for rows in args.rows:
             x = torch.randn(rows, layer.gate.weight.shape[1])

@@ -213,12 +213,12 @@ def kvflow_kv_dtype(model: str, kvflow_args: str) -> str:
     a = _kvflow_flags(kvflow_args)
     try:
         from kvflow import platform
-        from kvflow.layers import native_kernels
+        from kvflow.kernels import build
         from kvflow.models.loader import resolve_model_files, weight_quantization
 
         device = platform.pick_device(a.device, None)
         quant = weight_quantization(resolve_model_files(model), a.quantization, a.dtype, 1, device.type)
-        dtype = native_kernels.compute_dtype(device, a.dtype, quant) or platform.pick_dtype(a.dtype, device)
+        dtype = build.compute_dtype(device, a.dtype, quant) or platform.pick_dtype(a.dtype, device)
         dtype = platform.pick_kv_dtype(a.kv_cache_dtype, a.dtype, device, dtype)
     except Exception as e:  # noqa: BLE001 - kvflow's internals moved: the boot log corrects the guess
         print(f"(could not work out kvflow's KV dtype ({e!r}); assuming float32 until its boot log says)")

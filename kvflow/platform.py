@@ -111,7 +111,7 @@ def release_freed_memory() -> None:
 
 
 # Set in an engine process, whose HTTP frontend shares this machine's cores (engine_process.main); the kernel plan
-# gives such a process's small steps one core fewer where they run on OpenMP (runner/kernel_plan.py)
+# gives such a process's small steps one core fewer where they run on OpenMP (kernels/plan.py)
 frontend_shares_cores = False
 
 

@@ -14,6 +14,7 @@ LAYERS = [
     {"__init__", "errors", "config", "platform", "sampling_params", "pooling_params", "structured_output",
      "speculative_config", "lora_request", "beam_search"},
     {"distributed", "request", "spec_decode"},
+    {"kernels"},                # the native CPU backend: C kernels, their build, torch ops, weight formats, the plan
     {"layers", "models"},
     {"runner"},
     {"executor"},
@@ -151,3 +152,19 @@ def test_server_surfaces_import_only_the_tiers_below():
 def test_the_checker_sees_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def model_families() -> set[str]:
+    """The modules of kvflow.models that define a model family (a `...ForCausalLM` class)."""
+    return {module_name(path) for path in (ROOT / "models").glob("*.py")
+            if any(isinstance(node, ast.ClassDef) and node.name.endswith("ForCausalLM")
+                   for node in ast.walk(ast.parse(path.read_text())))}
+
+
+def test_runner_imports_no_model_family():
+    """Each family describes its own layers (`native_decoder()`); the runner never knows a family by type."""
+    families = model_families()
+    assert {"kvflow.models.llama", "kvflow.models.gemma3", "kvflow.models.moe"} <= families
+    reached = {(m, t) for m, targets in module_graph().items() if unit_of(m) == "runner" for t in targets
+               if t in families}
+    assert not reached, f"runner modules importing a model family: {sorted(reached)}"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.layers import native_kernels
+from kvflow.kernels import build
 from tiny_models import make_tiny_hf_model
 
 BUCKETS = (1, 4)          # two small graphs keep the test short
@@ -204,7 +204,7 @@ def test_compiled_decode_keeps_gemma3s_sliding_window(tmp_path, native, monkeypa
     expected = tokens(make_llm(path, "float32", eager=True), prompts, 12)
     llm = LLM(str(path), dtype="float32", max_model_len=256, kv_cache_memory="16MiB", enforce_eager=False,
               compile_batch_sizes=(1,))
-    assert llm.engine.runner.native_attention == (native and native_kernels.usable())
+    assert llm.engine.runner.native_attention == (native and build.usable())
     compiled = llm.engine.runner.compiled_decode
     assert compiled.wait(timeout=600) and not compiled.failed
     assert tokens(llm, prompts, 12) == expected and compiled.steps == 11

@@ -13,7 +13,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig
-from kvflow.layers import native_kernels
+from kvflow.kernels import build
 from kvflow.server.testing import ServerThread
 from transformers_greedy import assert_greedy_matches
 
@@ -141,7 +141,7 @@ def default_llm(gemma3_path):
 def test_gemma3_270m_default_config_is_batch_invariant(default_llm):
     runner = default_llm.engine.runner
     assert runner.quantization == "gguf"
-    if not native_kernels.usable():
+    if not build.usable():
         pytest.skip("kvflow's kernels do not run here (no AVX2 + FMA or no C compiler): no invariance promised")
     assert runner.native_attention
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -210,7 +210,7 @@ def test_gemma3_server_32_concurrent_streaming_chats(gemma3_path, default_llm):
         server.wait_idle()
         server.core("check")
     assert all(finish == "length" and text for text, finish in results)
-    if native_kernels.usable():
+    if build.usable():
         for i in (0, 7, 31):        # a few, alone, offline
             alone = default_llm.chat([{"role": "user", "content": questions[i]}],
                                      SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from kvflow import LLM, SamplingParams
-from kvflow.layers import int4, native_kernels
-from kvflow.layers.group_quant import CODES, GroupQuantized
+from kvflow.kernels import build
+from kvflow.layers import int4
+from kvflow.kernels.group_quant import CODES, GroupQuantized
 from kvflow.layers.int4 import Int4Linear, choose_kernel_rows, packed_layout
 from kvflow.layers.quantization import (GGUFVocabulary, NativeQ8Linear, QuantizedEmbedding, QuantizedLinear,
                                        quantize_model)
@@ -169,7 +170,7 @@ def test_tiny_quantized_gguf_runs_kept_quantized(tiny_hf, tmp_path, ftype):
     kept = LLM(str(path), max_model_len=128, kv_cache_memory="8MiB")
     exact = LLM(str(path), dtype="float32", max_model_len=128, kv_cache_memory="8MiB")
     kinds = {type(m) for m in kept.engine.runner.model.modules()}
-    eight_bit = NativeQ8Linear if native_kernels.usable() else QuantizedLinear     # Q8_0: kvflow's kernel where it runs
+    eight_bit = NativeQ8Linear if build.usable() else QuantizedLinear     # Q8_0: kvflow's kernel where it runs
     assert (Int4Linear if ftype == "q4_0" else eight_bit) in kinds and GGUFVocabulary in kinds
     assert kept.engine.runner.weights_bytes < 0.65 * exact.engine.runner.weights_bytes   # mostly the vocabulary
     assert len(kept.generate(["Hello there"], params)[0].outputs[0].token_ids) == 6

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.layers import native_kernels
-from kvflow.runner.kernel_plan import SMALL_STEP_ROWS, KernelPlan
+from kvflow.kernels import build, ops
+from kvflow.kernels.plan import SMALL_STEP_ROWS, KernelPlan
 
 
 def plan(**kw) -> KernelPlan:
@@ -55,8 +55,8 @@ def test_the_default_engine_logs_its_plan_at_boot_and_its_steps_follow_it(caplog
     for part in ("matmuls:", "attention:", "decode steps:", "threads:"):
         assert f"\n  {part}" in logged[0]
     # the plan says what this machine runs: kvflow's kernels where they build (its ISA), the step path taken
-    usable = native_kernels.usable()
-    assert p.isa == (native_kernels.isa() if usable else None)
+    usable = build.usable()
+    assert p.isa == (build.isa() if usable else None)
     assert p.native_attention == runner.native_attention == usable
     assert (p.decode_step == "native") == (runner.native_step is not None)
     assert p.decode_step in ("native", "layers")             # the suite runs eagerly (conftest): nothing compiles
@@ -64,7 +64,7 @@ def test_the_default_engine_logs_its_plan_at_boot_and_its_steps_follow_it(caplog
     for prompts in (["Hi"], [f"Q{i}" for i in range(SMALL_STEP_ROWS + 1)]):
         llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0))
         free = runner.core_share.free if runner.core_share else None
-        assert native_kernels.threads() == p.step_threads(len(prompts), free)[1]
+        assert ops.threads() == p.step_threads(len(prompts), free)[1]
     assert p.step_threads(1) == (1, 1)           # small_step_threads=1, on the pool or not
 
 
@@ -94,9 +94,9 @@ def test_beside_busy_processes_steps_take_the_cores_they_leave_and_the_same_toke
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert llm.generate(["The sea at night"], params)[0].outputs[0].token_ids == expected
-            if native_kernels.threads() == want and runner.step_threads(1)[1] == want:
+            if ops.threads() == want and runner.step_threads(1)[1] == want:
                 return
-        pytest.fail(f"kernel threads {native_kernels.threads()} after {timeout} s, expected {want}")
+        pytest.fail(f"kernel threads {ops.threads()} after {timeout} s, expected {want}")
 
     run_until(min(cores, runner.threads))
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores - 1)]

@@ -10,11 +10,18 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from kvflow.layers.group_quant import CODES, GroupQuantized
+from kvflow.kernels.group_quant import CODES, GroupQuantized
 from kvflow.models.gguf_codes import group_quantized
 from kvflow.models.gguf_reader import dequantize
 from kvflow.models.loader import iter_weights, resolve_model_files
 from tiny_models import make_tiny_hf_model, quantize_q4_k, quantize_q5_k, quantize_q6_k, write_gguf_from_hf
+
+
+def _run(bits: int, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+         minimum: torch.Tensor = torch.empty(0)) -> torch.Tensor:
+    """x @ W.T by kvflow's linear kernel for weight format `bits` (formats.run_linear: its layout checks included)."""
+    from kvflow.kernels import build, formats, ops
+    return formats.run_linear(build.library(), bits, x, codes, scale, minimum, ops.threads())
 
 
 def matrix(rows: int, cols: int, scale: float, seed: int = 0) -> np.ndarray:
@@ -130,7 +137,8 @@ def test_mixed_stacks_keep_8_bit_pieces_as_the_files_codes():
 @pytest.mark.slow
 def test_q4_k_m_file_serves_from_its_codes(wide_hf, tmp_path):
     from kvflow import LLM, SamplingParams
-    from kvflow.layers import native_kernels
+    from kvflow.kernels import build, layout
+    from kvflow.kernels.formats import FORMATS
     from kvflow.layers.int4 import Int4Linear
     from kvflow.layers.quantization import NativeQ8Linear
 
@@ -140,7 +148,7 @@ def test_q4_k_m_file_serves_from_its_codes(wide_hf, tmp_path):
     llm = LLM(str(path), max_model_len=128, kv_cache_memory="8MiB", enforce_eager=True)
     model = llm.engine.runner.model
     assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear)            # Q4_K
-    if native_kernels.usable():
+    if build.usable():
         assert isinstance(model.layers[1].self_attn.qkv_proj, NativeQ8Linear)    # Q4_K q/k + Q6_K v: 8-bit
         assert model.layers[1].self_attn.qkv_proj.code_bits == 8
         assert model.layers[1].mlp.down_proj.code_bits == 6                        # Q6_K: its own 6-bit codes
@@ -152,10 +160,11 @@ def test_q4_k_m_file_serves_from_its_codes(wide_hf, tmp_path):
 @pytest.mark.parametrize("ftype", ["q8_0", "q5_0", "q6_k"])
 def test_untied_8_bit_head_multiplies_the_files_codes(tmp_path, ftype):
     from kvflow import LLM
-    from kvflow.layers import native_kernels
+    from kvflow.kernels import build, layout
+    from kvflow.kernels.formats import FORMATS
     from kvflow.layers.quantization import NativeQ8Linear
 
-    if not native_kernels.usable():
+    if not build.usable():
         pytest.skip("kvflow's kernels do not run here")
     wide = dict(hidden_size=256, intermediate_size=512) if ftype == "q6_k" else {}     # Q6_K: rows of 256
     hf = make_tiny_hf_model(tmp_path / "hf", "qwen2", seed=2, **wide)
@@ -175,10 +184,11 @@ def test_untied_8_bit_head_multiplies_the_files_codes(tmp_path, ftype):
 @pytest.mark.parametrize("ftype", ["q4_k", "q4_0", "q4_1", "q8_0", "q4_k_m", "q6_k"])
 def test_tied_table_is_held_once_and_looks_up_the_files_values(wide_hf, tmp_path, ftype):
     from kvflow import LLM, SamplingParams
-    from kvflow.layers import native_kernels
+    from kvflow.kernels import build, layout
+    from kvflow.kernels.formats import FORMATS
     from kvflow.layers.quantization import GGUFVocabulary
 
-    if not native_kernels.usable():
+    if not build.usable():
         pytest.skip("kvflow's kernels do not run here")
     path = write_gguf_from_hf(wide_hf, tmp_path / f"m-{ftype}.gguf", ftype=ftype)
     llm = LLM(str(path), max_model_len=64, kv_cache_memory="4MiB", enforce_eager=True)
@@ -213,38 +223,40 @@ def test_tied_table_is_held_once_and_looks_up_the_files_values(wide_hf, tmp_path
 # --------------------------------------------------------------------------- scales as the file stores them
 
 def test_fp16_scales_give_the_kernels_the_same_bits_as_float32():
-    from kvflow.layers import native_kernels as nk
+    from kvflow.kernels import build, layout
+    from kvflow.kernels.formats import FORMATS
 
-    if not nk.usable():
+    if not build.usable():
         pytest.skip("kvflow's kernels do not run here")
-    lib = nk.library()
+    lib = build.library()
     g = torch.Generator().manual_seed(1)
     n, k = 45, 128
     c4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     c8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
     m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
-    q4, q8 = lib.kvflow_q4_linear, lib.kvflow_q8_linear
-    half = [nk.pack_scales(t, compact=True) for t in (d, m)]
+    q4, q8 = 4, 8
+    half = [layout.pack_scales(t, compact=True) for t in (d, m)]
     assert all(t.dtype == torch.float16 for t in half)
-    assert nk.pack_scales(d + 1e-7, compact=True).dtype == torch.float32      # not fp16 values: kept
+    assert layout.pack_scales(d + 1e-7, compact=True).dtype == torch.float32      # not fp16 values: kept
     for rows in (1, 7, 70):
         x = torch.randn(rows, k, generator=g)
-        for mixed in ((half[0], nk.pack_scales(m)), (nk.pack_scales(d), half[1]), half):
-            assert torch.equal(nk._run(q4, x, nk.pack_q4(c4), *mixed),
-                               nk._run(q4, x, nk.pack_q4(c4), nk.pack_scales(d),
-                                       nk.pack_scales(m)))
-        assert torch.equal(nk._run(q8, x, nk.pack_q8(c8), half[0]),
-                           nk._run(q8, x, nk.pack_q8(c8), nk.pack_scales(d)))
+        for mixed in ((half[0], layout.pack_scales(m)), (layout.pack_scales(d), half[1]), half):
+            assert torch.equal(_run(q4, x, FORMATS[4].pack_codes(c4), *mixed),
+                               _run(q4, x, FORMATS[4].pack_codes(c4), layout.pack_scales(d),
+                                       layout.pack_scales(m)))
+        assert torch.equal(_run(q8, x, FORMATS[8].pack_codes(c8), half[0]),
+                           _run(q8, x, FORMATS[8].pack_codes(c8), layout.pack_scales(d)))
 
 
 @pytest.mark.slow
 def test_untied_4_bit_embedding_is_held_packed_and_looks_up_the_files_values(tmp_path):
     from kvflow import LLM
-    from kvflow.layers import native_kernels
+    from kvflow.kernels import build, layout
+    from kvflow.kernels.formats import FORMATS
     from kvflow.layers.quantization import GGUFVocabulary
 
-    if not native_kernels.usable():
+    if not build.usable():
         pytest.skip("kvflow's kernels do not run here")
     hf = make_tiny_hf_model(tmp_path / "hf", "qwen2", seed=4)
     path = write_gguf_from_hf(hf, tmp_path / "m-q4_1.gguf", ftype="q4_1")
@@ -261,27 +273,28 @@ def test_untied_4_bit_embedding_is_held_packed_and_looks_up_the_files_values(tmp
 def test_q4_k_scales_held_as_two_levels_give_the_same_bits():
     """Q4_K's scales and minimums held as the file stores them (a uint8 multiplier per 32 values, an fp16
     super-scale per 256): the kernels multiply them out to the float32 values the file defines."""
-    from kvflow.layers import native_kernels as nk
+    from kvflow.kernels import build, layout
+    from kvflow.kernels.formats import FORMATS
     from kvflow.layers.int4 import Int4Linear
 
-    if not nk.usable():
+    if not build.usable():
         pytest.skip("kvflow's kernels do not run here")
-    lib = nk.library()
+    lib = build.library()
     x = matrix(45, 512, 0.05)
     gq = group_quantized(quantize_q4_k(x), T.Q4_K, x.shape)
-    fn = lib.kvflow_q4_linear
-    two = [nk.pack_scales(gq.scale, True, gq.scale_parts), nk.pack_scales(gq.minimum(), True, gq.zero_parts)]
-    plain = [nk.pack_scales(gq.scale), nk.pack_scales(gq.minimum())]
+    fn = 4
+    two = [layout.pack_scales(gq.scale, True, gq.scale_parts), layout.pack_scales(gq.minimum(), True, gq.zero_parts)]
+    plain = [layout.pack_scales(gq.scale), layout.pack_scales(gq.minimum())]
     assert all(t.dtype == torch.uint8 and t.numel() * 4 == p.numel() * 5 for t, p in zip(two, plain))
     for t, p in zip(two, plain):
-        assert torch.equal(nk.widen_scales(t, 45, 16), p)
+        assert torch.equal(layout.widen_scales(t, 45, 16), p)
     g = torch.Generator().manual_seed(3)
     for rows in (1, 6, 70):
         a = torch.randn(rows, 512, generator=g)
-        assert torch.equal(nk._run(fn, a, nk.pack_q4(gq.codes), *two),
-                           nk._run(fn, a, nk.pack_q4(gq.codes), *plain))
+        assert torch.equal(_run(fn, a, FORMATS[4].pack_codes(gq.codes), *two),
+                           _run(fn, a, FORMATS[4].pack_codes(gq.codes), *plain))
     with pytest.raises(ValueError, match="one layout"):
-        nk._run(fn, torch.randn(1, 512), nk.pack_q4(gq.codes), two[0][:-2], two[1])
+        _run(fn, torch.randn(1, 512), FORMATS[4].pack_codes(gq.codes), two[0][:-2], two[1])
     layer = Int4Linear(gq, native=True)
     assert layer.scale.dtype == torch.uint8
     assert torch.equal(layer.dequantize(torch.float32), gq.dequantize())
@@ -291,44 +304,46 @@ def test_q4_k_scales_held_as_two_levels_give_the_same_bits():
 # --------------------------------------------------------------------------- Q5_0 in 5 bits
 
 def test_5_bit_kernel_gives_the_8_bit_kernels_bits_from_5_8_of_the_bytes():
-    from kvflow.layers import native_kernels as nk
+    from kvflow.kernels import build, layout
+    from kvflow.kernels.formats import FORMATS
 
-    if not nk.usable():
+    if not build.usable():
         pytest.skip("kvflow's kernels do not run here")
-    lib = nk.library()
+    lib = build.library()
     g = torch.Generator().manual_seed(7)
     for n, k in ((45, 96), (16, 576), (3, 32)):
         codes = torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)
         codes[0, :32] = torch.tensor([-16, 15] * 16, dtype=torch.int8)                  # both ends of the range
-        packed = nk.pack_q5(codes)
-        assert packed.numel() * 8 == nk.padded_rows(n) * k * 5
-        assert torch.equal(nk.q5_rows(packed, torch.arange(n)), codes)
+        packed = FORMATS[5].pack_codes(codes)
+        assert packed.numel() * 8 == layout.padded_rows(n) * k * 5
+        assert torch.equal(FORMATS[5].int8_rows(packed, torch.arange(n)), codes)
         pick = torch.tensor([[n - 1, 0]])
-        assert torch.equal(nk.q5_rows(packed, pick), codes[pick])
-        scale = nk.pack_scales((torch.rand(n, k // 32, generator=g) * 0.05).half().float(), compact=True)
+        assert torch.equal(FORMATS[5].int8_rows(packed, pick), codes[pick])
+        scale = layout.pack_scales((torch.rand(n, k // 32, generator=g) * 0.05).half().float(), compact=True)
         for rows in (1, 5, 70):
             x = torch.randn(rows, k, generator=g)
-            eight = nk._run(lib.kvflow_q8_linear, x, nk.pack_q8(codes), scale)
-            five = nk._run(lib.kvflow_q5_linear, x, packed, scale, bits=5)
+            eight = _run(8, x, FORMATS[8].pack_codes(codes), scale)
+            five = _run(5, x, packed, scale)
             assert torch.equal(five, eight), (n, k, rows)
-    assert not nk.fits_q5(torch.tensor([[16, 0]], dtype=torch.int8))
-    assert not nk.fits_q5(torch.tensor([[-17, 0]], dtype=torch.int8))
+    assert not FORMATS[5].fits(torch.tensor([[16, 0]], dtype=torch.int8))
+    assert not FORMATS[5].fits(torch.tensor([[-17, 0]], dtype=torch.int8))
 
 
 @pytest.mark.slow
 def test_q5_0_matrix_held_in_5_bits_same_bits_eager_and_compiled():
-    from kvflow.layers import native_kernels as nk
+    from kvflow.kernels import build, layout
+    from kvflow.kernels.formats import FORMATS
     from kvflow.layers.quantization import NativeQ8Linear
 
-    if not nk.usable():
+    if not build.usable():
         pytest.skip("kvflow's kernels do not run here")
     x = matrix(96, 256, 0.05)
     gq = group_quantized(gguf.quants.quantize(x, T.Q5_0), T.Q5_0, x.shape)
     five = NativeQ8Linear(gq, None)
     eight = NativeQ8Linear(GroupQuantized(gq.codes.clone(), gq.scale, None, 32, 8), None)
-    eight.code_bits = 8
-    eight.codes = nk.pack_q8(gq.codes)
-    assert five.code_bits == 5 and five.codes.numel() * 8 == nk.padded_rows(96) * 256 * 5
+    eight.format = FORMATS[8]
+    eight.codes = FORMATS[8].pack_codes(gq.codes)
+    assert five.code_bits == 5 and five.codes.numel() * 8 == layout.padded_rows(96) * 256 * 5
     a = torch.randn(9, 256)
     assert torch.equal(five(a), eight(a))
     assert torch.equal(five.rows(torch.arange(96)), gq.dequantize())

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.layers import native_kernels
+from kvflow.kernels import build
 from kvflow.models.model_config import ARCHITECTURES, ModelConfig
 from kvflow.models.model_files import resolve_model_files
 from tiny_models import make_tiny_hf_model
@@ -32,7 +32,7 @@ def prompts_for(window: int) -> list[list[int]]:
 def run(path, prompts, **engine) -> list[list[int]]:
     llm = LLM(str(path), dtype="float32", max_model_len=256, kv_cache_memory="32MiB", **engine)
     # which attention ran: kvflow's kernel where it can, else (KVFLOW_NATIVE_KERNELS=0) the pure-PyTorch paths
-    assert llm.engine.runner.native_attention == (native_kernels.usable()
+    assert llm.engine.runner.native_attention == (build.usable()
                                                   and os.environ.get("KVFLOW_NATIVE_KERNELS") != "0")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -59,7 +59,7 @@ def check_family(tmp_path, monkeypatch, family: str, window: int | None = None, 
         got = run(path, prompts, **engine)
         for p, a in zip(prompts, got):
             assert_greedy_matches(hf, p, a, f"{family} ({name}), ", MAX_TOKENS)
-    if window and native_kernels.usable():     # the runs above used kvflow's kernel: now the pure-PyTorch paths
+    if window and build.usable():     # the runs above used kvflow's kernel: now the pure-PyTorch paths
         monkeypatch.setenv("KVFLOW_NATIVE_KERNELS", "0")
         for name, engine in paths.items():
             got = run(path, prompts, **engine)
@@ -190,6 +190,6 @@ def test_gemma3_k_quant_gguf_default_config_is_batch_invariant(tmp_path):
     prompts = prompts_for(16)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    if native_kernels.usable():
+    if build.usable():
         assert together == [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     llm.engine.kv_cache_manager.check()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.layers import native_kernels
+from kvflow.kernels import build, ops
 from kvflow.layers.moe import ROUTER_ROWS, Router, SparseMoE, blocked_linear
 from kvflow.models.model_files import resolve_model_files
 from tiny_models import make_tiny_hf_model, write_gguf_from_hf
@@ -135,7 +135,7 @@ def test_experts_equal_the_per_token_loop():
     assert called == set(ids[0].tolist())         # at batch 1, only the row's top-k experts are read
 
 
-@pytest.mark.skipif(not native_kernels.usable(), reason="kvflow's kernels do not run here")
+@pytest.mark.skipif(not build.usable(), reason="kvflow's kernels do not run here")
 def test_the_native_router_follows_each_rule_and_gives_a_row_its_bits_alone():
     """moe_kernels.c's router (the module path's and the native step's where the experts are on kvflow's kernels):
     each rule's choices and weights as the torch router gives them, and a row's bits the same alone, in any
@@ -148,19 +148,19 @@ def test_the_native_router_follows_each_rule_and_gives_a_row_its_bits_alone():
             router = Router(100, 8, 3, kind, norm)
             router.weight.data.copy_(w)
             want_weights, want_ids = router(x)
-            weights, ids = native_kernels.moe_route(x, w, 3, rule, norm)
+            weights, ids = ops.moe_route(x, w, 3, rule, norm)
             assert torch.equal(ids, want_ids), (kind, norm)
             torch.testing.assert_close(weights, want_weights)
             for rows in (slice(0, 1), slice(5, 6), slice(3, 20)):
-                alone = native_kernels.moe_route(x[rows], w, 3, rule, norm)
+                alone = ops.moe_route(x[rows], w, 3, rule, norm)
                 assert torch.equal(alone[0], weights[rows]) and torch.equal(alone[1], ids[rows])
     big, wide = torch.randn(1000, 96), torch.randn(64, 96)
-    weights, ids = native_kernels.moe_route(big, wide, 8, 0, True)
+    weights, ids = ops.moe_route(big, wide, 8, 0, True)
     for rows in (slice(0, 1), slice(500, 503), slice(990, 1000)):
-        alone = native_kernels.moe_route(big[rows], wide, 8, 0, True)
+        alone = ops.moe_route(big[rows], wide, 8, 0, True)
         assert torch.equal(alone[0], weights[rows]) and torch.equal(alone[1], ids[rows])
     with pytest.raises(ValueError, match="top 9 of 8"):
-        native_kernels.moe_route(x, w, 9, 0, False)
+        ops.moe_route(x, w, 9, 0, False)
 
 
 def test_router_logits_do_not_depend_on_the_rows_beside():
@@ -170,7 +170,7 @@ def test_router_logits_do_not_depend_on_the_rows_beside():
         assert torch.equal(blocked_linear(x[rows], w), full[rows])
 
 
-@pytest.mark.skipif(not native_kernels.usable(), reason="kvflow's kernels do not run here")
+@pytest.mark.skipif(not build.usable(), reason="kvflow's kernels do not run here")
 @pytest.mark.parametrize("bits", [4, 8, 5, 6])
 def test_quantized_experts_in_one_native_call_are_bit_for_bit_batch_invariant(bits):
     """Experts on kvflow's kernels (4-, 8-, 5- and Q6_K's 6-bit codes, each row alone), stacked into one native call per layer
@@ -178,7 +178,7 @@ def test_quantized_experts_in_one_native_call_are_bit_for_bit_batch_invariant(bi
     and a row's output bits are the same alone, in any subset and in the whole step, whichever experts the other
     rows chose: steps of up to 1,024 (row, choice) pairs run every chosen expert's matrices as one pool job
     (moe_kernels.c's grouped_experts), larger ones one call per expert, and both give a row the same bits."""
-    from kvflow.layers.group_quant import GroupQuantized
+    from kvflow.kernels.group_quant import GroupQuantized
     from kvflow.layers.int4 import Int4Linear
     from kvflow.layers.quantization import NativeQ8Linear
 
@@ -314,7 +314,7 @@ def test_stacked_expert_slices_keep_the_files_codes(tmp_path):
     codes as its 2-D matrices are)."""
     import numpy as np
 
-    from kvflow.layers.group_quant import GroupQuantized
+    from kvflow.kernels.group_quant import GroupQuantized
     from kvflow.models.gguf_reader import dequantize, read_gguf
     from kvflow.models.loader import _gguf_experts
 
@@ -350,7 +350,7 @@ def test_quantized_gguf_default_config_serves_the_files_codes_batch_invariant(tm
     assert llm.engine.runner.quantization == "gguf"
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
     assert len(layers) == 2
-    if native_kernels.usable():      # stacked: one native call per layer
+    if build.usable():      # stacked: one native call per layer
         assert all(m.native and m.gate_up_codes.shape[0] == 8 for m in layers)
     else:
         experts = [e for m in layers for e in m.experts]
@@ -360,12 +360,12 @@ def test_quantized_gguf_default_config_serves_the_files_codes_batch_invariant(tm
                    for e in experts)
     batch = prompts()
     together = greedy(llm, batch, 10)
-    if native_kernels.usable():
+    if build.usable():
         assert together == [greedy(llm, [p], 10)[0] for p in batch]
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not native_kernels.usable(), reason="kvflow's kernels do not run here")
+@pytest.mark.skipif(not build.usable(), reason="kvflow's kernels do not run here")
 def test_compiled_decode_steps_of_a_quantized_moe_give_the_eager_tokens(tmp_path, monkeypatch):
     """With every expert in one native call per layer, the model's decode steps compile (the grouping by expert is
     inside the call) and give the eager steps' greedy tokens, batched and alone. (The native decoder step, which
@@ -457,7 +457,7 @@ def test_the_benchmarks_random_moe_gguf_loads_and_serves(tmp_path, family):
     batch = prompts()
     together = greedy(llm, batch, 6)
     assert all(len(t) == 6 for t in together)
-    if native_kernels.usable():
+    if build.usable():
         assert together == [greedy(llm, [p], 6)[0] for p in batch]
 
 

@@ -1,4 +1,4 @@
-"""kvflow's CPU kernels (layers/native_kernels.c): 4-, 6- and 8-bit weights against a torch reference of the same
+"""kvflow's CPU kernels (layers/kernels/csrc): 4-, 6- and 8-bit weights against a torch reference of the same
 arithmetic (int8 activations per group of 32), every row-count remainder, on each instruction set this CPU runs
 (AVX2, AVX-512 VNNI); paged attention and RMSNorm against float64; the LoRA term against torch's; each
 kernel's batch invariance (a row's bits depend on that row alone), inside a compiled graph, and greedy output of the
@@ -8,25 +8,35 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.layers import kv_int8, native_kernels
-from kvflow.layers.group_quant import GroupQuantized
+from kvflow.layers import kv_int8
+from kvflow.kernels import build, layout, ops
+from kvflow.kernels.formats import FORMATS
+from kvflow.kernels.group_quant import GroupQuantized
 from kvflow.layers.int4 import Int4Linear
 
+
+def _linear(bits: int):
+    """x @ W.T through kvflow's operator, W in weight format FORMATS[bits] (minimum: a 4-bit matrix's only)."""
+    return lambda x, codes, scale, minimum=torch.empty(0): ops.x16_linear(x, codes, scale, minimum, bits)
+
+
+q4_linear, q5_linear, q6_linear, q8_linear = (_linear(bits) for bits in (4, 5, 6, 8))
+
 pytestmark = pytest.mark.skipif(
-    not native_kernels.usable(),
+    not build.usable(),
     reason="kvflow's kernels cannot run on this machine (no AVX2/FMA or no C compiler): torch's kernels serve")
 
 # each instruction set whose kernels this CPU runs (AVX2's run on AVX-512 machines too)
-ISAS = ["avx2"] + (["avx512"] if native_kernels.has_avx512_vnni() else [])
+ISAS = ["avx2"] + (["avx512"] if build.has_avx512_vnni() else [])
 
 
 @pytest.fixture(params=ISAS)
 def isa(request):
     """The x16 matmul kernels on this instruction set for the test, then the process's own again."""
-    lib = native_kernels.library()
+    lib = build.library()
     lib.kvflow_x16_use_avx512(int(request.param == "avx512"))
     yield request.param
-    lib.kvflow_x16_use_avx512(int(native_kernels.isa() == "avx512"))
+    lib.kvflow_x16_use_avx512(int(build.isa() == "avx512"))
 
 
 def quantized_activations(x: torch.Tensor):
@@ -55,8 +65,8 @@ def q4_weights(n: int, k: int, seed: int = 0):
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scale = torch.rand(n, k // 32, generator=g) * 0.02
     minimum = -torch.rand(n, k // 32, generator=g) * 0.2
-    packed = (native_kernels.pack_q4(codes), native_kernels.pack_scales(scale),
-              native_kernels.pack_scales(minimum))
+    packed = (FORMATS[4].pack_codes(codes), layout.pack_scales(scale),
+              layout.pack_scales(minimum))
     return codes, scale, minimum, packed
 
 
@@ -65,8 +75,8 @@ def q4_weights(n: int, k: int, seed: int = 0):
 def test_q4_kernel_matches_the_reference(isa, rows, n, k):
     codes, scale, minimum, packed = q4_weights(n, k, rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
-    got = native_kernels.q4_linear(x, *packed)
-    assert got.shape == (rows, native_kernels.padded_rows(n))
+    got = q4_linear(x, *packed)
+    assert got.shape == (rows, layout.padded_rows(n))
     want = reference(x, codes, scale, minimum)
     torch.testing.assert_close(got[:, :n].double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
@@ -81,7 +91,7 @@ def test_q8_kernel_matches_the_reference_including_code_minus_128(isa, rows):
     scale = torch.rand(n, k // 32, generator=g) * 0.01
     x = torch.randn(rows, k, generator=g)
     x[0, :32] = 0                                       # an all-zero group: scale 0, no division by it
-    got = native_kernels.q8_linear(x, native_kernels.pack_q8(codes), native_kernels.pack_scales(scale))
+    got = q8_linear(x, FORMATS[8].pack_codes(codes), layout.pack_scales(scale))
     want = reference(x, codes, scale)
     torch.testing.assert_close(got[:, :n].double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
@@ -95,7 +105,7 @@ def q6_weights(n: int, k: int, seed: int = 0):
     codes[0], codes[-1], multipliers[0], multipliers[-1] = 0, 63, -128, 127
     d = (torch.rand(n, k // 256, generator=g) * 1e-3).half()
     scale16 = d.float().repeat_interleave(16, 1) * multipliers.float()
-    packed = (native_kernels.pack_q6(codes, multipliers), native_kernels.pack_q6_scales(d))
+    packed = (FORMATS[6].pack_codes(codes, multipliers), FORMATS[6].pack_d(d))
     return codes, scale16, packed
 
 
@@ -116,8 +126,8 @@ def test_q6_kernel_matches_the_reference_with_ggufs_q6_k_values(isa, rows, n, k)
     codes, scale16, packed = q6_weights(n, k, rows + n)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, :32] = 0                                       # an all-zero group
-    got = native_kernels.q6_linear(x, *packed)
-    assert got.shape == (rows, native_kernels.padded_rows(n))
+    got = q6_linear(x, *packed)
+    assert got.shape == (rows, layout.padded_rows(n))
     want = reference_q6(x, codes, scale16)
     torch.testing.assert_close(got[:, :n].double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     w = ((codes.float() - 32).view(n, -1, 16) * scale16[..., None]).view(n, k)      # against float weights
@@ -129,11 +139,11 @@ def test_linear_kernels_give_a_row_the_same_bits_alone_as_in_any_batch(isa):
     n, k = 40, 96
     codes, scale, minimum, packed = q4_weights(n, k)
     codes8 = (codes.to(torch.int16) * 16 - 128).to(torch.int8)
-    packed8 = (native_kernels.pack_q8(codes8), native_kernels.pack_scales(scale))
+    packed8 = (FORMATS[8].pack_codes(codes8), layout.pack_scales(scale))
     wide = torch.randn(131, 256, generator=torch.Generator().manual_seed(3))
     packed6 = q6_weights(n, 256)[2]
-    for fn, weights in ((native_kernels.q4_linear, packed), (native_kernels.q8_linear, packed8),
-                        (native_kernels.q6_linear, packed6)):
+    for fn, weights in ((q4_linear, packed), (q8_linear, packed8),
+                        (q6_linear, packed6)):
         x = wide[:, :weights[0].shape[1] * 32].contiguous()      # K: the weight's groups of 32
         batch = fn(x, *weights)
         for lo, hi in ((0, 1), (5, 6), (63, 66), (127, 131), (2, 9)):
@@ -149,49 +159,49 @@ def test_linear_kernels_give_a_row_the_same_bits_alone_as_in_any_batch(isa):
 def test_the_layout_round_trips_and_lookups_read_the_codes_back():
     n, k = 37, 64
     codes, scale, _, (packed, packed_scale, _) = q4_weights(n, k)
-    assert torch.equal(native_kernels.unpack_q4(packed, n, k), codes)
-    assert torch.equal(native_kernels.unpack_scales(packed_scale, n), scale)
+    assert torch.equal(FORMATS[4].unpack_codes(packed, n, k), codes)
+    assert torch.equal(layout.unpack_scales(packed_scale, n), scale)
     codes8 = torch.randint(-128, 128, (n, k), dtype=torch.int8)
     ids = torch.tensor([[0, 36], [17, 16]])
-    assert torch.equal(native_kernels.q8_rows(native_kernels.pack_q8(codes8), ids), codes8[ids])
+    assert torch.equal(FORMATS[8].int8_rows(FORMATS[8].pack_codes(codes8), ids), codes8[ids])
     codes6, _, (packed6, _) = q6_weights(n, 256)
     multipliers = torch.randint(-128, 128, (n, 16), dtype=torch.int8)
-    got_codes, got_multipliers = native_kernels.q6_rows(native_kernels.pack_q6(codes6, multipliers), ids)
+    got_codes, got_multipliers = FORMATS[6].rows_of(FORMATS[6].pack_codes(codes6, multipliers), ids)
     assert torch.equal(got_codes, (codes6.to(torch.int16) - 32).to(torch.int8)[ids])
     assert torch.equal(got_multipliers, multipliers[ids])
 
 
-@pytest.mark.skipif(not native_kernels.has_avx512_vnni(), reason="no AVX-512 VNNI here: only the AVX2 kernels run")
+@pytest.mark.skipif(not build.has_avx512_vnni(), reason="no AVX-512 VNNI here: only the AVX2 kernels run")
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_x16_kernels_give_the_same_bits_on_avx2_as_on_avx512(bits):
-    """Layout x16's two block kernels (native_kernels.c): every scale form (float32, fp16, Q4_K's two levels,
+    """Layout x16's two block kernels (kernels/csrc): every scale form (float32, fp16, Q4_K's two levels,
     Q4_0's minimums made from d, Q6_K's multipliers and d), pool and OpenMP sizes, each row-count remainder, codes
     at both ends."""
-    lib = native_kernels.library()
+    lib = build.library()
     g = torch.Generator().manual_seed(bits)
     n, k = 40, 512
     scale = torch.rand(n, k // 32, generator=g) * 0.02
     sup, mult = (torch.rand(n, k // 256, generator=g) * 0.01).half(), torch.randint(0, 64, (n, k // 32), generator=g)
     two_level = sup.float().repeat_interleave(8, 1) * mult.float()
-    forms = [native_kernels.pack_scales(scale), native_kernels.pack_scales(scale.half().float(), compact=True),
-             native_kernels.pack_scales(two_level, compact=True, parts=(sup, mult))]
+    forms = [layout.pack_scales(scale), layout.pack_scales(scale.half().float(), compact=True),
+             layout.pack_scales(two_level, compact=True, parts=(sup, mult))]
     assert [f.dtype for f in forms] == [torch.float32, torch.float16, torch.uint8]
     if bits == 4:
         codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
         codes[0], codes[1] = 0, 15
-        packed = native_kernels.pack_q4(codes)
-        calls = [lambda x, d=d: native_kernels.q4_linear(x, packed, d, native_kernels.minimums(-8 * d, d))
+        packed = FORMATS[4].pack_codes(codes)
+        calls = [lambda x, d=d: q4_linear(x, packed, d, layout.minimums(-8 * d, d))
                  for d in forms[:2]]
-        calls += [lambda x, d=d: native_kernels.q4_linear(x, packed, d, forms[0] * -0.5) for d in forms]
+        calls += [lambda x, d=d: q4_linear(x, packed, d, forms[0] * -0.5) for d in forms]
     elif bits == 6:
         packed6 = q6_weights(n, k, 6)[2]
-        calls = [lambda x: native_kernels.q6_linear(x, *packed6)]
+        calls = [lambda x: q6_linear(x, *packed6)]
     else:
         low, high = (-16, 16) if bits == 5 else (-128, 128)
         codes = torch.randint(low, high, (n, k), generator=g, dtype=torch.int8)
         codes[0], codes[1] = low, high - 1
-        packed, fn = ((native_kernels.pack_q5(codes), native_kernels.q5_linear) if bits == 5 else
-                      (native_kernels.pack_q8(codes), native_kernels.q8_linear))
+        packed, fn = ((FORMATS[5].pack_codes(codes), q5_linear) if bits == 5 else
+                      (FORMATS[8].pack_codes(codes), q8_linear))
         calls = [lambda x, d=d: fn(x, packed, d) for d in forms]
     x = torch.randn(70, k, generator=g) * 3
     x[1] = 1e-3
@@ -203,43 +213,43 @@ def test_x16_kernels_give_the_same_bits_on_avx2_as_on_avx512(bits):
                 lib.kvflow_x16_use_avx512(0)
                 assert torch.equal(call(x[:rows]), wide), (rows, (call(x[:rows]) - wide).abs().max())
     finally:
-        lib.kvflow_x16_use_avx512(int(native_kernels.isa() == "avx512"))
+        lib.kvflow_x16_use_avx512(int(build.isa() == "avx512"))
 
 
 def test_weights_in_the_wrong_layout_are_refused_not_read_past():
     codes, scale, minimum, packed = q4_weights(48, 64)
     with pytest.raises(ValueError):
-        native_kernels.q4_linear(torch.randn(2, 64), packed[0], scale[:1], minimum)
+        q4_linear(torch.randn(2, 64), packed[0], scale[:1], minimum)
     _, _, (codes6, d) = q6_weights(48, 512)
     for bad in (d[:, :1].contiguous(), d.float()):     # d for one block of 256 of the two; float32 d
         with pytest.raises(ValueError):
-            native_kernels.q6_linear(torch.randn(2, 512), codes6, bad)
+            q6_linear(torch.randn(2, 512), codes6, bad)
     with pytest.raises(ValueError):                     # rows 256 wide, codes for 512
-        native_kernels.q6_linear(torch.randn(2, 256), codes6, d)
+        q6_linear(torch.randn(2, 256), codes6, d)
 
 
 def q4_0_weights(n: int, k: int, seed: int = 0):
     """Packed 4-bit codes, fp16 d, and the minimums -8 d (GGUF Q4_0's) both stored and not (`minimums`)."""
     codes, scale, _, _ = q4_weights(n, k, seed)
-    scale = native_kernels.pack_scales(scale.half().float(), compact=True)
+    scale = layout.pack_scales(scale.half().float(), compact=True)
     stored = -8 * scale
-    return native_kernels.pack_q4(codes), scale, stored, native_kernels.minimums(stored, scale)
+    return FORMATS[4].pack_codes(codes), scale, stored, layout.minimums(stored, scale)
 
 
 def test_q4_0_minimums_not_stored_give_the_stored_ones_bits(isa):
-    """GGUF Q4_0's minimums are -8 d: held as nothing (native_kernels.minimums) and made from d in the kernels,
+    """GGUF Q4_0's minimums are -8 d: held as nothing (layout.minimums) and made from d in the kernels,
     they give the bits of the same matrix with them stored, at pool and OpenMP sizes, and in the MoE op."""
     codes, scale, stored, none = q4_0_weights(40, 96)
-    assert none.numel() == 0 and native_kernels.minimums(-7 * scale, scale).numel() > 0    # others are kept
+    assert none.numel() == 0 and layout.minimums(-7 * scale, scale).numel() > 0    # others are kept
     x = torch.randn(70, 96, generator=torch.Generator().manual_seed(1)) * 3
     for rows in (1, 5, 70):
-        assert torch.equal(native_kernels.q4_linear(x[:rows], codes, scale, none),
-                           native_kernels.q4_linear(x[:rows], codes, scale, stored))
+        assert torch.equal(q4_linear(x[:rows], codes, scale, none),
+                           q4_linear(x[:rows], codes, scale, stored))
     # two experts of hidden 96 and intermediate 32: gate/up [64, 96], down [96, 32]
     gu, dn = q4_0_weights(64, 96, 2), q4_0_weights(96, 32, 3)
     ids, weights = torch.tensor([[0, 1], [1, 0], [1, 1]]), torch.tensor([[0.75, 0.25], [0.5, 0.5], [0.9, 0.1]])
     both = lambda t: torch.stack([t, t])
-    results = [native_kernels.moe_experts(x[:3], ids, weights, both(gu[0]), both(gu[1]), both(gu[m]), 4,
+    results = [ops.moe_experts(x[:3], ids, weights, both(gu[0]), both(gu[1]), both(gu[m]), 4,
                                           both(dn[0]), both(dn[1]), both(dn[m]), 4, 32) for m in (2, 3)]
     assert torch.equal(results[0], results[1])
 
@@ -275,7 +285,7 @@ def paged(seed: int, heads=9, kv_heads=3, head_dim=64, block_size=16, blocks=64)
 def test_paged_attention_matches_float64(heads, kv_heads, head_dim, window):
     """`window` > 0 (a sliding-window layer): the row attends to its last `window` keys only."""
     q, kc, vc, tables, pos = paged(heads, heads, kv_heads, head_dim)
-    out = native_kernels.paged_attention(q, kc, vc, tables, torch.arange(4), pos, head_dim ** -0.5, window)
+    out = ops.paged_attention(q, kc, vc, tables, torch.arange(4), pos, head_dim ** -0.5, window)
     bs, group = kc.shape[1], heads // kv_heads
     for i in range(4):
         slots = (tables[i].repeat_interleave(bs) * bs + torch.arange(tables.shape[1] * bs) % bs)[:pos[i] + 1]
@@ -291,19 +301,19 @@ def test_paged_attention_matches_float64(heads, kv_heads, head_dim, window):
 def test_paged_attention_row_depends_on_its_own_inputs_only():
     q, kc, vc, tables, pos = paged(1)
     scale = 64 ** -0.5
-    batch = native_kernels.paged_attention(q, kc, vc, tables, torch.arange(4), pos, scale)
-    alone = native_kernels.paged_attention(q[2:3], kc, vc, tables[2:3], torch.zeros(1, dtype=torch.long), pos[2:3], scale)
+    batch = ops.paged_attention(q, kc, vc, tables, torch.arange(4), pos, scale)
+    alone = ops.paged_attention(q[2:3], kc, vc, tables[2:3], torch.zeros(1, dtype=torch.long), pos[2:3], scale)
     assert torch.equal(alone, batch[2:3])
     wider = torch.cat([tables, tables.flip(1)], 1).contiguous()       # longer tables: more padding, same bits
-    assert torch.equal(native_kernels.paged_attention(q, kc, vc, wider, torch.arange(4), pos, scale), batch)
+    assert torch.equal(ops.paged_attention(q, kc, vc, wider, torch.arange(4), pos, scale), batch)
     # a prefill chunk: rows of one sequence at consecutive positions, each as if it were decoded alone
-    chunk = native_kernels.paged_attention(torch.cat([q[:3], q[2:3]]), kc, vc, tables[2:3], torch.zeros(4, dtype=torch.long),
+    chunk = ops.paged_attention(torch.cat([q[:3], q[2:3]]), kc, vc, tables[2:3], torch.zeros(4, dtype=torch.long),
                                            torch.tensor([96, 97, 98, 159]), scale)
     assert torch.equal(chunk[3:], batch[2:3])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(native_kernels.paged_attention(q, kc, vc, tables, torch.arange(4), pos, scale), batch)
+        assert torch.equal(ops.paged_attention(q, kc, vc, tables, torch.arange(4), pos, scale), batch)
     finally:
         torch.set_num_threads(threads)
 
@@ -312,10 +322,10 @@ def test_rms_norm_close_to_torch_and_the_same_bits_compiled_and_alone():
     g = torch.Generator().manual_seed(2)
     weight = torch.rand(576, generator=g) + 0.5
     x = torch.randn(32, 576, generator=g) * 3
-    got = native_kernels.rms_norm(x, weight, 1e-5)
+    got = ops.rms_norm(x, weight, 1e-5)
     torch.testing.assert_close(got, weight * torch.nn.functional.rms_norm(x, (576,), None, 1e-5))
-    assert torch.equal(native_kernels.rms_norm(x[7:8], weight, 1e-5), got[7:8])
-    compiled = torch.compile(lambda t: native_kernels.rms_norm(t, weight, 1e-5), fullgraph=True, dynamic=False)
+    assert torch.equal(ops.rms_norm(x[7:8], weight, 1e-5), got[7:8])
+    compiled = torch.compile(lambda t: ops.rms_norm(t, weight, 1e-5), fullgraph=True, dynamic=False)
     assert torch.equal(compiled(x), got)
 
 
@@ -357,10 +367,10 @@ def test_lora_pieces_outside_the_output_are_refused_not_read_past():
     stack = LoRAStack(32, [(0, 32)], max_loras=2, max_rank=8)
     mask = lora_mask(torch.tensor([0]), 2, 8, torch.float32)
     with pytest.raises(ValueError, match="outside"):
-        native_kernels.lora_add(torch.zeros(1, 16), torch.zeros(1, 32), stack.lora_a, stack.lora_b,
+        ops.lora_add(torch.zeros(1, 16), torch.zeros(1, 32), stack.lora_a, stack.lora_b,
                                 stack.lora_pieces, mask, 2)
     with pytest.raises(ValueError, match="layout"):
-        native_kernels.lora_add(torch.zeros(1, 32), torch.zeros(1, 32), stack.lora_a, stack.lora_b,
+        ops.lora_add(torch.zeros(1, 32), torch.zeros(1, 32), stack.lora_a, stack.lora_b,
                                 stack.lora_pieces, mask, 3)
 
 
@@ -408,10 +418,10 @@ def test_paged_attention_reads_narrow_caches_as_the_floats_they_hold(dtype):
     q, kc, vc, tables, pos = paged(4)
     kn, vn = kc.to(dtype), vc.to(dtype)
     rows, scale = torch.arange(4), 64 ** -0.5
-    wide = native_kernels.paged_attention(q, kn.float(), vn.float(), tables, rows, pos, scale)
-    assert torch.equal(native_kernels.paged_attention(q, kn, vn, tables, rows, pos, scale), wide)
-    assert torch.equal(native_kernels.paged_attention(q.bfloat16(), kn, vn, tables, rows, pos, scale),
-                       native_kernels.paged_attention(q.bfloat16().float(), kn.float(), vn.float(), tables, rows, pos,
+    wide = ops.paged_attention(q, kn.float(), vn.float(), tables, rows, pos, scale)
+    assert torch.equal(ops.paged_attention(q, kn, vn, tables, rows, pos, scale), wide)
+    assert torch.equal(ops.paged_attention(q.bfloat16(), kn, vn, tables, rows, pos, scale),
+                       ops.paged_attention(q.bfloat16().float(), kn.float(), vn.float(), tables, rows, pos,
                                                       scale).bfloat16())
 
 
@@ -423,12 +433,12 @@ def test_paged_attention_reads_int8_rows_as_their_codes_times_their_scale():
     k8, v8 = kv_int8.quantize_rows(kc), kv_int8.quantize_rows(vc)
     assert k8.shape == (*kc.shape[:-1], kv_int8.row_bytes(64)) and k8.dtype == torch.int8
     rows, scale = torch.arange(4), 64 ** -0.5
-    got = native_kernels.paged_attention(q, k8, v8, tables, rows, pos, scale)
-    want = native_kernels.paged_attention(q, kv_int8.dequantize_rows(k8, torch.float32),
+    got = ops.paged_attention(q, k8, v8, tables, rows, pos, scale)
+    want = ops.paged_attention(q, kv_int8.dequantize_rows(k8, torch.float32),
                                           kv_int8.dequantize_rows(v8, torch.float32), tables, rows, pos, scale)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert (kv_int8.dequantize_rows(k8, torch.float32) - kc).abs().max() <= kc.abs().amax() / 254 * 1.0001
-    alone = native_kernels.paged_attention(q[2:3], k8, v8, tables[2:3], torch.zeros(1, dtype=torch.long), pos[2:3],
+    alone = ops.paged_attention(q[2:3], k8, v8, tables[2:3], torch.zeros(1, dtype=torch.long), pos[2:3],
                                            scale)
     assert torch.equal(alone, got[2:3])
 
@@ -438,28 +448,28 @@ def test_small_calls_on_the_thread_pool_give_one_threads_bits_even_when_workers_
     """Calls of up to 8 rows run on kvflow's pool (thread_pool.c): on 1, 2 and 3 threads, and with workers that
     sleep before committing each chunk (a preempted thread: the caller takes their chunks back), every output is the
     one thread's bits; bigger calls (OpenMP) too."""
-    lib = native_kernels.library()
+    lib = build.library()
     codes, scale, minimum, packed = q4_weights(1000, 576)
     codes8 = (codes.to(torch.int16) * 16 - 128).to(torch.int8)
-    packed8 = (native_kernels.pack_q8(codes8), native_kernels.pack_scales(scale))
+    packed8 = (FORMATS[8].pack_codes(codes8), layout.pack_scales(scale))
     codes5 = (codes.to(torch.int16) * 2 - 16).to(torch.int8)
-    packed5 = (native_kernels.pack_q5(codes5), native_kernels.pack_scales(scale))
+    packed5 = (FORMATS[5].pack_codes(codes5), layout.pack_scales(scale))
     x = torch.randn(9, 576, generator=torch.Generator().manual_seed(4))
     q, kc, vc, tables, pos = paged(1)
-    calls = [(native_kernels.q4_linear, (x[:r], *packed)) for r in (1, 3, 8, 9)]
-    calls += [(native_kernels.q8_linear, (x[:2], *packed8)), (native_kernels.q5_linear, (x[:5], *packed5))]
-    calls += [(native_kernels.paged_attention, (q[:r], kc, vc, tables[:r], torch.arange(r), pos[:r], 0.125))
+    calls = [(q4_linear, (x[:r], *packed)) for r in (1, 3, 8, 9)]
+    calls += [(q8_linear, (x[:2], *packed8)), (q5_linear, (x[:5], *packed5))]
+    calls += [(ops.paged_attention, (q[:r], kc, vc, tables[:r], torch.arange(r), pos[:r], 0.125))
               for r in (1, 4)]
     try:
-        native_kernels.set_threads(1)
+        ops.set_threads(1)
         alone = [fn(*args) for fn, args in calls]
         lib.kvflow_pool_set_stall(stall_us)
         for threads in (2, 3):
-            native_kernels.set_threads(threads)
+            ops.set_threads(threads)
             for (fn, args), want in zip(calls, alone):
                 assert torch.equal(fn(*args), want), (fn, threads)
     finally:
         lib.kvflow_pool_set_stall(0)
-        native_kernels.set_threads(None)
-        native_kernels.quiesce()
+        ops.set_threads(None)
+        ops.quiesce()
     assert lib.kvflow_pool_workers() >= 1

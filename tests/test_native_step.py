@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from kvflow import LLM, SamplingParams
-from kvflow.layers import native_kernels
+from kvflow.kernels import build
 from tiny_models import make_tiny_hf_model, write_gguf_from_hf
 
 pytestmark = pytest.mark.skipif(
-    not native_kernels.usable(),
+    not build.usable(),
     reason="kvflow's kernels cannot run on this machine (no AVX2/FMA or no C compiler): no native step to test")
 
 TEXTS = ["The capital of France is", "def fibonacci(n):",
@@ -86,7 +86,7 @@ def test_each_weight_format_and_family_it_takes_gives_the_same_bits(monkeypatch,
 def test_two_threads_with_stalling_workers_give_one_threads_bits():
     """A step's kernels on kvflow's pool: a worker preempted mid-chunk (simulated: it sleeps 300 us before each
     commit) has its chunks taken back by the caller, and every bit stays the one-thread step's."""
-    lib = native_kernels.library()
+    lib = build.library()
     with LLM(max_model_len=512, kv_cache_memory="64MiB", small_step_threads=1) as one:
         prompts = [one.tokenizer.encode(t) for t in TEXTS]
         want = answers(one, prompts)

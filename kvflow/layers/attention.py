@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers import kv_int8, native_kernels
+from kvflow.kernels import ops
+from kvflow.layers import kv_int8
 from kvflow.layers.quantization import to_float
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
 
@@ -49,7 +50,7 @@ class PagedAttention(nn.Module):
 
         nd = meta.num_decode_tokens
         if meta.seq_tables is not None:
-            out = native_kernels.paged_attention(q, self.k_cache, self.v_cache, meta.seq_tables, meta.row_seq,
+            out = ops.paged_attention(q, self.k_cache, self.v_cache, meta.seq_tables, meta.row_seq,
                                                  meta.positions, self.scale, self.sliding_window)
         elif meta.prefill is None:
             out = self._decode(q, meta)

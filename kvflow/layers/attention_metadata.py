@@ -40,7 +40,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None           # [num_decodes, 1, 1, max_blocks*block_size] additive 0 / -inf
     decode_mask_sliding: torch.Tensor | None = None   # decode_mask for sliding-window layers (None: decode_mask)
     prefill: PrefillBatch | None = None
-    # kvflow's attention kernel (native_kernels.c), when it runs: every row alone, over its own keys
+    # kvflow's attention kernel (kernels/csrc/attention.c), when it runs: every row alone, over its own keys
     seq_tables: torch.Tensor | None = None            # [sequences, max_blocks] block tables (pads: the scratch block)
     row_seq: torch.Tensor | None = None               # [num_tokens] each row's sequence (a row of seq_tables)
     positions: torch.Tensor | None = None             # [num_tokens] each row's position: it sees keys 0..position

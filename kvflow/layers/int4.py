@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers import native_kernels
-from kvflow.layers.group_quant import GroupQuantized
+from kvflow.kernels import layout, ops
+from kvflow.kernels.formats import FORMATS, WeightFormat
+from kvflow.kernels.group_quant import GroupQuantized
 
 log = logging.getLogger("kvflow")
 
@@ -79,7 +80,7 @@ class Int4Linear(nn.Module):
     """y = x @ W.T (+ bias) with W held as 4-bit codes. `kernel_rows`: steps of up to that many rows use the
     kernel, larger ones dequantize (set by `choose_kernel_rows`; ALWAYS where the layout could not be learned).
     `native`: the codes and scales (fp16 where exact, else float32) in the layout of kvflow's own kernel for this
-    CPU (native_kernels.py: AVX2 or AVX-512 VNNI), which multiplies steps of every size, each row alone (batch
+    CPU (kernels/formats.py's 4-bit row: AVX2 or AVX-512 VNNI), which multiplies steps of every size, each row alone (batch
     invariance)."""
 
     def __init__(self, weight: GroupQuantized, bias: torch.Tensor | None = None, native: bool = False):
@@ -89,19 +90,15 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = n, k = weight.shape
         self.group = weight.group
         self.bias = bias
-        self.native = native and weight.group == native_kernels.GROUP and k % native_kernels.GROUP == 0
+        self.native = native and FORMATS[4].accepts(weight)
         if self.native:
             self.uses_kernel, self.kernel_rows = False, ALWAYS
-            self.padded_out = native_kernels.padded_rows(n)
-            self.register_buffer("packed", native_kernels.pack_q4(weight.codes))
-            # as the file stores them: fp16 (GGUF's d and m, Q4_0's -8d), or Q4_K's fp16 d per 256 and 6-bit sc per
-            # 32; float32 otherwise. The kernel widens them exactly, so the results are the same bits either way
-            self.register_buffer("scale", native_kernels.pack_scales(weight.scale, compact=True,
-                                                                     parts=weight.scale_parts))
-            # Q4_0's minimums (-8d each) are not stored: the kernels make them from d (native_kernels.minimums)
-            minimum_parts = weight.zero_parts if weight.offset == 0 else None
-            self.register_buffer("minimum", native_kernels.minimums(
-                native_kernels.pack_scales(weight.minimum(), compact=True, parts=minimum_parts), self.scale))
+            self.padded_out = layout.padded_rows(n)
+            # codes, scales and minimums as the 4-bit format holds them (the file's own d and m, Q4_0's not stored)
+            packed, scale, minimum = FORMATS[4].pack(weight)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scale", scale)
+            self.register_buffer("minimum", minimum)
             return
         self.uses_kernel = weight.codes.device.type == "cpu" and kernel_supports(k, weight.group)
         pad_to = max(ROW_PADDING, packed_layout()[0]) if self.uses_kernel else 1
@@ -119,11 +116,11 @@ class Int4Linear(nn.Module):
         n, k = self.padded_out, self.in_features
         if self.native:
             n = self.out_features
-            codes = native_kernels.unpack_q4(self.packed, n, k).view(n, k // self.group, self.group).to(dtype)
+            codes = FORMATS[4].unpack_codes(self.packed, n, k).view(n, k // self.group, self.group).to(dtype)
             g = k // self.group
-            scale = native_kernels.widen_scales(self.scale, n, g)
-            minimum = native_kernels.minimum_values(native_kernels.widen_scales(self.minimum, n, g), scale)
-            scale, minimum = (native_kernels.unpack_scales(t, n)[..., None].to(dtype) for t in (scale, minimum))
+            scale = layout.widen_scales(self.scale, n, g)
+            minimum = layout.minimum_values(layout.widen_scales(self.minimum, n, g), scale)
+            scale, minimum = (layout.unpack_scales(t, n)[..., None].to(dtype) for t in (scale, minimum))
             return (codes * scale + minimum).view(n, k)
         if self.uses_kernel:
             codes = _unpack(self.packed, n, k, packed_layout())
@@ -136,16 +133,11 @@ class Int4Linear(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 values of rows `ids` (native layouts): a tied embedding's lookups from the head's own codes,
         code * scale + minimum as the file defines them (exact for GGUF's formats)."""
-        k, g = self.in_features, self.in_features // native_kernels.GROUP
-        # x16: [N / 16, G, 4, 64], low nibbles quads 0..3, high 4..7
-        quads = self.packed.view(-1, g, 4, native_kernels.X16, 4)[ids // native_kernels.X16, :, :,
-                                                                     ids % native_kernels.X16]
-        codes = torch.cat([quads & 15, quads >> 4], dim=-2)                            # [*ids, G, 8, 4]
-        codes = codes.reshape(*ids.shape, g, native_kernels.GROUP).to(torch.float32)
-        scale = native_kernels.widen_scales(self.scale, self.out_features, g)
-        minimum = native_kernels.minimum_values(native_kernels.widen_scales(self.minimum, self.out_features, g), scale)
-        scale, minimum = (native_rows(t, ids)[..., None] for t in (scale, minimum))
-        return (codes * scale + minimum).view(*ids.shape, k)
+        return FORMATS[4].row_values(self.packed, self.scale, self.minimum, ids, self.out_features)
+
+    def native_matrix(self) -> tuple[WeightFormat, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(format, codes, scales, minimums) as kvflow's kernels read them; None where they do not multiply it."""
+        return (FORMATS[4], self.packed, self.scale, self.minimum) if self.native else None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
@@ -153,7 +145,7 @@ class Int4Linear(nn.Module):
             # 1536x576 at 2 threads, AMD EPYC, AVX2, 2026-12-01: 18.7 vs 24.0 ms at 128 rows, 40.7 vs 35.4 at 256,
             # 75.6 vs 54.7 at 512), but it rounds differently, and a row's result would then depend on how many
             # rows share its step (batch invariance, docs/performance.md)
-            y = native_kernels.q4_linear(x.float(), self.packed, self.scale, self.minimum)
+            y = ops.x16_linear(x.float(), self.packed, self.scale, self.minimum, 4)
             if self.padded_out != self.out_features:
                 y = y[..., :self.out_features]
             return y.to(x.dtype)
@@ -183,11 +175,6 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, group={self.group}, native={self.native}, "
                 f"kernel_rows={self.kernel_rows}")
-
-
-def native_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of per-group scales held in `native_kernels.pack_scales`'s layout [N / 16, G, 16]: [*ids, G]."""
-    return t[ids // native_kernels.X16, :, ids % native_kernels.X16]
 
 
 def choose_kernel_rows(layers: list[Int4Linear], dtype: torch.dtype) -> tuple[int, dict[int, tuple[float, float]]]:

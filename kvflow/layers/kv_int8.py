@@ -4,7 +4,7 @@ codes and, in the 4 bytes after them, its float32 scale (absmax / 127), so a row
 time, and a per-block scale fixed by its first row would clip every later, larger one.
 
 value = code * scale. kvflow's attention kernel reads the codes and applies each row's scale after its dot product
-(native_kernels.c); the torch path dequantizes the rows it gathers (`dequantize_rows`). Both give the same
+(kernels/csrc/attention.c); the torch path dequantizes the rows it gathers (`dequantize_rows`). Both give the same
 values; the kernel's sums differ from torch's only in order."""
 from __future__ import annotations
 

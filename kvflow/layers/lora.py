@@ -18,7 +18,7 @@ adapter) gives the whole term as
 Only the pieces some adapter may target get a term (`--lora-target-modules`, default all seven projections).
 Static shapes and no per-row or per-adapter Python: the compiled decode graphs take it as it is, and a base row's
 delta is exactly zero. Where kvflow's native kernels run in float32, one op of theirs computes the same term reading
-only each row's own slot (native_kernels.lora_add; measured on a 2-core Xeon, q and v of the embedded model's
+only each row's own slot (kernels/ops.py's lora_add; measured on a 2-core Xeon, q and v of the embedded model's
 qkv_proj at one row: 15 us a call, against 85 us for the masked matmuls padded to batch-invariant tiles below). The
 stacked matrices are buffers written in place between steps (`set_slot`), so a compiled graph reads them live. The
 mask is built once per step by the runner (`AttentionMetadata.lora_mask`).
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers import native_kernels
+from kvflow.kernels import ops
 
 
 class LoRAStack(nn.Module):
@@ -45,7 +45,7 @@ class LoRAStack(nn.Module):
         # where the base model's kernels make a row's result independent of what shares its step (the runner sets it
         # with kvflow's native kernels): the LoRA term is too (_invariant_mm)
         self.batch_invariant = False
-        # kvflow's kernel computes the term (native_kernels.lora_add: each row its own slot only, batch invariant);
+        # kvflow's kernel computes the term (ops.lora_add: each row its own slot only, batch invariant);
         # the runner sets it where the native kernels run in float32
         self.native = False
         # any slot holds an adapter that adapts this layer: eager steps skip the term otherwise (a compiled graph
@@ -73,7 +73,7 @@ class LoRAStack(nn.Module):
         """`out` (the base layer's output for `x`) plus the LoRA term of every row's slot; `mask`: [T, S*R] of the
         step (AttentionMetadata.lora_mask)."""
         if self.native:
-            return native_kernels.lora_add(out, x, self.lora_a, self.lora_b, self.lora_pieces, mask, self.max_loras)
+            return ops.lora_add(out, x, self.lora_a, self.lora_b, self.lora_pieces, mask, self.max_loras)
         T = x.shape[0]
         mm = _invariant_mm if self.batch_invariant else torch.mm
         xa = mm(x, self.lora_a).view(T, self.num_pieces, -1) * mask[:, None, :]

@@ -7,15 +7,15 @@ copies and a GGUF's own codes reach the experts as they reach every other matrix
 `layers/swap.py`): under kvflow's kernels each row of an expert's call is computed alone.
 
 Where kvflow's kernels multiply every expert (`use_native_kernels`, called by the runner once the weights are
-quantized; SiLU experts in 4-, 5- or 8-bit codes), each kind of matrix of all the experts is stacked into one
+quantized; SiLU experts in any of kernels/formats.py's weight formats), each kind of matrix of all the experts is stacked into one
 buffer and the whole grouping, the experts' matmuls, SiLU and the weighted sum run in one native call
-(`native_kernels.moe_experts`, moe_kernels.c), after the router's own (`native_kernels.moe_route`): no Python per
+(`ops.moe_experts`, kernels/csrc/moe.c), after the router's own (`ops.moe_route`): no Python per
 expert, and a graph a whole-step compile can trace (the grouping happens inside the call). The runner's native
 decoder step (runner/native_step.py) makes the same two calls, so both give the same bits.
 
 Batch invariance: a row's output bits depend on that row alone where the expert matmuls do (kvflow's kernels):
 - the router's logits are one small float matmul done in blocks of `ROUTER_ROWS` rows of the same shape (in torch),
-  or each row's dot products in one fixed order (moe_kernels.c), so a row's logits do not depend on how many rows
+  or each row's dot products in one fixed order (kernels/csrc/moe.c), so a row's logits do not depend on how many rows
   the step has;
 - the k expert outputs of a row are summed in the row's own top-k order (highest weight first), one add at a time,
   whatever order the experts ran in.
@@ -32,9 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers import native_kernels
-from kvflow.layers.int4 import Int4Linear
-from kvflow.layers.quantization import NativeQ8Linear
+from kvflow.kernels import ops
 
 ROUTERS = ("softmax_topk", "softmax_topk_renormalized", "topk_softmax")
 ROUTER_ROWS = 8      # the router's matmul runs on blocks of this many rows (the last one padded)
@@ -104,18 +102,18 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, meta=None) -> torch.Tensor:
         if self.native:
             rows = x.reshape(-1, x.shape[-1])
-            weights, ids = native_kernels.moe_route(rows, self.gate.weight, self.top_k, self.gate.rule,
-                                                    self.gate.norm_topk_prob)
-            y = native_kernels.moe_experts(rows, ids, weights, self.gate_up_codes, self.gate_up_scale,
-                                           self.gate_up_minimum, self.gate_up_bits, self.down_codes, self.down_scale,
-                                           self.down_minimum, self.down_bits, self.intermediate_size)
+            weights, ids = ops.moe_route(rows, self.gate.weight, self.top_k, self.gate.rule, self.gate.norm_topk_prob)
+            y = ops.moe_experts(rows, ids, weights, self.gate_up_codes, self.gate_up_scale, self.gate_up_minimum,
+                                self.gate_up_bits, self.down_codes, self.down_scale, self.down_minimum, self.down_bits,
+                                self.intermediate_size)
             return y.to(x.dtype).view(x.shape)
         weights, ids = self.gate(x)
         return self.combine(x, self.run_experts(x, ids), weights)
 
     def use_native_kernels(self) -> bool:
-        """Stack the experts for `native_kernels.moe_experts` where kvflow's kernels multiply all of them (every
-        expert's two matrices `Int4Linear` with native codes or `NativeQ8Linear`, one format per kind, no bias) and
+        """Stack the experts for `ops.moe_experts` where kvflow's kernels multiply all of them (every expert's two
+        matrices held in a weight format (`native_matrix`: Int4Linear on kvflow's kernels, NativeQ8Linear), one format
+        per kind, no bias) and
         their activation is SiLU (the one the native call computes); the expert modules are then dropped, their
         weights living on only in the stacks. False (nothing changed) otherwise."""
         if self.native:
@@ -172,9 +170,9 @@ class SparseMoE(nn.Module):
 
 def _native_codes(layer: nn.Module) -> tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
     """(code bits, (codes, scale, minimum)) of a matrix kvflow's kernels multiply (minimum: an empty float32
-    tensor for the 8- and 5-bit codes, which have none), or None."""
-    if isinstance(layer, Int4Linear) and layer.native and layer.bias is None:
-        return 4, (layer.packed, layer.scale, layer.minimum)
-    if isinstance(layer, NativeQ8Linear) and layer.bias is None:
-        return layer.code_bits, (layer.codes, layer.scale, layer.codes.new_empty(0, dtype=torch.float32))
-    return None
+    tensor for a format that has none), or None."""
+    matrix = layer.native_matrix() if hasattr(layer, "native_matrix") and layer.bias is None else None
+    if matrix is None:
+        return None
+    fmt, codes, scale, minimum = matrix
+    return fmt.bits, (codes, scale, minimum)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers import native_kernels
+from kvflow.kernels import ops
 
 
 class RMSNorm(nn.Module):
@@ -18,8 +18,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            # one fixed summation order in eager and compiled steps alike (native_kernels.c says why)
-            return native_kernels.rms_norm(x.float(), self.weight.float(), self.eps).to(x.dtype)
+            # one fixed summation order in eager and compiled steps alike (kernels/csrc/norm.c says why)
+            return ops.rms_norm(x.float(), self.weight.float(), self.eps).to(x.dtype)
         # x * rsqrt(mean(x^2) + eps) in float32 by torch's one fused op (bit-equal to the five-op form, ~30%
         # faster at decode sizes); the weight multiplies in the activation dtype, as Hugging Face does
         normed = F.rms_norm(x.float(), x.shape[-1:], None, self.eps)

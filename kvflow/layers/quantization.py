@@ -29,8 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow import platform
-from kvflow.layers import int4, native_kernels
-from kvflow.layers.group_quant import GroupQuantized
+from kvflow.kernels import build, ops
+from kvflow.kernels.formats import FORMATS, WeightFormat, format_of
+from kvflow.kernels.group_quant import GroupQuantized
+from kvflow.kernels.layout import GROUP
+from kvflow.layers import int4
 from kvflow.layers.int4 import Int4Linear
 from kvflow.layers.swap import swap_matrices
 
@@ -194,7 +197,7 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
     else:
         tied = getattr(model, "lm_head", True) is None
         device = next(model.parameters()).device
-        native = native_kernels.wanted(device, dtype, method) and native_kernels.library() is not None
+        native = build.wanted(device, dtype, method) and build.library() is not None
         swap_matrices(model, linear=lambda layer: _int4_linear(layer, method, native),
                       table=lambda table: _vocabulary(table, method, dtype, tied, native))
         fill_gguf_floats(model)         # whatever kept its floats (a module the swap did not visit)
@@ -238,7 +241,7 @@ def _as_8_bit(codes: GroupQuantized) -> GroupQuantized:
     if codes.bits == 4 and codes.zero is None:
         return GroupQuantized((codes.codes.to(torch.int16) - codes.offset).to(torch.int8), codes.scale, None,
                               codes.group, 8, codes.exact)
-    return GroupQuantized.round_to_nearest(codes.dequantize(), bits=8, group=native_kernels.GROUP)
+    return GroupQuantized.round_to_nearest(codes.dequantize(), bits=8, group=GROUP)
 
 
 def _int4_linear(layer: nn.Linear, method: str, native: bool) -> nn.Module:
@@ -251,7 +254,7 @@ def _int4_linear(layer: nn.Linear, method: str, native: bool) -> nn.Module:
         return fill_gguf_floats(layer)
     if codes.bits == 4:
         return Int4Linear(codes, layer.bias, native).to(layer.weight.device)
-    if native and (_native_q8(codes) or _native_q6(codes)):
+    if native and _eight_or_six_bit(codes):
         return NativeQ8Linear(codes, layer.bias).to(layer.weight.device)
     return QuantizedLinear(fill_gguf_floats(layer), "int8")
 
@@ -260,24 +263,25 @@ class NativeQ8Linear(nn.Module):
     """8-bit group-32 codes (Q8_0, Q5_0, or K-quants re-rounded to it) or Q6_K's 6-bit ones multiplied by kvflow's
     kernel for steps of every size, each row alone: where the 4-bit layers run kvflow's kernels, these must too, or
     a row's bits would depend on its step again (torch's int8 kernel takes bf16 activations and is not batch
-    invariant). Codes that are 5-bit ones (Q5_0's q - 16, -16..15) are held in 5 bits (`code_bits`), which
-    kvflow's 5-bit kernel multiplies to the same bits as the 8-bit one; Q6_K's in its own 6-bit layout, with
-    their int8 multiplier per 16 columns and d per 256, as the file holds them."""
+    invariant). Held in the narrowest weight format that holds the codes exactly (kernels/formats.py): codes that are
+    5-bit ones (Q5_0's q - 16, -16..15) in 5 bits, which kvflow's 5-bit kernel multiplies to the same bits as the
+    8-bit one; Q6_K's in its own 6-bit layout, with their int8 multiplier per 16 columns and d per 256, as the file
+    holds them."""
 
     def __init__(self, codes: GroupQuantized, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        if codes.bits == 6:
-            self.code_bits = 6
-            d, multipliers = codes.scale_parts
-            self.register_buffer("codes", native_kernels.pack_q6(codes.codes, multipliers))
-            self.register_buffer("scale", native_kernels.pack_q6_scales(d))
-        else:
-            self.code_bits = 5 if native_kernels.fits_q5(codes.codes) else 8
-            pack = native_kernels.pack_q5 if self.code_bits == 5 else native_kernels.pack_q8
-            self.register_buffer("codes", pack(codes.codes))
-            self.register_buffer("scale", native_kernels.pack_scales(codes.scale, compact=True))   # Q8_0's fp16 d
+        self.format = format_of(codes)
+        if self.format is None or self.format.bits == 4:
+            raise ValueError("NativeQ8Linear takes 8-bit group-32 codes or Q6_K's 6-bit ones")
+        packed, scale, _ = self.format.pack(codes)
+        self.register_buffer("codes", packed)
+        self.register_buffer("scale", scale)
         self.bias = bias
+
+    @property
+    def code_bits(self) -> int:
+        return self.format.bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.project(x)
@@ -285,24 +289,23 @@ class NativeQ8Linear(nn.Module):
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """As an LM head."""
-        kernel = {5: native_kernels.q5_linear, 6: native_kernels.q6_linear, 8: native_kernels.q8_linear}
-        return kernel[self.code_bits](hidden.float(), self.codes, self.scale)[..., :self.out_features].to(hidden.dtype)
-
-    def int8_codes(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the codes, as int8 [*ids, K] (6-bit ones less 32: value = code * its scale)."""
-        if self.code_bits == 6:
-            return native_kernels.q6_rows(self.codes, ids)[0]
-        return (native_kernels.q5_rows if self.code_bits == 5 else native_kernels.q8_rows)(self.codes, ids)
+        y = ops.x16_linear(hidden.float(), self.codes, self.scale, _NO_MINIMUM, self.format.bits)
+        return y[..., :self.out_features].to(hidden.dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 values of rows `ids` (a tied embedding's lookups from the head's own codes): the file's."""
-        codes = self.int8_codes(ids).to(torch.float32)
-        if self.code_bits == 6:      # code * (d * multiplier), d per 16 multipliers (per 256 columns)
-            multipliers = native_kernels.q6_rows(self.codes, ids)[1]
-            scale = int4.native_rows(self.scale, ids).float().repeat_interleave(16, -1) * multipliers.float()
-            return (codes.view(*ids.shape, -1, 16) * scale[..., None]).flatten(-2)
-        codes = codes.view(*ids.shape, -1, native_kernels.GROUP)
-        return (codes * int4.native_rows(self.scale, ids).float()[..., None]).flatten(-2)
+        return self.format.row_values(self.codes, self.scale, _NO_MINIMUM, ids, self.out_features)
+
+    def int8_codes(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the codes, as int8 [*ids, K] (6-bit ones less 32: value = code * its scale)."""
+        return self.format.int8_rows(self.codes, ids)
+
+    def native_matrix(self) -> tuple[WeightFormat, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(format, codes, scales, minimums) as kvflow's kernels read them."""
+        return self.format, self.codes, self.scale, _NO_MINIMUM
+
+
+_NO_MINIMUM = torch.empty(0)        # what a format without minimums passes for them
 
 
 class GGUFVocabulary(nn.Module):
@@ -339,13 +342,10 @@ class GGUFVocabulary(nn.Module):
         return self.head.project(hidden)[..., :self.num_rows]
 
 
-def _native_q8(codes: GroupQuantized) -> bool:
-    return codes.bits == 8 and codes.group == native_kernels.GROUP and codes.zero is None
-
-
-def _native_q6(codes: GroupQuantized) -> bool:
-    """Q6_K's codes, with the two levels of scales the 6-bit kernel holds, over whole blocks of 256."""
-    return codes.bits == 6 and codes.scale_parts is not None and codes.shape[1] % 256 == 0
+def _eight_or_six_bit(codes: GroupQuantized) -> bool:
+    """Codes a weight format of 5 bits or more holds exactly (NativeQ8Linear's)."""
+    fmt = format_of(codes)
+    return fmt is not None and fmt.bits != 4
 
 
 def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype, tied: bool,
@@ -362,11 +362,10 @@ def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype
     if isinstance(table, nn.Linear):
         if codes.bits == 4:
             return Int4Linear(codes, None, native).to(device)
-        if native and (_native_q8(codes) or _native_q6(codes)):     # the codes themselves
+        if native and _eight_or_six_bit(codes):     # the codes themselves
             return NativeQ8Linear(codes, None).to(device)
         return QuantizedEmbedding(fill_gguf_floats(table), "int8", dtype)
-    kernel_layout = native and (_native_q8(codes) or _native_q6(codes)
-                                or (codes.bits == 4 and codes.group == native_kernels.GROUP))
+    kernel_layout = native and format_of(codes) is not None
     if not tied:        # lookups only: in the kernel's layout too where it runs (4-bit codes packed two a byte)
         return GGUFVocabulary(codes, None, dtype, native_head=kernel_layout).to(device)
     if kernel_layout:
@@ -391,7 +390,7 @@ def _choose_int4_kernel(layers: list[Int4Linear], dtype: torch.dtype) -> str:
     if not layers:
         return "no int4 matrices"
     if all(m.native for m in layers):
-        return (f"int4 matrices use kvflow's {native_kernels.isa().upper()} kernel (16 weight rows interleaved, int8 "
+        return (f"int4 matrices use kvflow's {build.isa().upper()} kernel (16 weight rows interleaved, int8 "
                 "activations per group of 32) for every step, as do 8-bit matrices and a tied LM head (the "
                 "embedding's own codes)")
     if not any(m.uses_kernel for m in layers):

@@ -20,6 +20,7 @@ from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.attention_metadata import AttentionMetadata
+from kvflow.layers.native_layers import NativeLayer
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.llama import MLP, Attention, LlamaForCausalLM, TensorParallelSizes
@@ -43,6 +44,14 @@ class Gemma3DecoderLayer(nn.Module):
         attn = self.self_attn(rope_local if self.sliding else rope, self.input_layernorm(h), meta)
         h = h + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), meta))
+
+    def native_layer(self, model: Gemma3ForCausalLM) -> NativeLayer:
+        """Llama's layer with a norm on each block's output before its residual add ("sandwich" norms), and the
+        local rotary tables on sliding-window layers."""
+        rotary = model.rotary_local if self.sliding else model.rotary
+        return NativeLayer(self.self_attn.native(rotary), self.input_layernorm, self.pre_feedforward_layernorm,
+                           attn_out_norm=self.post_attention_layernorm, mlp_out_norm=self.post_feedforward_layernorm,
+                           **self.mlp.native())
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvflow.layers.group_quant import GroupQuantized
+from kvflow.kernels.group_quant import GroupQuantized
 
 
 # ggml type id -> (bytes per block of 32, byte offset of the codes, has a min `m` after `d`, bits)

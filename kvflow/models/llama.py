@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.kernels.group_quant import CODES, GroupQuantized
 from kvflow.layers.attention import PagedAttention
 from kvflow.layers.attention_metadata import AttentionMetadata
-from kvflow.layers.group_quant import CODES, GroupQuantized
 from kvflow.layers.lora import LoRAStack
+from kvflow.layers.native_layers import NativeAttention, NativeDecoder, NativeLayer, NotNative
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.model_config import ModelConfig
@@ -127,6 +128,13 @@ class Attention(nn.Module):
             out = self.o_lora.add_to(out, attn, meta.lora_mask)
         return self.tp.all_reduce(out)
 
+    def native(self, rotary: RotaryEmbedding) -> NativeAttention:
+        """This attention as the native step computes it, rotating with `rotary`'s tables."""
+        if self.clip_qkv is not None or self.qkv_lora or self.o_lora:
+            raise NotNative("QKV clipping or LoRA terms")
+        return NativeAttention(self.qkv_proj, self.o_proj, self.q_norm, self.k_norm, self.qk_norm_whole,
+                               self.num_heads, self.num_kv_heads, self.head_dim, self.attn, rotary)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, sizes: TensorParallelSizes):
@@ -152,6 +160,12 @@ class MLP(nn.Module):
             out = self.down_lora.add_to(out, h, meta.lora_mask)
         return self.tp.all_reduce(out)
 
+    def native(self) -> dict:
+        """This MLP's fields of a NativeLayer."""
+        if self.gate_up_lora or self.down_lora:
+            raise NotNative("an MLP with LoRA terms")
+        return dict(gate_up=self.gate_up_proj, down=self.down_proj, intermediate=self.intermediate_size)
+
 
 # the MLP's gate activation by config name (GeGLU's tanh GELU: Gemma)
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -169,6 +183,13 @@ class DecoderLayer(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = h + self.self_attn(rope, self.input_layernorm(h), meta)
         return h + self.mlp(self.post_attention_layernorm(h), meta)
+
+    def native_layer(self, model: LlamaForCausalLM) -> NativeLayer:
+        """This layer as the native step computes it: pre-norm attention on the model's rotary tables, pre-norm MLP."""
+        if self.self_attn.rotary is not model.rotary:
+            raise NotNative("a layer with its own rotary tables")
+        return NativeLayer(self.self_attn.native(model.rotary), self.input_layernorm, self.post_attention_layernorm,
+                           **self.mlp.native())
 
 
 # checkpoint name piece -> (our fused parameter, shard index)
@@ -207,6 +228,16 @@ class LlamaForCausalLM(nn.Module):
     def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         """What the first layer reads (the runner's native step starts here too)."""
         return self.embed(input_ids)
+
+    def native_decoder(self) -> NativeDecoder:
+        """The model as kvflow's native decoder step computes it (layers/native_layers.py), each layer described by
+        its own class (`native_layer`); NotNative says why not."""
+        layers = []
+        for layer in self.layers:
+            if not hasattr(layer, "native_layer"):
+                raise NotNative(f"a {type(layer).__name__}, which describes no native layer")
+            layers.append(layer.native_layer(self))
+        return NativeDecoder(layers, self.norm, self.config.hidden_act, self.input_embeddings)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

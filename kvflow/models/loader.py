@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from kvflow.layers.group_quant import CODES, DeferredCodes, GroupQuantized
+from kvflow.kernels.group_quant import CODES, DeferredCodes, GroupQuantized
 from kvflow.models.gguf_codes import group_quantized, keeps_codes
 from kvflow.models.gguf_reader import GGUFFile, GGUFTensorInfo, dequantize
 from kvflow.models.model_config import ModelConfig

@@ -24,6 +24,7 @@ from torch import nn
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.attention_metadata import AttentionMetadata
 from kvflow.layers.moe import SparseMoE
+from kvflow.layers.native_layers import NativeLayer, NotNative
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.llama import _ACTIVATIONS, MLP, Attention, LlamaForCausalLM, TensorParallelSizes
@@ -51,6 +52,15 @@ class MoeDecoderLayer(nn.Module):
         h = h + (attn if self.residual_multiplier is None else attn * self.residual_multiplier)
         out = self.mlp(self.post_attention_layernorm(h), meta)
         return h + (out if self.residual_multiplier is None else out * self.residual_multiplier)
+
+    def native_layer(self, model: MoeForCausalLM) -> NativeLayer:
+        """Llama's layer with the experts (or a dense MLP) and Granite's residual scale."""
+        if self.self_attn.rotary is not model.rotary:
+            raise NotNative("a layer with its own rotary tables")
+        mlp = dict(moe=self.mlp) if isinstance(self.mlp, SparseMoE) else self.mlp.native()
+        scale = 1.0 if self.residual_multiplier is None else self.residual_multiplier
+        return NativeLayer(self.self_attn.native(model.rotary), self.input_layernorm, self.post_attention_layernorm,
+                           residual_scale=scale, **mlp)
 
 
 class MoeForCausalLM(LlamaForCausalLM):

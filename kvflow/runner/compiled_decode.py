@@ -54,7 +54,7 @@ MAX_SAVED = 64
 
 
 def cache_root() -> Path:
-    """Where kvflow keeps built things (native_kernels.py builds its library there too)."""
+    """Where kvflow keeps built things (kernels/build.py builds the native library there too)."""
     return Path(os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow")
 
 

@@ -17,7 +17,9 @@ import torch
 from kvflow import platform
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.layers import kv_int8, native_kernels
+from kvflow.kernels import build, ops
+from kvflow.kernels.plan import CoreShare, KernelPlan, attention_on_kvflow_kernels
+from kvflow.layers import kv_int8
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
 from kvflow.layers.lora import LoRAStack, lora_mask
 from kvflow.layers.moe import SparseMoE
@@ -28,7 +30,6 @@ from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
 from kvflow.models.loader import ModelFiles, iter_weights, resolve_model_files, weight_quantization, without_weight_init
 from kvflow.models.model_config import ModelConfig
 from kvflow.runner.compiled_decode import CompiledDecode, model_identity, plain_module_state
-from kvflow.runner.kernel_plan import CoreShare, KernelPlan, attention_on_kvflow_kernels
 from kvflow.runner.native_step import NativeDecoderStep
 from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
 from kvflow.runner.sampler import Sampler, prompt_logprobs
@@ -50,7 +51,7 @@ class ModelRunner:
         self.device = platform.pick_device(config.device, tp.local_rank if tp.size > 1 else None)
         files = model_path if isinstance(model_path, ModelFiles) else resolve_model_files(model_path)
         self.quantization = weight_quantization(files, config.quantization, config.dtype, tp.size, self.device.type)
-        self.dtype = (native_kernels.compute_dtype(self.device, config.dtype, self.quantization)
+        self.dtype = (build.compute_dtype(self.device, config.dtype, self.quantization)
                       or platform.pick_dtype(config.dtype, self.device))
         # the processes sharing this machine's cores: its tensor-parallel ranks, or the data-parallel engines
         self.processes_here = tp.local_size * config.data_parallel_size
@@ -69,7 +70,7 @@ class ModelRunner:
         matmuls = f"{str(self.dtype).removeprefix('torch.')} weights, torch's matmuls"
         if self.quantization:
             matmuls = quantize_model(model, self.quantization, self.dtype)
-            if native_kernels.library() is not None:
+            if build.library() is not None:
                 # one native call per layer where kvflow's kernels hold the experts; before the heap is trimmed
                 # (below), so the per-expert buffers it frees go back to the OS
                 for moe in [m for m in model.modules() if isinstance(m, SparseMoE)]:
@@ -120,13 +121,13 @@ class ModelRunner:
                        else "compiled" if self._compiles_decode_steps() else "layers")
         self.plan = KernelPlan(
             device=self.device, matmuls=matmuls,
-            isa=native_kernels.isa() if native_kernels.wanted(self.device, self.dtype, self.quantization)
-            and native_kernels.library() is not None else None,
+            isa=build.isa() if build.wanted(self.device, self.dtype, self.quantization)
+            and build.library() is not None else None,
             native_attention=native_attention, kernel_pool=kernel_pool, decode_step=decode_step,
             why_not_native_step=why_not, threads=threads, small_step_threads=config.small_step_threads,
             frontend_shares_cores=platform.frontend_shares_cores, sliding_window=sliding)
         log.info("%s", self.plan.describe())
-        # beside a busy process a step takes the cores it leaves (kernel_plan.CoreShare) where the plan says its
+        # beside a busy process a step takes the cores it leaves (kernels/plan.py's CoreShare) where the plan says its
         # bits allow it; an engine process's parent is its HTTP frontend, whose time is the server's own
         self.core_share = (CoreShare(frontend_pid=os.getppid() if platform.frontend_shares_cores else None)
                            if self.plan.yields_cores else None)
@@ -168,7 +169,7 @@ class ModelRunner:
         # everything a decode graph depends on (the KV cache's block count is a dynamic dimension: not here)
         key = {"model": model_identity(model_path), "model_config": repr(self.model_config),
                "dtype": str(self.dtype), "kv_dtype": str(self.kv_dtype), "quantization": self.quantization,
-               "native_attention": self.native_attention, "native_kernels": native_kernels.library() is not None,
+               "native_attention": self.native_attention, "native_kernels": build.library() is not None,
                "block_size": self.block_size, "max_model_len": self.max_model_len,
                "cpu_flags": sorted(platform.cpu_flags()), "module_state": repr(module_state)}
         if self.lora:       # the LoRA terms are part of the graph (their slots are read live: buffers)
@@ -365,7 +366,7 @@ class ModelRunner:
             threads, kernel_threads = max(1, threads - 1), max(1, kernel_threads - 1)
         if threads != torch.get_num_threads():     # only when it changes: the call is not free
             torch.set_num_threads(threads)
-        native_kernels.set_threads(kernel_threads)
+        ops.set_threads(kernel_threads)
         hidden = None
         if self.native_step is not None:
             ids, pos, meta, logits_indices = self.prepare_inputs(batch)
@@ -381,7 +382,7 @@ class ModelRunner:
         pooled = self.pool(hidden, batch) if batch.pooling_spans and self.tp.is_first else None
         logits = self.model.compute_logits(hidden[logits_indices]) if len(logits_indices) else None
         if self.kernel_pool:
-            native_kernels.quiesce()        # no pool worker reads this step's memory after it (thread_pool.c)
+            ops.quiesce()        # no pool worker reads this step's memory after it (thread_pool.c)
         return logits, pooled
 
     def pool(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:

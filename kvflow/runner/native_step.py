@@ -1,7 +1,8 @@
-"""A step's whole decoder in one native call (layers/decoder_step.c), for the Llama-family, Gemma 3 and
-mixture-of-experts models whose every matmul, norm and attention already runs on kvflow's kernels (the experts
-stacked for one call per layer: layers/moe.py): Python embeds the tokens (scaled, on Gemma 3 and Granite), hands the
-step's tensors over once, and gets the final hidden states back; the LM head and sampling stay as they are.
+"""A step's whole decoder in one native call (kernels/csrc/decoder_step.c), for the models whose family describes
+its layers for it (`native_decoder()`: layers/native_layers.py; the Llama family, Gemma 3 and the mixtures of
+experts) and whose every matmul, norm and attention already runs on kvflow's kernels (the experts stacked for one
+call per layer: layers/moe.py): Python embeds the tokens (scaled, on Gemma 3 and Granite), hands the step's tensors
+over once, and gets the final hidden states back; the LM head and sampling stay as they are.
 
 Why: driven layer by layer from Python, a batch-1 step of the embedded model spent about as long around its ~210
 operator calls as in them (docs/performance.md, "Where a decode step's time goes"). With this step there is also
@@ -23,23 +24,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvflow.layers import native_kernels
-from kvflow.layers.int4 import Int4Linear
+from kvflow.kernels import build, formats, layout, ops
+from kvflow.kernels.build import Experts
 from kvflow.layers.moe import SparseMoE
+from kvflow.layers.native_layers import NativeDecoder, NativeLayer, NotNative
 from kvflow.layers.norm import RMSNorm
-from kvflow.layers.quantization import NativeQ8Linear
-from kvflow.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM
-from kvflow.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
-from kvflow.models.moe import MoeDecoderLayer, MoeForCausalLM
 
-_W_Q4, _W_Q8, _W_Q5, _W_Q6 = 0, 1, 2, 3
 _KV_FORMS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ptr, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 
 class _Linear(ctypes.Structure):
     _fields_ = [("codes", _ptr), ("scale", _ptr), ("minimum", _ptr), ("bias", _ptr), ("rows", _i64),
-                ("width", _i64), ("kind", _int), ("flags", _int)]
+                ("width", _i64), ("bits", _int), ("flags", _int)]
 
 
 class _Norm(ctypes.Structure):
@@ -48,8 +45,7 @@ class _Norm(ctypes.Structure):
 
 class _Moe(ctypes.Structure):
     _fields_ = [("router", _ptr), ("experts", _i64), ("top_k", _i64), ("intermediate", _i64), ("gu_rows", _i64),
-                ("dn_rows", _i64), ("rule", _int), ("norm_topk_prob", _int), ("gate_up", native_kernels.Experts),
-                ("down", native_kernels.Experts)]
+                ("dn_rows", _i64), ("rule", _int), ("norm_topk_prob", _int), ("gate_up", Experts), ("down", Experts)]
 
 
 class _Layer(ctypes.Structure):
@@ -88,28 +84,20 @@ def torch_vector_math() -> tuple[int | None, int | None, int]:
         return None, None, 0
 
 
-class Unsupported(Exception):
-    """What keeps a model off the native step (the reason is logged)."""
-
-
 def _linear(module: nn.Module, in_features: int, bias_allowed: bool = False) -> _Linear:
     bias = getattr(module, "bias", None)
     if bias is not None and not (bias_allowed and bias.dtype == torch.float32 and bias.is_contiguous()):
-        raise Unsupported(f"a bias on {type(module).__name__} outside the QKV projection")
-    if type(module) is Int4Linear and module.native:
-        codes, scales, kind = module.packed, (module.scale, module.minimum), _W_Q4
-        bits = 4
-    elif type(module) is NativeQ8Linear:
-        codes, scales, bits = module.codes, (module.scale,), module.code_bits
-        kind = {5: _W_Q5, 6: _W_Q6, 8: _W_Q8}[bits]
-    else:
-        raise Unsupported(f"a {type(module).__name__} projection (not on kvflow's kernels)")
+        raise NotNative(f"a bias on {type(module).__name__} outside the QKV projection")
+    matrix = module.native_matrix() if hasattr(module, "native_matrix") else None
+    if matrix is None:
+        raise NotNative(f"a {type(module).__name__} projection (not on kvflow's kernels)")
+    fmt, codes, scale, minimum = matrix
     if module.in_features != in_features:
-        raise Unsupported("a projection of unexpected shape")
-    flags = native_kernels.linear_flags(codes, in_features, bits, *scales)
-    return _Linear(codes.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr() if len(scales) > 1 else None,
+        raise NotNative("a projection of unexpected shape")
+    flags = formats.linear_flags(fmt, codes, in_features, scale, minimum)
+    return _Linear(codes.data_ptr(), scale.data_ptr(), minimum.data_ptr() if fmt.has_minimum else None,
                    bias.data_ptr() if bias is not None else None, module.out_features,
-                   native_kernels.padded_rows(module.out_features), kind, flags)
+                   layout.padded_rows(module.out_features), fmt.bits, flags)
 
 
 def _norm(module: nn.Module | None, width: int) -> _Norm:
@@ -117,25 +105,18 @@ def _norm(module: nn.Module | None, width: int) -> _Norm:
         return _Norm(None, 0.0)
     if (type(module) is not RMSNorm or not module.native or module.weight.dtype != torch.float32
             or module.weight.shape != (width,)):
-        raise Unsupported("a norm not on kvflow's kernel")
+        raise NotNative("a norm not on kvflow's kernel")
     return _Norm(module.weight.data_ptr(), module.eps)
-
-
-def _residual_scale(layer: nn.Module) -> float:
-    """What a layer multiplies each block's output by before its residual add (Granite's residual_multiplier; 1:
-    none, which decoder_step.c adds as it is)."""
-    scale = getattr(layer, "residual_multiplier", None)
-    return 1.0 if scale is None else scale
 
 
 def _moe(moe: SparseMoE, hidden: int) -> _Moe:
     """A MoE layer's router and stacked experts, as moe_kernels.c reads them (the module path's two calls)."""
     if not moe.native:
-        raise Unsupported("experts not stacked on kvflow's kernels")
+        raise NotNative("experts not stacked on kvflow's kernels")
     router = moe.gate.weight
     if router.dtype != torch.float32 or not router.is_contiguous() or router.shape != (moe.num_experts, hidden):
-        raise Unsupported("a router that is not float32 [experts, hidden]")
-    (gu, gu_rows), (dn, dn_rows) = native_kernels.experts_pair(
+        raise NotNative("a router that is not float32 [experts, hidden]")
+    (gu, gu_rows), (dn, dn_rows) = ops.experts_pair(
         moe.gate_up_codes, moe.gate_up_scale, moe.gate_up_minimum, moe.gate_up_bits, moe.down_codes, moe.down_scale,
         moe.down_minimum, moe.down_bits, hidden, moe.intermediate_size)
     return _Moe(router.data_ptr(), moe.num_experts, moe.top_k, moe.intermediate_size, gu_rows, dn_rows,
@@ -146,80 +127,65 @@ class NativeDecoderStep:
     """Holds the model's weights' and caches' addresses in decoder_step.c's structs (they live as long as the model;
     the runner builds this after the KV cache is allocated and changes neither after)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_dtype: torch.dtype, block_size: int):
-        cfg = model.config
-        self.model = model
-        self.lib = native_kernels.library()
-        gemma = type(model) is Gemma3ForCausalLM
-        layer_type = {Gemma3ForCausalLM: Gemma3DecoderLayer, MoeForCausalLM: MoeDecoderLayer}.get(type(model),
-                                                                                               DecoderLayer)
-        mlp_types = (MLP, SparseMoE) if layer_type is MoeDecoderLayer else (MLP,)
-        rotaries = []
-        layers = []
-        intermediates = set()      # the dense MLPs' (decoder_step.c's step_shape holds one)
-        H = cfg.hidden_size
-        for layer in model.layers:
-            if (type(layer) is not layer_type or type(layer.self_attn) is not Attention
-                    or type(layer.mlp) not in mlp_types):
-                raise Unsupported("a decoder layer other than Llama's, Gemma 3's or a mixture of experts'")
-            attn, mlp = layer.self_attn, layer.mlp
-            if attn.clip_qkv is not None or attn.qkv_lora or attn.o_lora:
-                raise Unsupported("QKV clipping or LoRA terms")
-            if type(mlp) is SparseMoE:
-                moe, gate_up, down = _moe(mlp, H), _Linear(), _Linear()
-            else:
-                if mlp.gate_up_lora or mlp.down_lora or cfg.hidden_act not in _ACTS:
-                    raise Unsupported(f"an MLP of {cfg.hidden_act} or with LoRA terms")
-                moe = _Moe()
-                gate_up, down = _linear(mlp.gate_up_proj, H), _linear(mlp.down_proj, mlp.intermediate_size)
-                intermediates.add(mlp.intermediate_size)
-            # the tables the model's forward rotates this layer with
-            rotary = model.rotary_local if gemma and layer.sliding else model.rotary
-            if (not gemma and attn.rotary is not model.rotary) or attn.attn.k_cache is None:
-                raise Unsupported("a layer with its own rotary tables, or no KV cache")
-            for cache in (attn.attn.k_cache, attn.attn.v_cache):
-                if cache.dtype != kv_dtype or not cache.is_contiguous():
-                    raise Unsupported("a KV cache of another element type or layout")
-            for table in (rotary.cos, rotary.sin_signed):
-                if table.dtype != torch.float32 or not table.is_contiguous():
-                    raise Unsupported("rotary tables not float32")
-            rotaries.append(rotary)
-            D = attn.head_dim
-            q_size = attn.num_heads * D
-            whole = attn.qk_norm_whole
-            norms = dict(input=_norm(layer.input_layernorm, H), q=_norm(attn.q_norm, q_size if whole else D),
-                         k=_norm(attn.k_norm, attn.kv_size if whole else D))
-            if gemma:
-                norms.update(attn_out=_norm(layer.post_attention_layernorm, H),
-                             mlp_in=_norm(layer.pre_feedforward_layernorm, H),
-                             mlp_out=_norm(layer.post_feedforward_layernorm, H))
-            else:
-                norms.update(mlp_in=_norm(layer.post_attention_layernorm, H), attn_out=_norm(None, H),
-                             mlp_out=_norm(None, H))
-            layers.append(_Layer(**norms, scale=attn.attn.scale, window=attn.attn.sliding_window,
-                                 cos=rotary.cos.data_ptr(), sin_signed=rotary.sin_signed.data_ptr(),
-                                 k_cache=attn.attn.k_cache.data_ptr(), v_cache=attn.attn.v_cache.data_ptr(),
-                                 qkv=_linear(attn.qkv_proj, H, True), o=_linear(attn.o_proj, q_size),
-                                 gate_up=gate_up, down=down, qk_whole=int(whole),
-                                 residual_scale=_residual_scale(layer), moe=moe))
-            if (layers[-1].qkv.rows != q_size + 2 * attn.num_kv_heads * D or layers[-1].o.rows != H
-                    or (not moe.router and (gate_up.rows != 2 * mlp.intermediate_size or down.rows != H))):
-                raise Unsupported("projections of unexpected shapes")
-        first = model.layers[0]
+    def __init__(self, decoder: NativeDecoder, hidden: int, kv_dtype: torch.dtype, block_size: int):
+        self.decoder = decoder
+        self.lib = build.library()
+        if decoder.hidden_act not in _ACTS and any(layer.moe is None for layer in decoder.layers):
+            raise NotNative(f"an MLP of {decoder.hidden_act}")
+        layers = [self._layer(layer, hidden, kv_dtype) for layer in decoder.layers]
+        rotaries = [layer.attention.rotary for layer in decoder.layers]
+        intermediates = {layer.intermediate for layer in decoder.layers if layer.moe is None}   # step_shape holds one
         if len({r.cos.shape[1] for r in rotaries}) != 1:
-            raise Unsupported("layers rotating different widths")
+            raise NotNative("layers rotating different widths")
         if len(intermediates) > 1:
-            raise Unsupported("dense MLPs of different widths")
+            raise NotNative("dense MLPs of different widths")
+        first = decoder.layers[0].attention
         self.layers = (_Layer * len(layers))(*layers)
-        self.shape = _Shape(layers=len(layers), hidden=H, heads=first.self_attn.num_heads,
-                            kv_heads=first.self_attn.num_kv_heads, head_dim=first.self_attn.head_dim,
-                            rotary_dim=rotaries[0].cos.shape[1], intermediate=max(intermediates, default=0),
-                            block_size=block_size, kv_form=_KV_FORMS[kv_dtype], act=_ACTS[cfg.hidden_act])
-        final = _norm(model.norm, H)
+        self.shape = _Shape(layers=len(layers), hidden=hidden, heads=first.heads, kv_heads=first.kv_heads,
+                            head_dim=first.head_dim, rotary_dim=rotaries[0].cos.shape[1],
+                            intermediate=max(intermediates, default=0), block_size=block_size,
+                            kv_form=_KV_FORMS[kv_dtype], act=_ACTS.get(decoder.hidden_act, 0))
+        final = _norm(decoder.final_norm, hidden)
         self.shape.final_norm, self.shape.final_eps = final.weight, final.eps
         self.shape.exp_vec, self.shape.tanh_vec, self.shape.exp_lanes = torch_vector_math()
         self.steps = 0          # steps run (tests and benchmarks read it)
         self.scratch = torch.empty(0)       # the step's working memory, grown to the largest step seen
+
+    @staticmethod
+    def _layer(layer: NativeLayer, H: int, kv_dtype: torch.dtype) -> _Layer:
+        """One layer's description as decoder_step.c's struct, every weight checked to be one it reads."""
+        attn = layer.attention
+        if layer.moe is not None:
+            if type(layer.moe) is not SparseMoE:
+                raise NotNative(f"a {type(layer.moe).__name__} mixture of experts")
+            moe, gate_up, down = _moe(layer.moe, H), _Linear(), _Linear()
+        else:
+            moe = _Moe()
+            gate_up, down = _linear(layer.gate_up, H), _linear(layer.down, layer.intermediate)
+        paged, rotary = attn.paged, attn.rotary
+        if paged.k_cache is None:
+            raise NotNative("a layer with no KV cache")
+        for cache in (paged.k_cache, paged.v_cache):
+            if cache.dtype != kv_dtype or not cache.is_contiguous():
+                raise NotNative("a KV cache of another element type or layout")
+        for table in (rotary.cos, rotary.sin_signed):
+            if table.dtype != torch.float32 or not table.is_contiguous():
+                raise NotNative("rotary tables not float32")
+        D = attn.head_dim
+        q_size, kv_size = attn.heads * D, attn.kv_heads * D
+        whole = attn.qk_whole
+        native = _Layer(input=_norm(layer.input_norm, H), mlp_in=_norm(layer.mlp_in_norm, H),
+                        attn_out=_norm(layer.attn_out_norm, H), mlp_out=_norm(layer.mlp_out_norm, H),
+                        q=_norm(attn.q_norm, q_size if whole else D), k=_norm(attn.k_norm, kv_size if whole else D),
+                        scale=paged.scale, window=paged.sliding_window, cos=rotary.cos.data_ptr(),
+                        sin_signed=rotary.sin_signed.data_ptr(), k_cache=paged.k_cache.data_ptr(),
+                        v_cache=paged.v_cache.data_ptr(), qkv=_linear(attn.qkv, H, True), o=_linear(attn.o, q_size),
+                        gate_up=gate_up, down=down, qk_whole=int(whole), residual_scale=layer.residual_scale,
+                        moe=moe)
+        if (native.qkv.rows != q_size + 2 * kv_size or native.o.rows != H
+                or (not moe.router and (gate_up.rows != 2 * layer.intermediate or down.rows != H))):
+            raise NotNative("projections of unexpected shapes")
+        return native
 
     @classmethod
     def build(cls, model: nn.Module, *, kv_dtype: torch.dtype, block_size: int, dtype: torch.dtype,
@@ -227,20 +193,20 @@ class NativeDecoderStep:
         """The step for this model, or None and why not."""
         if os.environ.get("KVFLOW_NATIVE_STEP", "1") == "0":
             return None, "KVFLOW_NATIVE_STEP=0"
-        if not kernel_pool or native_kernels.library() is None:
+        if not kernel_pool or build.library() is None:
             return None, "not every matmul, norm and attention runs on kvflow's kernels here"
-        if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM, MoeForCausalLM):
+        if not hasattr(model, "native_decoder"):
             return None, f"{type(model).__name__} is not a decoder that it computes"
         if dtype != torch.float32 or tp_size != 1 or lora or kv_dtype not in _KV_FORMS:
             return None, "it computes float32 on one rank, without LoRA, over a float32/bf16/fp16 KV cache"
         try:
-            return cls(model, kv_dtype, block_size), ""
-        except (Unsupported, ValueError) as e:
+            return cls(model.native_decoder(), model.config.hidden_size, kv_dtype, block_size), ""
+        except (NotNative, ValueError) as e:
             return None, str(e)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The final hidden states [T, hidden] of the step (after the last norm), as the model's forward."""
-        h = self.model.input_embeddings(ids).float().contiguous()
+        h = self.decoder.input_embeddings(ids).float().contiguous()
         out = torch.empty_like(h)
         T = h.shape[0]
         if T:
@@ -248,7 +214,7 @@ class NativeDecoderStep:
             row_seq, slots = meta.row_seq.contiguous(), meta.slot_mapping.contiguous()
             positions = positions.contiguous()
             s = self.shape
-            s.T, s.table_width, s.threads = T, tables.shape[1], native_kernels.threads()
+            s.T, s.table_width, s.threads = T, tables.shape[1], ops.threads()
             s.positions, s.slots = positions.data_ptr(), slots.data_ptr()
             s.tables, s.row_seq = tables.data_ptr(), row_seq.data_ptr()
             need = self.lib.kvflow_decoder_step_scratch(ctypes.byref(s), self.layers, T)

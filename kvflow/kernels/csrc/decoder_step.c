@@ -3,7 +3,7 @@
 // tables: Gemma 3's local layers have their own base), the K/V written into the paged cache, paged attention, the
 // output projection (normed again on Gemma 3's "sandwich") and the residual, RMSNorm, gate/up, SiLU(gate) * up or
 // tanh-GELU(gate) * up, down (normed again on Gemma 3) and the residual; then the final RMSNorm. A mixture-of-experts
-// layer (Qwen3-MoE, OLMoE, GraniteMoE, Mixtral) has the router and its experts in place of the MLP (moe_kernels.c's
+// layer (Qwen3-MoE, OLMoE, GraniteMoE, Mixtral) has the router and its experts in place of the MLP (moe.c's
 // calls, which the module path makes too), OLMoE's Q/K norms span the whole projection, and Granite scales each
 // block's output before its residual add.
 //
@@ -11,8 +11,8 @@
 // dispatcher and ctypes around a kernel of a few microseconds, and that came to as much time as the matmuls
 // (docs/performance.md, "Where a decode step's time goes"). Here Python hands over the step's tensors once.
 //
-// The kernels are native_kernels.c's, called as the layers call them, so the matmuls, attention and norms are the
-// same bits as the module path's; the elementwise work is written as torch's eager ops compute it (each product
+// The kernels are linear.c's, attention.c's and norm.c's, called as the layers call them, so the matmuls, attention
+// and norms are the same bits as the module path's; the elementwise work is written as torch's eager ops compute it (each product
 // and sum rounded on its own: no contraction into FMAs, below; SiLU with torch's own vector exp, passed in), so
 // the whole step is the same bits too. Every row is computed alone, in one fixed order (batch invariance holds).
 // What the caller checks (runner/native_step.py): the model is one this step computes, and the cache holds
@@ -24,16 +24,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "linear_kernels.h"
+#include "kernels.h"
 
-enum { W_Q4 = 0, W_Q8 = 1, W_Q5 = 2, W_Q6 = 3 };     // the weight's codes (native_kernels.py: pack_q4 / q8 / q5 / q6)
-enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };          // native_kernels.c's forms that this step writes
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };          // attention.c's forms that this step writes
 
 typedef struct {
     const void *codes, *scale, *minimum;   // minimum: 4-bit codes only
     const float *bias;                     // NULL: none
     int64_t rows, width;                   // output features, and the kernel's output width (padded to 16)
-    int kind, flags;                       // W_*; the scales' forms (native_kernels.c)
+    int bits, flags;                       // the codes' width (kernels/formats.py); the scales' forms (linear.c)
 } step_linear;
 
 typedef struct {
@@ -41,11 +40,11 @@ typedef struct {
     float eps;
 } step_norm;
 
-// A mixture-of-experts layer's router and experts (moe_kernels.c)
+// A mixture-of-experts layer's router and experts (moe.c)
 typedef struct {
     const float *router;                   // [experts, hidden] float32; NULL: the layer's MLP is dense
     int64_t experts, top_k, intermediate, gu_rows, dn_rows;
-    int rule, norm_topk_prob;              // ROUTE_* (linear_kernels.h)
+    int rule, norm_topk_prob;              // ROUTE_* (kernels.h)
     experts_t gate_up, down;
 } step_moe;
 
@@ -77,20 +76,8 @@ typedef struct {
 } step_shape;
 
 static int linear(const step_linear *w, const float *x, int64_t M, int64_t K, float *y, int threads) {
-    int err;
-    switch (w->kind) {
-    case W_Q4:
-        err = kvflow_q4_linear(x, M, K, w->codes, w->scale, w->minimum, w->width, y, threads, w->flags);
-        break;
-    case W_Q8:
-        err = kvflow_q8_linear(x, M, K, w->codes, w->scale, w->width, y, threads, w->flags);
-        break;
-    case W_Q6:
-        err = kvflow_q6_linear(x, M, K, w->codes, w->scale, w->width, y, threads, w->flags);
-        break;
-    default:
-        err = kvflow_q5_linear(x, M, K, w->codes, w->scale, w->width, y, threads, w->flags);
-    }
+    const int err = kvflow_x16_linear(w->bits, x, M, K, w->codes, w->scale, w->minimum, w->width, y, threads,
+                                      w->flags, 1);
     if (!err && w->bias)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < w->rows; n++) y[m * w->width + n] += w->bias[n];

@@ -5,7 +5,7 @@ asks it for every step's threads, the compiled graphs bake its thread counts in,
 engine" read it to know which path this machine takes. Each choice it holds is made in one function:
 - the weight matrices' kernels by format, step size and CPU: `quantize_model` (layers/quantization.py, with
   layers/int4.py for torch's int4 kernel), whose account the plan keeps as `matmuls`;
-- whether kvflow's own kernels run here at all, and their vector ISA: `native_kernels.wanted` / `native_kernels.isa`;
+- whether kvflow's own kernels run here at all, and their vector ISA: `build.wanted` / `build.isa`;
 - attention and norms on kvflow's kernels, the small-step thread pool, and threads per step: here;
 - the decode step as one native call: `NativeDecoderStep.build` (runner/native_step.py) says whether it computes
   this model; else compiled graphs where the runner compiles them, else the model's layers one by one.
@@ -18,18 +18,18 @@ import time
 
 import torch
 
-from kvflow.layers import native_kernels
+from kvflow.kernels import build, ops
 
 SMALL_STEP_ROWS = 8      # EngineConfig.small_step_threads applies to steps of up to this many rows (and kvflow's
-                         # kernels run calls of up to this many rows on their own pool: native_kernels.c's POOL_ROWS)
+                         # kernels run calls of up to this many rows on their own pool: csrc/common.h's POOL_ROWS)
 
 
 def attention_on_kvflow_kernels(device: torch.device, dtype: torch.dtype, quantization: str | None, head_dim: int,
                                 kv_dtype: torch.dtype, group: int) -> bool:
     """kvflow's paged-attention kernel (and its norms) where its linear kernels run: faster than gathering the
-    context for SDPA, and each row's result depends on that row alone (batch invariance; native_kernels.c)."""
-    return (native_kernels.wanted(device, dtype, quantization) and native_kernels.library() is not None
-            and native_kernels.attention_supports(head_dim, kv_dtype, group))
+    context for SDPA, and each row's result depends on that row alone (batch invariance; csrc/attention.c)."""
+    return (build.wanted(device, dtype, quantization) and build.library() is not None
+            and ops.attention_supports(head_dim, kv_dtype, group))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ class KernelPlan:
     def step_threads(self, rows: int, cores: int | None = None) -> tuple[int, int]:
         """(torch's threads, kvflow's kernels' threads) for a step of `rows` rows, at most `cores` each (the cores
         that other processes leave this one: `CoreShare`; None: all of them). A small step is ~200 short kernel
-        calls. On kvflow's pool (native_kernels.c; `kernel_pool`) its kernels take every core, or
+        calls. On kvflow's pool (csrc/thread_pool.c; `kernel_pool`) its kernels take every core, or
         `small_step_threads`: a preempted thread delays nobody there, so the frontend and other processes cost a
         share of a core, not a time slice per call; torch's own ops in such a step are tiny (adds, activations) and
         run on one thread, since each of their OpenMP regions waits for all of its threads. Without the pool, small

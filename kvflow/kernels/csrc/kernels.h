@@ -1,17 +1,10 @@
-// The entry points of native_kernels.c that the other native files (moe_kernels.c, decoder_step.c) call, and those
-// of moe_kernels.c that decoder_step.c calls: one declaration each, here. native_kernels.c documents their layouts,
-// forms and flags; moe_kernels.c the experts' and the router's.
+// The entry points that kvflow's kernel files call across files (the linear kernels, attention and norms from moe.c
+// and decoder_step.c; moe.c's from decoder_step.c): one declaration each, here. linear.c documents the weights'
+// layout, forms and flags; moe.c the experts' and the router's.
 #pragma once
 #include <stdint.h>
 
-int kvflow_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d,
-                     const void *m, int64_t N, float *y, int threads, int flags);
-int kvflow_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
-                     float *y, int threads, int flags);
-int kvflow_q5_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
-                     float *y, int threads, int flags);
-int kvflow_q6_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *d, int64_t N,
-                     float *y, int threads, int flags);
+int kvflow_x16_set_format(int bits, int64_t group_bytes);
 int kvflow_x16_linear(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *wd,
                       const void *wm, int64_t N, float *y, int threads, int flags, int on_pool);
 int kvflow_pool_rows(void);
@@ -25,13 +18,12 @@ int kvflow_paged_attention(const float *q, int64_t T, int64_t Hq, int64_t Hkv, i
                            int form, int64_t window);
 void kvflow_rms_norm(const float *x, int64_t M, int64_t H, const float *w, float eps, float *y, int threads);
 
-// One kind of matrix of every expert of a mixture-of-experts layer (moe_kernels.c): [E] matrices, stacked
+// One kind of matrix of every expert of a mixture-of-experts layer (moe.c): [E] matrices, stacked
 typedef struct {
     const uint8_t *codes, *scale, *minimum;
     int64_t codes_stride, scale_stride, minimum_stride;   // bytes from one expert's to the next's
-    int kind, flags;                                      // MOE_*; the scales' forms (native_kernels.c)
+    int bits, flags;                                      // the codes' width (a weight format's); the scales' forms (linear.c)
 } experts_t;
-enum { MOE_Q4 = 0, MOE_Q8 = 1, MOE_Q5 = 2, MOE_Q6 = 3 };
 enum { ROUTE_SOFTMAX_TOPK = 0, ROUTE_SOFTMAX_TOPK_RENORMALIZED = 1, ROUTE_TOPK_SOFTMAX = 2 };   // layers/moe.py's ROUTERS
 int kvflow_moe_route(const float *x, int64_t T, int64_t H, const float *router, int64_t E, int64_t k, int rule,
                      int norm_topk_prob, int64_t *ids, float *weights, int threads);

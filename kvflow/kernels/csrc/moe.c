@@ -1,6 +1,6 @@
 // A mixture-of-experts layer's experts in one call (layers/moe.py's SparseMoE over kvflow's kernels): the step's
 // (row, choice) pairs grouped by expert (a stable counting sort: rows in step order within an expert), each expert
-// that any row chose multiplying its rows with the linear kernels of native_kernels.c (gate/up fused, SiLU(gate) *
+// that any row chose multiplying its rows with the linear kernels of linear.c (gate/up fused, SiLU(gate) *
 // up, down), and each row's k outputs summed in its own top-k order. Experts no row chose are not read.
 //
 // Why one call: at batch 1 a layer runs k experts of two matrices each, and through Python every one of them cost
@@ -10,15 +10,15 @@
 // sum are per element, in a fixed order. So a row's bits depend on that row alone, at every step size.
 //
 // Weights: every expert's matrix of one kind in one stacked buffer, expert e at e * stride bytes (codes, scales
-// and minimums each), in the kernels' layout (x16; `kind`: MOE_Q4 / MOE_Q8 / MOE_Q5 / MOE_Q6).
+// and minimums each), in the kernels' layout (x16; `bits`: the weight format's code width).
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "linear_kernels.h"
+#include "kernels.h"
 
-// experts_t (linear_kernels.h): one kind of matrix of every expert, [E] matrices of N (padded: `rows`) x K
+// experts_t (kernels.h): one kind of matrix of every expert, [E] matrices of N (padded: `rows`) x K
 
 // The router: each row's logits x @ router.T, each a dot product in one fixed order (ROUTE_LANES partial sums over
 // the row, then added in lane order), so a row's choices do not depend on the rows beside it, the machine's vector
@@ -105,15 +105,13 @@ static void silu_mul_rows(const float *h, int64_t ld, int64_t n, int64_t I, floa
     }
 }
 
-static int kind_bits(int kind) { return kind == MOE_Q4 ? 4 : kind == MOE_Q8 ? 8 : kind == MOE_Q6 ? 6 : 5; }
-
 // `on_pool`: the step's other kernels run on kvflow's pool (a step of up to its rows), so these may too; else
 // OpenMP's threads, whatever the expert's rows (kvflow_x16_linear says why)
 static int expert_linear(const experts_t *w, int64_t e, const float *x, int64_t M, int64_t K, int64_t N, float *y,
                          int threads, int on_pool) {
     const uint8_t *c = w->codes + e * w->codes_stride, *d = w->scale + e * w->scale_stride;
     const uint8_t *m = w->minimum ? w->minimum + e * w->minimum_stride : NULL;
-    return kvflow_x16_linear(kind_bits(w->kind), x, M, K, c, d, m, N, y, threads, w->flags, on_pool);
+    return kvflow_x16_linear(w->bits, x, M, K, c, d, m, N, y, threads, w->flags, on_pool);
 }
 
 // The experts of a step of at most GROUPED_PAIRS (row, choice) pairs: the pairs' rows gathered in expert order, then
@@ -140,13 +138,13 @@ static int grouped_experts(const float *x, int64_t H, int64_t k, int64_t E, int6
     int err = !xs || !h || !a || !o;
     if (!err) {
         for (int64_t i = 0; i < P; i++) memcpy(xs + i * H, x + (order[i] / k) * H, (size_t)H * sizeof(float));
-        err = kvflow_grouped_linear(kind_bits(gu->kind), xs, P, H, matrix, rows, groups, gu->codes, gu->codes_stride,
+        err = kvflow_grouped_linear(gu->bits, xs, P, H, matrix, rows, groups, gu->codes, gu->codes_stride,
                                     gu->scale, gu->scale_stride, gu->minimum, gu->minimum_stride, gu->flags, gu_rows,
                                     h, threads, on_pool);
     }
     if (!err) {
         silu_mul_rows(h, gu_rows, P, I, a, threads, on_pool);
-        err = kvflow_grouped_linear(kind_bits(dn->kind), a, P, I, matrix, rows, groups, dn->codes, dn->codes_stride,
+        err = kvflow_grouped_linear(dn->bits, a, P, I, matrix, rows, groups, dn->codes, dn->codes_stride,
                                     dn->scale, dn->scale_stride, dn->minimum, dn->minimum_stride, dn->flags, dn_rows,
                                     o, threads, on_pool);
         // the pool taken by another thread between the two jobs: the down matrices one call per expert
