@@ -118,8 +118,8 @@ frontend_shares_cores = False
 def zeros_resident_when_written(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros; on CPU in an anonymous mmap of their own, whose pages the OS maps to its zero page until they are first
     written, so they count in the process's memory only once used. The KV cache: torch.zeros writes every page at
-    boot (the embedded model with a 1 GiB cache: 1,410 MiB resident after boot, against 386 MiB this way), where
-    llama.cpp's cache grows as tokens fill it (docs/performance.md, "Memory")."""
+    boot (the embedded model with a 1 GiB cache: 1,410 MiB resident after boot, against 386 MiB this way; llama.cpp
+    clears its whole cache when it allocates it, docs/performance.md, "Memory")."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     import math
