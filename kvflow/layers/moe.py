@@ -58,7 +58,7 @@ class Router(nn.Module):
             raise ValueError(f"expert router {kind!r} is not supported ({', '.join(ROUTERS)})")
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.top_k, self.kind, self.norm_topk_prob = top_k, kind, norm_topk_prob
-        self.rule = ROUTERS.index(kind)      # moe_kernels.c's ROUTE_* for the same rule
+        self.rule = ROUTERS.index(kind)      # kernels/csrc/kernels.h's ROUTE_* for the same rule
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 weights [T, k], expert ids [T, k]), highest weight first."""

@@ -110,7 +110,7 @@ def _norm(module: nn.Module | None, width: int) -> _Norm:
 
 
 def _moe(moe: SparseMoE, hidden: int) -> _Moe:
-    """A MoE layer's router and stacked experts, as moe_kernels.c reads them (the module path's two calls)."""
+    """A MoE layer's router and stacked experts, as kernels/csrc/moe.c reads them (the module path's two calls)."""
     if not moe.native:
         raise NotNative("experts not stacked on kvflow's kernels")
     router = moe.gate.weight
