@@ -27,7 +27,7 @@ from kvflow import LLM, SamplingParams
 MATMUL = {"aten::mm", "aten::addmm", "aten::_addmm_activation", "mkldnn::_linear_pointwise",
           "aten::mkldnn_linear", "onednn::linear",
           "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",       # the GGUF default's 4/8-bit kernels
-          "kvflow::q4_linear", "kvflow::q8_linear"}                               # (torch's, or kvflow's on AVX2)
+          "kvflow::x16_linear"}                                                    # (torch's, or kvflow's)
 NATIVE_STEP = "kvflow::decoder_step"      # the whole decoder in one native call (runner/native_step.py): its kernels
 ATTENTION = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
              "aten::_scaled_dot_product_attention_math", "aten::bmm", "aten::baddbmm", "aten::_softmax",

@@ -1,6 +1,6 @@
 """kvflow's 4-, 5- and 8-bit matmul kernels (layout x16: 16 weight rows interleaved) per instruction set, on the
 embedded model's matrix shapes: AVX2 (`vpmaddubsw`) and, where the CPU has it, AVX-512 VNNI (`vpdpbusd`). Both give
-the same bits (tests/test_kernels/).
+the same bits (tests/test_native_kernels.py).
 
     python benchmarks/linear_layouts.py [--rows 1 4 8 16 32 64] [--threads 1 2] [--bits 4 5 8] [--reps 7]
 

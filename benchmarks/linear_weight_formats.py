@@ -14,7 +14,7 @@ Formats (x is float32, as with dtype=auto on a CPU without native bf16):
   fp8 torch       e4m3 weights converted by torch's `.to(float32)`
   fp8 bits        e4m3 weights converted by kvflow's bit moves (layers/quantization.to_float)
   int4 kernel     group-32 int4 codes read by torch's int4 CPU kernel, bf16 activations (layers/int4.Int4Linear)
-  int4 native     the same codes in GGUF's block layout, kvflow's own kernel (layers/kernels/csrc), float32
+  int4 native     the same codes in GGUF's block layout, kvflow's own kernel (kernels/csrc), float32
                   activations quantized to int8 per group of 32 (the batch-invariant default path)
   int4->fp32      the same codes dequantized per matrix to float32, then MKL (Int4Linear's fallback, fp32 compute)
   int4->bf16      dequantized to bfloat16, then a bf16 matmul (the fallback with bf16 compute)

@@ -8,7 +8,7 @@ from code_lines import code_lines, files_at  # noqa: E402
 
 OWN_FILES = ("kvflow/structured_output/",                     # structured outputs and tools
              "kvflow/layers/int4.py", "kvflow/kernels/group_quant.py",      # int4 / GGUF codes
-             "kvflow/layers/kernels/", "kvflow/runner/compiled_decode.py",   # CPU speed
+             "kvflow/kernels/", "kvflow/runner/compiled_decode.py",   # CPU speed
              "kvflow/models/gguf_codes.py")
 PIECES = {
     "kvflow/layers/quantization.py": ["GGUFVocabulary", "_native_head", "_vocabulary", "_int4_linear", "_gguf_codes",

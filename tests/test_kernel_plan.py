@@ -1,4 +1,4 @@
-"""The kernel plan (runner/kernel_plan.py): one account, built at load and logged at boot, of which kernels compute
+"""The kernel plan (kernels/plan.py): one account, built at load and logged at boot, of which kernels compute
 the model here and how many threads each step takes; the runner's steps take their threads from it."""
 from __future__ import annotations
 

@@ -137,7 +137,7 @@ def test_experts_equal_the_per_token_loop():
 
 @pytest.mark.skipif(not build.usable(), reason="kvflow's kernels do not run here")
 def test_the_native_router_follows_each_rule_and_gives_a_row_its_bits_alone():
-    """moe_kernels.c's router (the module path's and the native step's where the experts are on kvflow's kernels):
+    """kernels/csrc/moe.c's router (the module path's and the native step's where the experts are on kvflow's kernels):
     each rule's choices and weights as the torch router gives them, and a row's bits the same alone, in any
     subset and in a step large enough to be split over threads."""
     from kvflow.layers.moe import ROUTERS
@@ -177,7 +177,7 @@ def test_quantized_experts_in_one_native_call_are_bit_for_bit_batch_invariant(bi
     (`use_native_kernels`): the call gives what the per-expert modules give (to float rounding: its SiLU is its own),
     and a row's output bits are the same alone, in any subset and in the whole step, whichever experts the other
     rows chose: steps of up to 1,024 (row, choice) pairs run every chosen expert's matrices as one pool job
-    (moe_kernels.c's grouped_experts), larger ones one call per expert, and both give a row the same bits."""
+    (kernels/csrc/moe.c's grouped_experts), larger ones one call per expert, and both give a row the same bits."""
     from kvflow.kernels.group_quant import GroupQuantized
     from kvflow.layers.int4 import Int4Linear
     from kvflow.layers.quantization import NativeQ8Linear

@@ -228,6 +228,28 @@ def test_weights_in_the_wrong_layout_are_refused_not_read_past():
         q6_linear(torch.randn(2, 256), codes6, d)
 
 
+@pytest.mark.parametrize("bits", sorted(FORMATS))
+def test_every_weight_format_in_the_table_passes_its_own_check_on_each_isa(isa, bits):
+    """The table (kernels/formats.py) is what the library multiplies: each row's kernel against torch here."""
+    from kvflow.kernels import formats
+
+    lib = build.library()
+
+    def run(x, codes, scale, minimum, bits=bits):
+        return formats.run_linear(lib, bits, x, codes, scale, minimum, ops.threads())
+
+    assert FORMATS[bits].bits == bits and FORMATS[bits].self_check(run, torch.Generator().manual_seed(bits))
+
+
+def test_a_code_width_no_format_registered_is_refused():
+    """The C side knows a width only from the table: a call with another is an error, never a read of a layout."""
+    codes, scale, minimum, packed = q4_weights(16, 64)
+    lib, x, y = build.library(), torch.randn(1, 64), torch.empty(1, 16)
+    assert lib.kvflow_x16_linear(3, x.data_ptr(), 1, 64, packed[0].data_ptr(), packed[1].data_ptr(), None, 16,
+                                 y.data_ptr(), 1, 0, 1) == 2
+    assert lib.kvflow_x16_set_format(9, 64) == 2
+
+
 def q4_0_weights(n: int, k: int, seed: int = 0):
     """Packed 4-bit codes, fp16 d, and the minimums -8 d (GGUF Q4_0's) both stored and not (`minimums`)."""
     codes, scale, _, _ = q4_weights(n, k, seed)

@@ -1,4 +1,4 @@
-"""The decoder step as one native call (runner/native_step.py over layers/decoder_step.c). Where it builds (a
+"""The decoder step as one native call (runner/native_step.py over kernels/csrc/decoder_step.c). Where it builds (a
 Llama-family, Gemma 3 or mixture-of-experts decoder whose every matmul, norm and attention is kvflow's kernel, float32
 compute, one rank, no LoRA) it is the default, and it gives the layer-by-layer path's bits: the same tokens and the
 same logprobs, in steps that mix decodes with prefill chunks, for each KV element type it writes, each weight format

@@ -1,12 +1,15 @@
 """The kernel plan: which kernels compute this model here, and how many threads each step takes.
 
-Built once at load by the runner (ModelRunner.__init__), logged at boot as one block, and read from then on: the runner
-asks it for every step's threads, the compiled graphs bake its thread counts in, and the tests of "the default
-engine" read it to know which path this machine takes. Each choice it holds is made in one function:
-- the weight matrices' kernels by format, step size and CPU: `quantize_model` (layers/quantization.py, with
-  layers/int4.py for torch's int4 kernel), whose account the plan keeps as `matmuls`;
-- whether kvflow's own kernels run here at all, and their vector ISA: `build.wanted` / `build.isa`;
+Chosen by the runner before the model is built (`KernelPlan.choose`), so the model's modules take it as they are
+built (norms and LoRA terms on kvflow's kernels or torch's: `native_norms`, `native_lora`) and quantization reads
+it (`native_matmuls`: weight codes held for kvflow's kernels); completed once the model is loaded with what only the
+weights tell (`completed`: how the matrices multiply, the decode step's path), logged at boot as one block, and read
+from then on: the runner asks it for every step's threads, the compiled graphs bake its thread counts in, and the
+tests of "the default engine" read it to know which path this machine takes. Each choice is made in one place:
+- whether kvflow's own kernels run here at all, and their vector ISA: `build.wanted` / `build.isa`, asked here;
 - attention and norms on kvflow's kernels, the small-step thread pool, and threads per step: here;
+- the weight matrices' kernels by format and step size: `quantize_model` (layers/quantization.py, with
+  layers/int4.py for torch's int4 kernel, whose crossover is measured on the weights), kept as `matmuls`;
 - the decode step as one native call: `NativeDecoderStep.build` (runner/native_step.py) says whether it computes
   this model; else compiled graphs where the runner compiles them, else the model's layers one by one.
 """
@@ -45,6 +48,42 @@ class KernelPlan:
     small_step_threads: int | None
     frontend_shares_cores: bool   # an engine process beside its HTTP frontend (platform.frontend_shares_cores)
     sliding_window: str = ""      # the sliding-window layers, for the log ("" for none)
+    dtype: torch.dtype = torch.float32      # the compute dtype
+
+    @classmethod
+    def choose(cls, device: torch.device, dtype: torch.dtype, quantization: str | None, head_dim: int,
+               kv_dtype: torch.dtype, heads_per_kv_head: int, threads: int, small_step_threads: int | None,
+               frontend_shares_cores: bool) -> KernelPlan:
+        """Every choice that needs no weights, before the model is built; `completed` adds the rest after load."""
+        native = build.wanted(device, dtype, quantization) and build.library() is not None
+        native_attention = attention_on_kvflow_kernels(device, dtype, quantization, head_dim, kv_dtype,
+                                                       heads_per_kv_head)
+        return cls(device=device, isa=build.isa() if native else None, matmuls="", native_attention=native_attention,
+                   # every matmul, attention and norm of a step is kvflow's (weight codes on its kernels): small steps
+                   # run them on kvflow's thread pool (step_threads)
+                   kernel_pool=native_attention and quantization in ("gguf", "int4"), decode_step="layers",
+                   why_not_native_step="", threads=threads, small_step_threads=small_step_threads,
+                   frontend_shares_cores=frontend_shares_cores, dtype=dtype)
+
+    def completed(self, matmuls: str, decode_step: str, why_not_native_step: str, sliding_window: str) -> KernelPlan:
+        """The plan with what the loaded model told: how its matrices multiply, its decode step's path."""
+        return dataclasses.replace(self, matmuls=matmuls, decode_step=decode_step,
+                                   why_not_native_step=why_not_native_step, sliding_window=sliding_window)
+
+    @property
+    def native_matmuls(self) -> bool:
+        """kvflow's kernels multiply the weight codes they hold (kernels/formats.py) wherever the format allows."""
+        return self.isa is not None
+
+    @property
+    def native_norms(self) -> bool:
+        """RMSNorm on kvflow's kernel (with attention: the same condition), and LoRA terms batch invariant."""
+        return self.native_attention
+
+    @property
+    def native_lora(self) -> bool:
+        """LoRA terms on kvflow's kernel (each row its own slot), which computes float32."""
+        return self.native_attention and self.dtype == torch.float32
 
     @property
     def yields_cores(self) -> bool:

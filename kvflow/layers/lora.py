@@ -30,24 +30,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.kernels import ops
+from kvflow.kernels.plan import KernelPlan
 
 
 class LoRAStack(nn.Module):
     """`pieces`: (output column offset, width) of each adapted piece of the base layer's output (e.g. q and v of
     qkv_proj when only those are targeted)."""
 
-    def __init__(self, in_features: int, pieces: list[tuple[int, int]], max_loras: int, max_rank: int):
+    def __init__(self, in_features: int, pieces: list[tuple[int, int]], max_loras: int, max_rank: int,
+                 kernels: KernelPlan | None = None):
         super().__init__()
         self.pieces = [tuple(p) for p in pieces]
         self.num_pieces = len(pieces)
         self.max_loras = max_loras
         self.max_rank = max_rank
-        # where the base model's kernels make a row's result independent of what shares its step (the runner sets it
-        # with kvflow's native kernels): the LoRA term is too (_invariant_mm)
-        self.batch_invariant = False
-        # kvflow's kernel computes the term (ops.lora_add: each row its own slot only, batch invariant);
-        # the runner sets it where the native kernels run in float32
-        self.native = False
+        # where the base model's kernels make a row's result independent of what shares its step (the plan's
+        # kvflow kernels for attention and norms): the LoRA term is too (_invariant_mm)
+        self.batch_invariant = kernels is not None and kernels.native_norms
+        # kvflow's kernel computes the term (ops.lora_add: each row its own slot only, batch invariant) where the
+        # plan's native kernels run in float32
+        self.native = kernels is not None and kernels.native_lora
         # any slot holds an adapter that adapts this layer: eager steps skip the term otherwise (a compiled graph
         # always computes it: it is traced before any adapter exists). Private: not copied into the compiler's model
         self._active = False

@@ -6,15 +6,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.kernels import ops
+from kvflow.kernels.plan import KernelPlan
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, kernels: KernelPlan | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    native = False      # set by the model runner where kvflow's kernels run (CPU, AVX2 + FMA)
+        # kvflow's kernel where the plan puts norms on them (`native_norms`), else torch's
+        self.native = kernels is not None and kernels.native_norms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:

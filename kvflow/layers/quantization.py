@@ -176,9 +176,10 @@ def _probe(kernel: str, matmul, matrix: QuantizedRows, tolerance: float, **like)
     return None if err < tolerance else f"{kernel} differs from the reference by {err:.1%}"
 
 
-def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
+def quantize_model(model: nn.Module, method: str, dtype: torch.dtype, native: bool = False) -> str:
     """Swap the model's linear layers, embedding and LM head for quantized ones, in place.
-    Returns how the quantized linear layers multiply (the kernel plan's `matmuls`, logged at boot).
+    Returns how the quantized linear layers multiply (the kernel plan's `matmuls`, logged at boot). `native`: the
+    kernel plan's `native_matmuls` (kvflow's kernels multiply the codes they hold; torch's kernels otherwise).
 
     int8 / fp8: per-channel codes rounded from the float weights. int4: group-32 codes rounded to nearest from the
     float weights (layers whose K is not a multiple of 32 take int8). gguf: the file's own codes, as
@@ -196,8 +197,6 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype) -> str:
                       table=lambda table: QuantizedEmbedding(table, "int8", dtype))
     else:
         tied = getattr(model, "lm_head", True) is None
-        device = next(model.parameters()).device
-        native = build.wanted(device, dtype, method) and build.library() is not None
         swap_matrices(model, linear=lambda layer: _int4_linear(layer, method, native),
                       table=lambda table: _vocabulary(table, method, dtype, tied, native))
         fill_gguf_floats(model)         # whatever kept its floats (a module the swap did not visit)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.kernels.plan import KernelPlan
 from kvflow.layers.attention_metadata import AttentionMetadata
 from kvflow.layers.native_layers import NativeLayer
 from kvflow.layers.norm import RMSNorm
@@ -29,15 +30,15 @@ from kvflow.models.model_config import ModelConfig
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
-                 layer: int = 0):
+                 layer: int = 0, kernels: KernelPlan | None = None):
         super().__init__()
         self.sliding = cfg.is_sliding(layer)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, tp, sizes, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.self_attn = Attention(cfg, rotary, tp, sizes, layer, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.mlp = MLP(cfg, tp, sizes)
-        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, meta: AttentionMetadata,
                 rope_local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -57,8 +58,9 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     decoder_layer = Gemma3DecoderLayer
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None):
-        super().__init__(cfg, max_positions, tp)
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None,
+                 kernels: KernelPlan | None = None):
+        super().__init__(cfg, max_positions, tp, kernels)
         # local layers: their own base, never scaled (transformers scales only the global layers' RoPE)
         self.rotary_local = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local_theta or 10000.0, None,
                                             cfg.rotary_dim)

@@ -24,6 +24,7 @@ from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.kernels.group_quant import CODES, GroupQuantized
+from kvflow.kernels.plan import KernelPlan
 from kvflow.layers.attention import PagedAttention
 from kvflow.layers.attention_metadata import AttentionMetadata
 from kvflow.layers.lora import LoRAStack
@@ -83,7 +84,7 @@ def _lora_on(stack: LoRAStack | None, meta: AttentionMetadata | None) -> bool:
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
-                 layer: int = 0):
+                 layer: int = 0, kernels: KernelPlan | None = None):
         super().__init__()
         self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = sizes.num_heads, sizes.num_kv_heads, cfg.head_dim
@@ -94,8 +95,8 @@ class Attention(nn.Module):
         # per head (Qwen3, Gemma 3), or over the whole q and k projections (OLMoE: `qk_norm_whole`)
         self.qk_norm_whole = cfg.qk_norm and cfg.arch.qk_norm_whole
         q_width, k_width = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
-        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.clip_qkv = cfg.clip_qkv
         self.rotary = rotary
         scale = (cfg.attention_multiplier if cfg.attention_multiplier is not None
@@ -173,11 +174,11 @@ _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxi
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
-                 layer: int = 0):
+                 layer: int = 0, kernels: KernelPlan | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, tp, sizes, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.self_attn = Attention(cfg, rotary, tp, sizes, layer, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.mlp = MLP(cfg, tp, sizes)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -198,16 +199,18 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None,
+                 kernels: KernelPlan | None = None):
         super().__init__()
         self.config = cfg
+        self.kernels = kernels          # the kernel plan its modules were built for (None: torch's kernels)
         self.tp = tp = tp or TensorParallel()
         self.sizes = sizes = TensorParallelSizes(cfg, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
         self.embed_tokens = nn.Embedding(sizes.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.decoder_layer(cfg, self.rotary, tp, sizes, i)
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, self.rotary, tp, sizes, i, kernels)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, sizes.vocab_size, bias=False)
 
     decoder_layer = DecoderLayer
@@ -283,7 +286,8 @@ class LlamaForCausalLM(nn.Module):
                 self.lora_pieces[attr] = tuple(proj for proj, _, _ in pieces)
                 for layer in self.layers:
                     with torch.device(device):
-                        stack = LoRAStack(inputs[base], [(o, w) for _, o, w in pieces], max_loras, max_rank)
+                        stack = LoRAStack(inputs[base], [(o, w) for _, o, w in pieces], max_loras, max_rank,
+                                          self.kernels)
                     setattr(getattr(layer, block), attr, stack.to(dtype))
 
     @torch.no_grad()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.kernels.plan import KernelPlan
 from kvflow.layers.attention_metadata import AttentionMetadata
 from kvflow.layers.moe import SparseMoE
 from kvflow.layers.native_layers import NativeLayer, NotNative
@@ -33,11 +34,11 @@ from kvflow.models.model_config import ModelConfig
 
 class MoeDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
-                 layer: int = 0):
+                 layer: int = 0, kernels: KernelPlan | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, tp, sizes, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.self_attn = Attention(cfg, rotary, tp, sizes, layer, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         if cfg.is_moe_layer(layer):
             if cfg.hidden_act not in _ACTIVATIONS:
                 raise ValueError(f"hidden activation {cfg.hidden_act!r} is not supported ({', '.join(_ACTIVATIONS)})")
@@ -72,11 +73,12 @@ class MoeForCausalLM(LlamaForCausalLM):
         expert layer runs as one native call (see the module docstring)."""
         return all(m.native for m in self.modules() if isinstance(m, SparseMoE))
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None,
+                 kernels: KernelPlan | None = None):
         if tp is not None and tp.size > 1:
             raise ValueError(f"tensor_parallel_size={tp.size}: tensor parallelism is not supported for "
                              f"mixture-of-experts models ({cfg.architecture}); use tensor_parallel_size=1")
-        super().__init__(cfg, max_positions, tp)
+        super().__init__(cfg, max_positions, tp, kernels)
 
     def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)

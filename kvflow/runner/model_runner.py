@@ -18,12 +18,11 @@ from kvflow import platform
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.kernels import build, ops
-from kvflow.kernels.plan import CoreShare, KernelPlan, attention_on_kvflow_kernels
+from kvflow.kernels.plan import CoreShare, KernelPlan
 from kvflow.layers import kv_int8
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
-from kvflow.layers.lora import LoRAStack, lora_mask
+from kvflow.layers.lora import lora_mask
 from kvflow.layers.moe import SparseMoE
-from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.layers.quantization import quantize_model
 from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
@@ -56,11 +55,15 @@ class ModelRunner:
         # the processes sharing this machine's cores: its tensor-parallel ranks, or the data-parallel engines
         self.processes_here = tp.local_size * config.data_parallel_size
         platform.setup_threads(self.device, self.processes_here)
-        threads = torch.get_num_threads()
+        self.kv_dtype = platform.pick_kv_dtype(config.kv_cache_dtype, config.dtype, self.device, self.dtype)
+        # which kernels compute the model, chosen before it is built: its modules take the plan
+        plan = KernelPlan.choose(self.device, self.dtype, self.quantization, model_config.head_dim, self.kv_dtype,
+                                 model_config.num_attention_heads // model_config.num_key_value_heads,
+                                 torch.get_num_threads(), config.small_step_threads, platform.frontend_shares_cores)
 
         t0 = time.perf_counter()
         with torch.device(self.device), without_weight_init():
-            model = model_config.arch.load_class()(model_config, max_model_len, tp)
+            model = model_config.arch.load_class()(model_config, max_model_len, tp, plan)
         model.load_weights(iter_weights(files, keep_quantized=self.quantization == "gguf"))
         # weights in the compute dtype; the rotary tables stay float32 (norms compute in float32 inside)
         self.model = model.to(self.dtype)
@@ -69,8 +72,8 @@ class ModelRunner:
                 rotary.float()
         matmuls = f"{str(self.dtype).removeprefix('torch.')} weights, torch's matmuls"
         if self.quantization:
-            matmuls = quantize_model(model, self.quantization, self.dtype)
-            if build.library() is not None:
+            matmuls = quantize_model(model, self.quantization, self.dtype, native=plan.native_matmuls)
+            if plan.native_matmuls:
                 # one native call per layer where kvflow's kernels hold the experts; before the heap is trimmed
                 # (below), so the per-expert buffers it frees go back to the OS
                 for moe in [m for m in model.modules() if isinstance(m, SparseMoE)]:
@@ -93,39 +96,21 @@ class ModelRunner:
 
         self.num_blocks = self._allocate_kv_cache()
         platform.release_freed_memory()
-        native_attention = attention_on_kvflow_kernels(
-            self.device, self.dtype, self.quantization, model_config.head_dim, self.kv_dtype,
-            model_config.num_attention_heads // model_config.num_key_value_heads)
-        # every matmul, attention and norm of a step is kvflow's (4-bit codes on its kernels): small steps run them
-        # on kvflow's thread pool (KernelPlan.step_threads)
-        kernel_pool = native_attention and self.quantization in ("gguf", "int4")
-        for norm in self.model.modules():
-            if isinstance(norm, RMSNorm):
-                norm.native = native_attention
-            elif isinstance(norm, LoRAStack):     # batch invariant where the base model is (layers/lora.py)
-                norm.batch_invariant = native_attention
-                norm.native = native_attention and self.dtype == torch.float32
         sliding = ""
         if self.sliding_window:
             sliding = (f"; a {self.sliding_window}-token sliding window on "
                        f"{model_config.layer_types.count('sliding_attention')} of {model_config.num_hidden_layers} "
-                       f"layers ({'the kernel' if native_attention else 'sliding masks'}), the KV cache keeping "
+                       f"layers ({'the kernel' if plan.native_attention else 'sliding masks'}), the KV cache keeping "
                        "every block")
         self.sampler = Sampler(self.device, config.seed) if tp.is_first else None
         # the whole decoder in one native call where it computes this model (runner/native_step.py); then there is
         # nothing to compile
         self.native_step, why_not = NativeDecoderStep.build(
             self.model, kv_dtype=self.kv_dtype, block_size=self.block_size, dtype=self.dtype,
-            kernel_pool=kernel_pool, tp_size=tp.size, lora=bool(self.lora))
+            kernel_pool=plan.kernel_pool, tp_size=tp.size, lora=bool(self.lora))
         decode_step = ("native" if self.native_step is not None
                        else "compiled" if self._compiles_decode_steps() else "layers")
-        self.plan = KernelPlan(
-            device=self.device, matmuls=matmuls,
-            isa=build.isa() if build.wanted(self.device, self.dtype, self.quantization)
-            and build.library() is not None else None,
-            native_attention=native_attention, kernel_pool=kernel_pool, decode_step=decode_step,
-            why_not_native_step=why_not, threads=threads, small_step_threads=config.small_step_threads,
-            frontend_shares_cores=platform.frontend_shares_cores, sliding_window=sliding)
+        self.plan = plan.completed(matmuls, decode_step, why_not, sliding)
         log.info("%s", self.plan.describe())
         # beside a busy process a step takes the cores it leaves (kernels/plan.py's CoreShare) where the plan says its
         # bits allow it; an engine process's parent is its HTTP frontend, whose time is the server's own
@@ -227,7 +212,6 @@ class ModelRunner:
     # ---- KV cache ------------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
         cfg = self.model_config
-        self.kv_dtype = platform.pick_kv_dtype(self.config.kv_cache_dtype, self.config.dtype, self.device, self.dtype)
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         # a row: one token's K (or V) of one KV head; int8 rows carry their scale (layers/kv_int8.py)
         row = kv_int8.row_bytes(cfg.head_dim) if self.kv_dtype == torch.int8 else cfg.head_dim
