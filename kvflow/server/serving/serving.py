@@ -46,6 +46,7 @@ from kvflow.beam_search import BeamSearchParams
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.serving.chat_template import ChatTemplateOptions, template_variables
+from kvflow.server.serving.engine_client import EngineClient
 from kvflow.server.common.request_record import current_record
 from kvflow.server.serving.protocol import ModelPermission, TokenizerInfoResponse
 from kvflow.server.serving.reasoning import ReasoningRequest, ReasoningSplitter, reasoning_request, reasoning_tokens
@@ -122,7 +123,7 @@ class ChoiceResult:
 
 
 class OpenAIServing:
-    def __init__(self, engine, *, served_model_names: list[str] | tuple[str, ...] | None = None,
+    def __init__(self, engine: EngineClient, *, served_model_names: list[str] | tuple[str, ...] | None = None,
                  max_n: int = DEFAULT_MAX_N, shutdown_grace_period: float = 30.0,
                  tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
                  return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None) -> None:
@@ -142,7 +143,7 @@ class OpenAIServing:
 
     # ---- routes ------------------------------------------------------------------------------------------------
     def models(self) -> ModelList:
-        root = str(getattr(self.engine, "model_path", None) or self.names[0])
+        root = str(self.engine.model_path)
         cards = [ModelCard(id=name, root=root, parent=None, max_model_len=self.engine.max_model_len,
                            permission=[ModelPermission()]) for name in self.names]
         # LoRA adapters as vLLM lists them: parent = the base model's name, root = the adapter's path
@@ -153,7 +154,7 @@ class OpenAIServing:
     @property
     def loras(self) -> dict:
         """The LoRA adapters served now, name -> LoRARequest (AsyncEngine.loras; empty without --enable-lora)."""
-        return getattr(self.engine, "loras", None) or {}
+        return self.engine.loras
 
     def lora_for(self, model: str):
         """The LoRARequest a request's (checked) model name selects; None: the base model."""
@@ -357,7 +358,7 @@ class OpenAIServing:
         (server/chat_template.py; 400 naming the field) and its tools (server/tool_prompt.py). One path for the
         routes that render a chat (/tokenize; the chat route can call it too)."""
         options = ChatTemplateOptions.from_request(req, trust_request_chat_template=self.trust_request_chat_template)
-        template = options.template(getattr(self.tokenizer, "chat_template", None))
+        template = options.template(self.tokenizer.chat_template)
         messages, template_args = chat_messages(req.messages, tools, template)
         template_args.update(template_variables(req, template))
         return messages, {**options.render_args(), **template_args}
@@ -412,7 +413,7 @@ class OpenAIServing:
     def priority(self, req, base: int = 0) -> int:
         """The scheduler priority of a request: `base` (the Batch API's, 0 for interactive traffic) plus the
         request's own `priority`, which vLLM honours only under --scheduling-policy priority (else a 400)."""
-        if req.priority and getattr(self.engine.config, "scheduling_policy", None) != "priority":
+        if req.priority and self.engine.config.scheduling_policy != "priority":
             raise APIError(400, "priority is honoured only when the server runs with --scheduling-policy priority",
                            param="priority", code="invalid_value")
         return base + req.priority
