@@ -1,7 +1,9 @@
 """A generation streamed: its chat or completion chunks as the engine produces them (`stream_chunks`), and the
 Server-Sent Events that carry them (`sse_events`, `EventStream`).
 
-A chunk's logprobs, token ids and usage come out as in a whole response (choice_renderer.py).
+Each choice keeps its own state in one `StreamedChoice`: its tool calls parsed so far, where its reasoning ends,
+its tokens while their reasoning count may change, its completion text offset. A chunk's logprobs, token ids and
+usage come out as in a whole response (choice_renderer.py).
 
 Beam search (`use_beam_search`) streams too: each prompt's stream yields its n beams whole, best first, once the
 search is done, so a streamed chat gets each beam's text in one chunk, as vLLM's (completions refuse stream).
@@ -9,6 +11,7 @@ search is done, so a streamed chat gets each beam's text in one chunk, as vLLM's
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
@@ -24,16 +27,26 @@ from kvflow.server.serving.reasoning import ReasoningRequest, ReasoningSplitter
 from kvflow.server.serving.tool_calls import ToolCallStreamer
 
 
+@dataclass
+class StreamedChoice:
+    """One choice of a streamed generation: what its next chunks depend on."""
+    index: int
+    tool_calls: ToolCallStreamer | None = None    # chat with tools: its text so far, the calls announced
+    reasoning: ReasoningSplitter | None = None    # --reasoning-parser: whether its reasoning has ended
+    # its tokens so far, kept while its reasoning count may change (usage's reasoning_tokens)
+    token_ids: list[int] = field(default_factory=list)
+    reasoning_counted: bool = False               # its reasoning count is final (the reasoning ended, or none)
+    opened: bool = False                          # completions: its first chunk (echo, prompt ids) went out
+    text_offset: int = 0                          # completions' logprobs: the text_offset of its next token
+
+
 async def stream_chunks(gen: Generation, renderer: ChoiceRenderer
                         ) -> AsyncIterator[ChatCompletionChunk | CompletionChunk]:
     """The stream's chunks as the engine produces them (to serialize with exclude_unset); raises
     RequestFailedError if the engine fails the request. The caller closes the streams."""
-    offsets = [0] * gen.num_choices                   # completions' text_offset of the next token
-    opened = [False] * len(offsets)                   # completions: the choice's first chunk went out
-    streamers = [ToolCallStreamer(gen.tools) for _ in offsets] if gen.tools is not None else None
-    splitters = [gen.reasoning.splitter() for _ in offsets] if gen.reasoning is not None else None
-    choice_ids: list[list[int]] = [[] for _ in offsets] if splitters else []    # to count reasoning tokens
-    counted: set[int] = set()          # choices whose reasoning count is final (the reasoning has ended)
+    choices = [StreamedChoice(i, tool_calls=ToolCallStreamer(gen.tools) if gen.tools is not None else None,
+                              reasoning=gen.reasoning.splitter() if gen.reasoning is not None else None)
+               for i in range(gen.num_choices)]
 
     def running_usage(opening: bool = False) -> UsageInfo | None:
         """continuous_usage_stats: usage on every chunk, as vLLM sends it; the chunks that open the stream count
@@ -52,23 +65,24 @@ async def stream_chunks(gen: Generation, renderer: ChoiceRenderer
                 index=i, delta=DeltaMessage(content=gen.echo[0]), logprobs=None, finish_reason=None)],
                 running_usage(opening=True))
     async for index, d in merge(gen.streams):
+        choice = choices[index]
         tokens = list(zip(d.token_ids, d.logprobs or [None] * len(d.token_ids)))
         wants_logprobs = gen.num_logprobs is not None and bool(d.token_ids)
         opening = {}
         if gen.chat:
-            splitter = splitters[index] if splitters else None
-            deltas, finish = chat_deltas(d, streamers[index] if streamers else None, splitter, gen.reasoning)
-            if splitter is not None and index not in counted:    # counted as it goes (continuous usage)
-                choice_ids[index] += d.token_ids
-                renderer.count_reasoning(gen, index, splitter, choice_ids[index])
+            deltas, finish = chat_deltas(d, choice.tool_calls, choice.reasoning, gen.reasoning)
+            splitter = choice.reasoning
+            if splitter is not None and not choice.reasoning_counted:    # counted as it goes (continuous usage)
+                choice.token_ids += d.token_ids
+                renderer.count_reasoning(gen, index, splitter, choice.token_ids)
                 if finish is not None or splitter.reasoning_end is not None or not splitter.has_reasoning:
-                    counted.add(index)
-            if finish is not None and streamers and (record := current_record()) is not None:
-                record.choice_finished(index, finish, streamers[index].names)
+                    choice.reasoning_counted = True
+            if finish is not None and choice.tool_calls is not None and (record := current_record()) is not None:
+                record.choice_finished(index, finish, choice.tool_calls.names)
         else:
             text, prompt_tokens = "", []
-            if not opened[index]:      # the choice's first chunk: the echo, its prompt's ids
-                opened[index] = True
+            if not choice.opened:      # the choice's first chunk: the echo, its prompt's ids
+                choice.opened = True
                 text, prompt_tokens = renderer.echoed(gen, gen.stream_of(index))
                 opening = token_ids(gen, [], gen.stream_of(index))
             tokens = prompt_tokens + tokens
@@ -79,7 +93,7 @@ async def stream_chunks(gen: Generation, renderer: ChoiceRenderer
         sends_ids = gen.return_token_ids and bool(d.token_ids)
         if not deltas and finish is None and not wants_logprobs and not opening and not sends_ids:
             continue
-        logprobs, offsets[index] = renderer.logprobs(gen, tokens, offsets[index])
+        logprobs, choice.text_offset = renderer.logprobs(gen, tokens, choice.text_offset)
         deltas = deltas or [DeltaMessage() if gen.chat else ""]
         for j, delta in enumerate(deltas):    # logprobs and token ids on the first chunk, the finish on the last
             last = j == len(deltas) - 1
