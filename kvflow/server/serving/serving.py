@@ -33,6 +33,9 @@ from kvflow.server.serving.request_preparer import RequestPreparer, arrival_time
 
 
 class OpenAIServing:
+    """The routes, and one path for chat and completions over one engine: `preparer` readies and submits a request,
+    `renderer` shapes its choices whole, `chunks` streams them."""
+
     def __init__(self, engine: EngineClient, *, served_model_names: list[str] | tuple[str, ...] | None = None,
                  max_n: int = DEFAULT_MAX_N, shutdown_grace_period: float = 30.0,
                  tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
