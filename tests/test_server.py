@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import random
 import time
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from kvflow.config import EngineConfig
+from kvflow.server.serving.engine_client import EngineClient
 from kvflow.server.testing import ServerThread
 from tiny_models import make_tiny_hf_model
 
@@ -65,6 +67,16 @@ def test_models_health_version(client, http):
     assert [m.id for m in models.data] == ["tiny"]
     assert http.get("/health").status_code == 200
     assert http.get("/version").json()["version"]
+
+
+def test_the_engine_is_an_engine_client(server):
+    """AsyncEngine has every attribute the serving seam reads and takes every argument the seam passes."""
+    assert isinstance(server.engine, EngineClient)
+    for name in ("submit", "beam_search", "shutdown", "add_lora", "remove_lora"):
+        wanted = inspect.signature(getattr(EngineClient, name)).parameters
+        given = inspect.signature(getattr(type(server.engine), name)).parameters
+        assert set(wanted) <= set(given), name
+    assert inspect.iscoroutinefunction(type(server.engine).shutdown)
 
 
 def test_chat_non_streamed_schema_and_usage(client, http):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.async_engine import CompletionDelta, RequestFailedError
+from kvflow.config import EngineConfig
 from kvflow.core.request_validator import RequestValidator
 from kvflow.errors import InvalidRequestError
 from kvflow.server.common.errors import APIError
@@ -23,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 class FakeTokenizer:
     max_token_chars = 1          # a token per character
+    chat_template = None
 
     def encode(self, text, add_special_tokens=True):
         return [ord(c) % 100 for c in text]
@@ -63,6 +65,8 @@ class FakeStream:
 
 class FakeEngine:
     tokenizer = FakeTokenizer()
+    config = EngineConfig()
+    model_path = Path("fake")
     served_model_name = "fake"
     max_model_len = 64
     vocab_size = 100
@@ -70,6 +74,7 @@ class FakeEngine:
 
     def __init__(self, refuse: Exception | None = None, fail=False):
         self.refuse, self.fail, self.streams = refuse, fail, []
+        self.loras = {}
 
     def submit(self, request_id, prompt, params, arrival_time=None, pooling=None, priority=0):
         if self.refuse:

@@ -197,8 +197,8 @@ def test_one_compiler_per_server_caches_each_schema(client, smol_server):
     serving, sizes = smol_server.app.state.serving, []
     for _ in range(2):
         ask(client, max_tokens=20, extra_body={"guided_json": schema})
-        sizes.append(serving._grammar_compiler.cache_info()["size"])
-    assert sizes[0] == sizes[1] and StructuredSpec("json_schema", json.dumps(schema)) in serving._grammar_compiler._cache
+        sizes.append(serving.preparer._grammar_compiler.cache_info()["size"])
+    assert sizes[0] == sizes[1] and StructuredSpec("json_schema", json.dumps(schema)) in serving.preparer._grammar_compiler._cache
 
 
 # ---------------------------------------------------------------------------------------------- tiny model

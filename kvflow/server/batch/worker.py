@@ -233,7 +233,7 @@ class BatchWorker:
         if model is not None and not isinstance(model, str):
             return batch_error("invalid_value", "body.model must be a string.", n, "body.model")
         try:
-            self.serving.check_model(model)
+            self.serving.preparer.check_model(model)
         except APIError as e:
             return batch_error(e.code or "model_not_found", e.message, n, "body.model")
         return None

@@ -21,7 +21,9 @@ from kvflow.server.common.errors import GENERATE_ERRORS, APIError
 from kvflow.server.embeddings.protocol import (BYTE_ORDERS, EMBEDDINGS_OPENAPI, EmbeddingData, EmbeddingRequest,
                                                EmbeddingResponse, EmbeddingUsage)
 from kvflow.server.serving.protocol import random_id
-from kvflow.server.serving.serving import OpenAIServing, arrival_time, merge, run_unless_disconnected
+from kvflow.server.serving.generation import merge, run_unless_disconnected
+from kvflow.server.serving.request_preparer import arrival_time
+from kvflow.server.serving.serving import OpenAIServing
 
 
 class EmbeddingsServing:
@@ -33,16 +35,16 @@ class EmbeddingsServing:
     async def create(self, req: EmbeddingRequest, raw: Request | None = None, *, priority: int = 0
                      ) -> EmbeddingResponse:
         """`priority`: the base the request's own priority adds to (the Batch API's; 0 for interactive)."""
-        serving = self.serving
+        serving, preparer = self.serving, self.serving.preparer
         arrival = arrival_time(raw)
-        model = serving.check_model(req.model)
+        model = preparer.check_model(req.model)
         inputs = req.inputs()
         pooling, params = req.pooling_params(), req.sampling_params()
-        serving.check_prompt_chars(max((len(p) for p in inputs if isinstance(p, str)), default=0), "input")
-        prompt_ids = await asyncio.to_thread(serving.completion_prompt_ids, inputs, req.add_special_tokens)
+        preparer.check_prompt_chars(max((len(p) for p in inputs if isinstance(p, str)), default=0), "input")
+        prompt_ids = await asyncio.to_thread(preparer.completion_prompt_ids, inputs, req.add_special_tokens)
         request_id = f"embd-{req.request_id}" if req.request_id else random_id("embd")
-        streams = serving.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES, pooling=pooling,
-                                 priority=serving.priority(req, priority), model=model)
+        streams = preparer.submit(request_id, prompt_ids, params, arrival, req.PARAM_NAMES, pooling=pooling,
+                                  priority=preparer.priority(req, priority), model=model)
         vectors: list[list[float] | None] = [None] * len(streams)
 
         async def gather():

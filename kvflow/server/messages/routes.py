@@ -6,7 +6,7 @@ an assistant's tool_use blocks -> its `tool_calls`, tool_result blocks -> tool m
 role -> one turn (as Anthropic combines them), a final assistant turn -> a prefill the reply continues,
 `stop_sequences` -> `stop`, `tools` -> function tools, `tool_choice` any -> "required" and tool -> a named function,
 `output_config.format` -> `response_format`. `OpenAIServing.start_chat` submits it, and the reply is read back
-through the chat route's own `collect` + `chat_choice` (whole) or `chunks` (streamed): prompts, sampling,
+through the chat route's own `collect` + `renderer.chat_choice` (whole) or `chunks` (streamed): prompts, sampling,
 structured outputs, tool-call parsing, reasoning (--reasoning-parser: a `thinking` block first), usage and metrics are
 the chat route's. This module renders Anthropic's shapes: content blocks, stop reasons, usage, the SSE event sequence the `anthropic` client's parser reads, and
 errors as `{"type": "error", "error": {"type", "message"}}`, whatever raised them (`MessagesRoute`).
@@ -34,9 +34,12 @@ from starlette.exceptions import HTTPException
 from kvflow.async_engine import RequestFailedError
 from kvflow.errors import InvalidRequestError
 from kvflow.server.common.errors import APIError
+from kvflow.server.serving.choice_renderer import usage as chat_usage
+from kvflow.server.serving.chunk_stream import EventStream
+from kvflow.server.serving.generation import Generation
 from kvflow.server.serving.protocol import ChatCompletionRequest, ChatResponseMessage
 from kvflow.server.serving.request_fields import MESSAGES_FIELDS, messages_refused
-from kvflow.server.serving.serving import EventStream, Generation, OpenAIServing
+from kvflow.server.serving.serving import OpenAIServing
 from kvflow.server.messages.protocol import (ContentBlockDeltaEvent, ContentBlockStartEvent, ContentBlockStopEvent,
                                              ContentOut, InputJsonDelta, InputMessage, MESSAGES_PATH,
                                              MessageDeltaEvent, MessageStartEvent, MessageStopEvent,
@@ -348,7 +351,7 @@ def content_blocks(message: ChatResponseMessage) -> list[ContentOut]:
 
 
 def usage(gen: Generation) -> MessagesUsage:
-    u = OpenAIServing.usage(gen)
+    u = chat_usage(gen)
     cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
     return MessagesUsage(input_tokens=u.prompt_tokens - cached, output_tokens=u.completion_tokens,
                          cache_creation_input_tokens=0, cache_read_input_tokens=cached)
@@ -414,7 +417,7 @@ class MessagesAPI:
         if req.stream:
             return EventStream(self.events(gen, message_id), gen.streams)
         result = (await self.serving.collect(gen, raw))[0]
-        choice = self.serving.chat_choice(gen, 0, result)
+        choice = self.serving.renderer.chat_choice(gen, 0, result)
         reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason)
         return MessagesResponse(id=message_id, model=gen.model, content=content_blocks(choice.message),
                                 stop_reason=reason, stop_sequence=sequence, usage=usage(gen))

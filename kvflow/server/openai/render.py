@@ -4,8 +4,8 @@ vLLM's GenerateRequest (vllm/entrypoints/serve/disagg/protocol.py; the routes in
 a chat, a list of them (one per prompt) for a completion. A router computes prefix-cache hits from `token_ids`, or
 hands the request to a generate-only server.
 
-The prompt comes from the generate routes' own path (`OpenAIServing.prepare_chat` / `prepare_completions`, then the
-engine's validator, `OpenAIServing.admit`): the same chat template, tools, encoding, truncation and checks, so
+The prompt comes from the generate routes' own path (`RequestPreparer.prepare_chat` / `prepare_completions`, then
+the engine's validator, `RequestPreparer.admit`): the same chat template, tools, encoding, truncation and checks, so
 `token_ids` are the very ids the route runs, and a request the route would refuse gets the same 400 (or 404),
 naming the same field. The field rule is the route's own: the body is its request model.
 
@@ -27,7 +27,8 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.server.common.errors import APIError
 from kvflow.server.common.schema import OpenAIModel
 from kvflow.server.serving.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
-from kvflow.server.serving.serving import OpenAIServing, PreparedRequest
+from kvflow.server.serving.request_preparer import PreparedRequest
+from kvflow.server.serving.serving import OpenAIServing
 
 # SamplingParams' fields the render does not show: worked out by the server for the engine (vLLM leaves its own out
 # the same way), already applied to token_ids, or not a sampling parameter of vLLM's
@@ -53,12 +54,12 @@ class RenderedRequest(OpenAIModel):
 
 
 async def render_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> RenderedRequest:
-    prepared = await serving.prepare_chat(req)
+    prepared = await serving.preparer.prepare_chat(req)
     return rendered(serving, req, prepared, 0)
 
 
 async def render_completions(serving: OpenAIServing, req: CompletionRequest) -> list[RenderedRequest]:
-    prepared = await serving.prepare_completions(req)
+    prepared = await serving.preparer.prepare_completions(req)
     return [rendered(serving, req, prepared, k) for k in range(len(prepared.prompt_ids))]
 
 
@@ -68,7 +69,7 @@ def rendered(serving: OpenAIServing, req: ChatCompletionRequest | CompletionRequ
     if prepared.beam is not None:       # a search of many one-token requests: no one GenerateRequest to show
         raise APIError(400, "the render routes do not render beam search requests", param="use_beam_search",
                        code="invalid_value")
-    token_ids, max_tokens = serving.admit(prepared.prompt_ids[index], prepared.params, req.PARAM_NAMES)
+    token_ids, max_tokens = serving.preparer.admit(prepared.prompt_ids[index], prepared.params, req.PARAM_NAMES)
     return RenderedRequest(request_id=prepared.engine_request_id(index), token_ids=token_ids,
                            sampling_params=sampling_params_json(prepared.params, max_tokens), model=req.model,
                            stream=bool(req.stream), stream_options=req.stream_options if req.stream else None,

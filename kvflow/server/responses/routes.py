@@ -3,7 +3,7 @@
 A Responses request becomes one `ChatCompletionRequest` (instructions -> a system message first, input items ->
 messages, `text.format` -> `response_format`, function tools -> chat tools and `tool_choice`, `max_output_tokens` ->
 `max_tokens`), submitted through `OpenAIServing.start_chat`; the answer is read back through the chat route's own
-`collect` + `chat_choice` (whole) or `chunks` (streamed), so prompts, sampling, structured outputs, tool-call
+`collect` + `renderer.chat_choice` (whole) or `chunks` (streamed), so prompts, sampling, structured outputs, tool-call
 parsing, reasoning (--reasoning-parser: a `reasoning` item before the message), usage, errors and metrics are the chat
 route's. This module only renders the Responses shapes: output items
 and the typed event sequence openai-python's stream parser expects. A 400 from the chat path names the field as
@@ -34,7 +34,10 @@ from kvflow.server.responses.protocol import (INCLUDE_LOGPROBS, IncompleteDetail
                                               ResponsesRequest, ResponsesResponse, ResponseStreamEvent,
                                               ResponseTextDeltaEvent, ResponseTextDoneEvent, ResponseTokenLogprob,
                                               ResponseUsage, OutputTokensDetails, ReasoningText, response_id)
-from kvflow.server.serving.serving import EventStream, Generation, OpenAIServing
+from kvflow.server.serving.choice_renderer import usage as chat_usage
+from kvflow.server.serving.chunk_stream import EventStream
+from kvflow.server.serving.generation import Generation
+from kvflow.server.serving.serving import OpenAIServing
 
 # the OpenAPI document's 200 for the route (its errors are the chat route's)
 RESPONSES_OPENAPI = {200: {"model": ResponsesResponse,
@@ -70,12 +73,12 @@ class ResponsesServing:
         if req.stream:
             return EventStream(self.events(gen, head, req.include_logprobs), gen.streams)
         results = await self.serving.collect(gen, raw)
-        choice = self.serving.chat_choice(gen, 0, results[0])
+        choice = self.serving.renderer.chat_choice(gen, 0, results[0])
         incomplete = choice.finish_reason == "length"
         return head.model_copy(update=dict(
             status="incomplete" if incomplete else "completed", completed_at=int(time.time()),
             incomplete_details=IncompleteDetails() if incomplete else None,
-            output=output_items(choice, req.include_logprobs), usage=response_usage(self.serving.usage(gen))))
+            output=output_items(choice, req.include_logprobs), usage=response_usage(chat_usage(gen))))
 
     async def start(self, req: ResponsesRequest, rid: str, raw: Request | None) -> Generation:
         """The chat request submitted; a 400 from anywhere on the way names the Responses API's field."""
@@ -115,7 +118,7 @@ class ResponsesServing:
                             yield e
                     if choice.finish_reason is not None:
                         finish = choice.finish_reason
-            for e in writer.finish(finish, response_usage(self.serving.usage(gen))):
+            for e in writer.finish(finish, response_usage(chat_usage(gen))):
                 yield e
         except RequestFailedError as err:
             yield writer.fail(self.serving.failure(err).message)

@@ -79,7 +79,7 @@ class ChatTemplateOptions:
         return self.chat_template if self.chat_template is not None else default
 
     def render_args(self) -> dict[str, Any]:
-        """Keyword arguments of OpenAIServing.chat_prompt_ids."""
+        """Keyword arguments of RequestPreparer.chat_prompt_ids."""
         return dict(self.template_kwargs, add_generation_prompt=self.add_generation_prompt,
                     continue_final_message=self.continue_final_message, add_special_tokens=self.add_special_tokens,
                     chat_template=self.chat_template)

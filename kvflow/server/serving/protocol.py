@@ -85,7 +85,7 @@ class ChatMessage(OpenAIModel):
 
 
 # vLLM's request field: the scheduler's priority, a lower value first; honoured only under --scheduling-policy
-# priority (OpenAIServing.priority), as vLLM. Bounded so that the Batch API's offset cannot overflow anything.
+# priority (RequestPreparer.priority), as vLLM. Bounded so that the Batch API's offset cannot overflow anything.
 MAX_PRIORITY = 2**31 - 1
 PRIORITY_FIELD = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY,
                        description="scheduling priority, a lower value first (vLLM's); needs --scheduling-policy "

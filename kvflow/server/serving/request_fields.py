@@ -132,7 +132,7 @@ def beam_search_refused(route: str, values: dict) -> str | None:
     return None
 
 
-# ---- /v1/embeddings (server/embeddings_api.py) -------------------------------------------------------------------
+# ---- /v1/embeddings (server/embeddings/routes.py) ----------------------------------------------------------------
 # vLLM's EmbeddingCompletionRequest over its versions (the pooling mixins of `entrypoints/pooling/base/protocol.py`:
 # `normalize` until it became `use_activation`; `additional_data` before; `padding`, `truncation_side`, `cache_salt`,
 # `mm_processor_kwargs` since), and `messages`, the field of its chat form (EmbeddingChatRequest), written down by hand.
