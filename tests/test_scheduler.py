@@ -390,3 +390,22 @@ def test_prefix_cache_blocks_are_keyed_by_the_adapter():
         sched.update(out, sampled(out))
         assert r.num_cached_tokens == (8 if rid == "r4" else 0), rid
     kv.check()
+
+
+# ---- prefix-cache counters: a query counts when its request is admitted ------------------------------------------
+
+def test_prefix_cache_queries_count_once_when_the_request_is_admitted():
+    kv = KVCacheManager(4, 4, enable_prefix_caching=True)
+    sched = Scheduler(EngineConfig(), kv, max_model_len=256)
+    reqs = {"a": add(sched, "a", 12, max_tokens=2)}
+    run_step(sched, reqs)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (12, 0)
+    b = Request("b", list(range(1, 5)) + [50] * 8, SamplingParams(max_tokens=1, ignore_eos=True), 1)
+    sched.add_request(b)                                  # a's first block, then 2 blocks more than are free
+    out = run_step(sched, reqs)
+    assert [s.request_id for s in out.scheduled] == ["a"]
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (12, 0)     # b looked, waits: not counted
+    out = run_step(sched, reqs)                           # a finished last step: b is admitted, its hit counted
+    assert [s.request_id for s in out.scheduled] == ["b"] and b.num_cached_tokens == 4
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (24, 4)
+    kv.check()

@@ -195,10 +195,9 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if not self.kv.allocate_slots(req, reserve, computed_blocks):
                 req.num_computed_tokens = 0
-                if queried:                                       # not admitted: not a query yet
-                    self.kv.prefix_cache_queries -= req.num_tokens
-                    self.kv.prefix_cache_hits -= num_cached
                 break
+            if queried:
+                self.kv.record_prefix_query(req, num_cached)
             if busy is None:
                 self.waiting.popleft()
             else:
