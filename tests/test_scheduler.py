@@ -392,7 +392,15 @@ def test_prefix_cache_blocks_are_keyed_by_the_adapter():
     kv.check()
 
 
-# ---- prefix-cache counters: a query counts when its request is admitted ------------------------------------------
+# ---- the scheduler's seams: the waiting queue by policy, prefix-cache counters on admission ----------------------
+def test_every_scheduling_policy_has_a_waiting_queue():
+    from kvflow.config import SCHEDULING_POLICIES
+    from kvflow.core.waiting_queue import REQUEST_QUEUES, StaticBatchQueue, WaitingQueue, create_request_queue
+
+    assert set(REQUEST_QUEUES) == set(SCHEDULING_POLICIES)
+    assert type(create_request_queue("static")) is StaticBatchQueue
+    assert all(type(create_request_queue(p)) is WaitingQueue for p in ("continuous", "fcfs", "priority"))
+
 
 def test_prefix_cache_queries_count_once_when_the_request_is_admitted():
     kv = KVCacheManager(4, 4, enable_prefix_caching=True)

@@ -47,7 +47,7 @@ from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.lora_slots import LoRASlots
 from kvflow.core.outputs import EngineOutput, ScheduledRequest, SchedulerOutput
-from kvflow.core.waiting_queue import WaitingQueue
+from kvflow.core.waiting_queue import create_request_queue
 from kvflow.request import Request, RequestStatus
 from kvflow.runner.step import ModelStep, PromptLogprobsRow, SampledTokens, SamplingRow, StepBatch
 from kvflow.spec_decode import make_proposer
@@ -73,12 +73,11 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
-        self.static = config.scheduling_policy == "static"
         self.pool_every_position = config.pooling == "mean"     # else only the last prompt position
         self.max_model_len = max_model_len
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}   # every unfinished request, by id
-        self.waiting = WaitingQueue()          # lowest priority value first, then arrival order
+        self.waiting = create_request_queue(config.scheduling_policy)   # lowest priority value first, then arrival
         self.running: list[Request] = []      # (priority, admission) order: the last is preempted first
         self.num_preemptions = 0
         self.max_background_seqs = config.max_background_seqs
@@ -168,16 +167,14 @@ class Scheduler:
                     background_tokens -= num_new
                 i += 1
 
-        # static batching: a batch forms while none of its requests has produced a token (its prefill
-        # steps), then runs to completion before the next batch is admitted
-        batch_closed = self.static and any(r.num_output_tokens > 0 for r in self.running)
-        may_admit = not out_of_blocks and not batch_closed
+        may_admit = not out_of_blocks and self.waiting.admits(self.running)
         busy = self._busy_adapters() if self.lora is not None else None
+        whole = self.waiting.admits_whole_prompts
         while may_admit and self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek() if busy is None else self._next_admissible(busy)
             if req is None:
                 break
-            if not self.static and min(budget, prefill_budget) <= 0:
+            if not whole and min(budget, prefill_budget) <= 0:
                 break
             if req.priority > background_above:
                 if background_left <= 0:
@@ -190,8 +187,7 @@ class Scheduler:
             computed_blocks, num_cached = self.kv.get_computed_blocks(req) if queried else ([], 0)
             remaining = req.num_tokens - num_cached
             num_new = min(remaining, room, prefill_budget)     # prefill_budget >= budget unless capped
-            # static admits the whole batch now and prefills it over the next steps
-            reserve = remaining if self.static else num_new
+            reserve = remaining if whole else num_new
             req.num_computed_tokens = num_cached
             if not self.kv.allocate_slots(req, reserve, computed_blocks):
                 req.num_computed_tokens = 0
