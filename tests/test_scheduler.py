@@ -392,7 +392,7 @@ def test_prefix_cache_blocks_are_keyed_by_the_adapter():
     kv.check()
 
 
-# ---- the scheduler's seams: the waiting queue by policy, prefix-cache counters on admission ----------------------
+# ---- the scheduler's seams: the waiting queue by policy, the step budget, prefix-cache counters on admission ------
 def test_every_scheduling_policy_has_a_waiting_queue():
     from kvflow.config import SCHEDULING_POLICIES
     from kvflow.core.waiting_queue import REQUEST_QUEUES, StaticBatchQueue, WaitingQueue, create_request_queue
@@ -400,6 +400,22 @@ def test_every_scheduling_policy_has_a_waiting_queue():
     assert set(REQUEST_QUEUES) == set(SCHEDULING_POLICIES)
     assert type(create_request_queue("static")) is StaticBatchQueue
     assert all(type(create_request_queue(p)) is WaitingQueue for p in ("continuous", "fcfs", "priority"))
+
+
+def test_the_step_budget_counts_rows_and_tokens_by_value():
+    from kvflow.core.step_budget import StepBudget
+
+    chat = Request("chat", [1, 2], SamplingParams(max_tokens=1), 1)
+    batch = Request("batch", [1, 2], SamplingParams(max_tokens=1), 1, priority=10)
+    budget = StepBudget(tokens=64, prefill_tokens=8, background_above=0, background_rows=1, background_tokens=16,
+                        draft_rows=4)
+    assert budget.take_row(chat) == 64                    # priority 0: the whole budget, no background row
+    budget.take(chat, 6, prefill=True)
+    assert (budget.tokens, budget.prefill_tokens, budget.background_tokens) == (58, 2, 16)
+    assert budget.take_row(batch) == 16                   # the one background row, its tokens capped
+    budget.take(batch, 3, num_drafts=2)
+    assert (budget.tokens, budget.background_tokens, budget.draft_rows) == (55, 13, 2)
+    assert budget.take_row(batch) == 0                    # no background row left
 
 
 def test_prefix_cache_queries_count_once_when_the_request_is_admitted():
