@@ -390,3 +390,46 @@ def test_prefix_cache_blocks_are_keyed_by_the_adapter():
         sched.update(out, sampled(out))
         assert r.num_cached_tokens == (8 if rid == "r4" else 0), rid
     kv.check()
+
+
+# ---- the scheduler's seams: the waiting queue by policy, the step budget, prefix-cache counters on admission ------
+def test_every_scheduling_policy_has_a_waiting_queue():
+    from kvflow.config import SCHEDULING_POLICIES
+    from kvflow.core.waiting_queue import REQUEST_QUEUES, StaticBatchQueue, WaitingQueue, create_request_queue
+
+    assert set(REQUEST_QUEUES) == set(SCHEDULING_POLICIES)
+    assert type(create_request_queue("static")) is StaticBatchQueue
+    assert all(type(create_request_queue(p)) is WaitingQueue for p in ("continuous", "fcfs", "priority"))
+
+
+def test_the_step_budget_counts_rows_and_tokens_by_value():
+    from kvflow.core.step_budget import StepBudget
+
+    chat = Request("chat", [1, 2], SamplingParams(max_tokens=1), 1)
+    batch = Request("batch", [1, 2], SamplingParams(max_tokens=1), 1, priority=10)
+    budget = StepBudget(tokens=64, prefill_tokens=8, background_above=0, background_rows=1, background_tokens=16,
+                        draft_rows=4)
+    assert budget.take_row(chat) == 64                    # priority 0: the whole budget, no background row
+    budget.take(chat, 6, prefill=True)
+    assert (budget.tokens, budget.prefill_tokens, budget.background_tokens) == (58, 2, 16)
+    assert budget.take_row(batch) == 16                   # the one background row, its tokens capped
+    budget.take(batch, 3, num_drafts=2)
+    assert (budget.tokens, budget.background_tokens, budget.draft_rows) == (55, 13, 2)
+    assert budget.take_row(batch) == 0                    # no background row left
+
+
+def test_prefix_cache_queries_count_once_when_the_request_is_admitted():
+    kv = KVCacheManager(4, 4, enable_prefix_caching=True)
+    sched = Scheduler(EngineConfig(), kv, max_model_len=256)
+    reqs = {"a": add(sched, "a", 12, max_tokens=2)}
+    run_step(sched, reqs)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (12, 0)
+    b = Request("b", list(range(1, 5)) + [50] * 8, SamplingParams(max_tokens=1, ignore_eos=True), 1)
+    sched.add_request(b)                                  # a's first block, then 2 blocks more than are free
+    out = run_step(sched, reqs)
+    assert [s.request_id for s in out.scheduled] == ["a"]
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (12, 0)     # b looked, waits: not counted
+    out = run_step(sched, reqs)                           # a finished last step: b is admitted, its hit counted
+    assert [s.request_id for s in out.scheduled] == ["b"] and b.num_cached_tokens == 4
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (24, 4)
+    kv.check()

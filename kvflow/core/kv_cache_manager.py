@@ -30,7 +30,7 @@ class KVCacheManager:
         self.cached: dict[tuple, int] = {}                          # key -> block id
         self.block_tables: dict[str, list[int]] = {}
         self.num_hashed_blocks: dict[str, int] = {}
-        # counters (tokens) for metrics
+        # counters (tokens) for metrics; a query counts when its request is admitted
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_evictions = 0         # cached blocks overwritten to serve new ones
@@ -69,7 +69,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest run of cached blocks at the start of the request's tokens, and how many tokens
-        they hold. At least one token is always left to compute, so the step has logits to sample."""
+        they hold. At least one token is always left to compute, so the step has logits to sample. A lookup
+        only: the counters move when the request is admitted (`record_prefix_query`)."""
         if not self.caches(request):
             return [], 0
         num_full = (request.num_tokens - 1) // self.block_size
@@ -79,9 +80,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, request: Request, num_cached: int) -> None:
+        """Count an admitted request's prefix-cache query: its tokens queried, `num_cached` of them hits (from
+        `get_computed_blocks`). Once per admission: a request that looked but had to wait counts nothing yet."""
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_cached
 
     def cache_full_blocks(self, request: Request) -> None:
         """Give keys to the request's blocks that became full of computed KV during this step."""

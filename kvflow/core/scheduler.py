@@ -1,9 +1,12 @@
 """Scheduler: decides who runs each step and how many tokens each computes. It never touches tensors.
 
-One token budget per step. Running requests go first (a decode costs one token, an unfinished prefill
-takes what is left of the budget); then waiting requests are admitted while the budget, `max_num_seqs` and free
-blocks allow. A request that needs a block when none is free preempts the newest running request, which loses
-its KV and goes back to the head of the waiting queue (recompute).
+One token budget per step (`StepBudget` holds what is left of it, and of the caps below, while the step is handed
+out). Running requests go first (a decode costs one token, an unfinished prefill takes what is left of the budget);
+then waiting requests are admitted while the budget, `max_num_seqs` and free blocks allow. A request that needs a
+block when none is free preempts the newest running request, which loses its KV and goes back to the head of the
+waiting queue (recompute). The waiting queue is the `--scheduling-policy`'s (`create_request_queue`): the order its
+requests leave in, and when they may (static batching: a whole batch, then nothing until it has finished). A
+request's prefix-cache query (vLLM's `prefix_cache_queries` / `hits`) counts when it is admitted.
 
 Priorities (vLLM's: a lower `Request.priority` value first; interactive requests 0, the Batch API's lines 10):
 the waiting queue is admitted lowest value first (`WaitingQueue`), the running list is kept in (priority,
@@ -47,7 +50,8 @@ from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.lora_slots import LoRASlots
 from kvflow.core.outputs import EngineOutput, ScheduledRequest, SchedulerOutput
-from kvflow.core.waiting_queue import WaitingQueue
+from kvflow.core.step_budget import StepBudget
+from kvflow.core.waiting_queue import create_request_queue
 from kvflow.request import Request, RequestStatus
 from kvflow.runner.step import ModelStep, PromptLogprobsRow, SampledTokens, SamplingRow, StepBatch
 from kvflow.spec_decode import make_proposer
@@ -73,12 +77,11 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
-        self.static = config.scheduling_policy == "static"
         self.pool_every_position = config.pooling == "mean"     # else only the last prompt position
         self.max_model_len = max_model_len
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}   # every unfinished request, by id
-        self.waiting = WaitingQueue()          # lowest priority value first, then arrival order
+        self.waiting = create_request_queue(config.scheduling_policy)   # lowest priority value first, then arrival
         self.running: list[Request] = []      # (priority, admission) order: the last is preempted first
         self.num_preemptions = 0
         self.max_background_seqs = config.max_background_seqs
@@ -107,51 +110,72 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        prefill_tokens = self._prefill_tokens()    # over the requests running as the step starts, before any give way
+        yield_above = self._make_way(out)
+        budget = self._step_budget(prefill_tokens)
+        out_of_blocks = self._schedule_running(budget, yield_above, out)
+        # no request is admitted in a step that preempted for blocks
+        if not out_of_blocks and self.waiting.admits(self.running):
+            self._schedule_waiting(budget, out)
+        if out.scheduled:
+            # decodes first (stable), speculating requests among them: their rows are decode rows
+            out.rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1 and not s.draft_token_ids)
+            out.step = self._model_step(out.rows)
+        return out
+
+    def _prefill_tokens(self) -> int:
+        """The step's prompt tokens: `max_prefill_tokens_while_decoding` while a running request is generating (a
+        decode: one token to compute, some output already), else the whole budget."""
         cap = self.max_prefill_tokens_while_decoding
         decoding = cap > 0 and any(r.num_output_tokens > 0 and r.num_tokens - r.num_computed_tokens == 1
                                    for r in self.running)
-        prefill_budget = cap if decoding else budget          # prompt tokens this step
-        # a waiting request of a lower value than running ones: they give way (preempted if it would not fit, and
-        # left out of the step it is admitted in, so its first token costs what it would without them)
-        yield_above = None
-        if self.waiting and self.running and self.waiting.peek().priority < self.running[-1].priority:
-            yield_above = self.waiting.peek().priority
-            self._preempt_for(self.waiting.peek(), out)
-        out_of_blocks = False
+        return cap if decoding else self.max_num_batched_tokens
+
+    def _make_way(self, out: SchedulerOutput) -> int | None:
+        """A waiting request of a lower value than running ones: they give way (preempted if it would not fit, and
+        left out of the step it is admitted in, so its first token costs what it would without them). The value
+        above which running requests sit out this step; None when none do."""
+        if not (self.waiting and self.running and self.waiting.peek().priority < self.running[-1].priority):
+            return None
+        head = self.waiting.peek()
+        self._preempt_for(head, out)
+        return head.priority
+
+    def _step_budget(self, prefill_tokens: int) -> StepBudget:
+        """This step's budget; draft rows only while few enough requests run to speculate (`disable_by_batch_size`),
+        up to the largest compiled decode bucket."""
         speculate = self.proposer is not None and len(self.running) <= self.spec_max_running
-        spare_rows = self.spec_max_rows - len(self.running) if speculate else 0     # for draft rows this step
-        background_above = self._background_above()
-        background_left = self.max_background_seqs
-        background_tokens = self.max_background_tokens or budget      # for values above 0, at all times
+        return StepBudget(tokens=self.max_num_batched_tokens, prefill_tokens=prefill_tokens,
+                          background_above=self._background_above(), background_rows=self.max_background_seqs,
+                          background_tokens=self.max_background_tokens or self.max_num_batched_tokens,
+                          draft_rows=self.spec_max_rows - len(self.running) if speculate else 0)
+
+    def _schedule_running(self, budget: StepBudget, yield_above: int | None, out: SchedulerOutput) -> bool:
+        """The running requests, in order: a decode costs one token (or 1 + its drafts), an unfinished prompt
+        (or recompute) a chunk of what is left. A request that needs a block when none is free preempts the last
+        running request (itself, if it is the last). Whether any was preempted for blocks."""
+        out_of_blocks = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
             if yield_above is not None and req.priority > yield_above:
                 break                                          # the rest are of higher values too (sorted)
-            if req.priority > background_above:
-                if background_left <= 0:
-                    break                                      # the rest are background too (sorted)
-                background_left -= 1
-            room = budget if req.priority <= 0 else min(budget, background_tokens)
+            room = budget.take_row(req)
             if room <= 0:
-                break                                          # the rest are above 0 too (sorted)
+                break                                          # the rest are of the same or higher values (sorted)
             remaining = req.num_tokens - req.num_computed_tokens
             num_new = min(remaining, room)
-            if remaining > 1:                                  # a prompt (or recompute) chunk, not a decode
-                num_new = min(num_new, prefill_budget)
+            prefill = remaining > 1                            # a prompt (or recompute) chunk, not a decode
+            if prefill:
+                num_new = min(num_new, budget.prefill_tokens)
                 if num_new <= 0:
                     i += 1
                     continue
-                prefill_budget -= num_new
-            elif spare_rows > 0 and room > 1:
-                drafts = self._drafts(req, min(room - 1, spare_rows))
+            elif budget.draft_rows > 0 and room > 1:
+                drafts = self._drafts(req, min(room - 1, budget.draft_rows))
                 if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
                     out.scheduled.append(self._scheduled(req, 1 + len(drafts), drafts))
-                    budget -= 1 + len(drafts)
-                    if req.priority > 0:
-                        background_tokens -= 1 + len(drafts)
-                    spare_rows -= len(drafts)
+                    budget.take(req, 1 + len(drafts), num_drafts=len(drafts))
                     i += 1
                     continue
             while not self.kv.allocate_slots(req, num_new):
@@ -160,45 +184,37 @@ class Scheduler:
                 out.preempted_ids.append(victim.request_id)
                 out_of_blocks = True
                 if victim is req:
-                    break
+                    break                                      # it was the last: the loop ends
             else:
                 out.scheduled.append(self._scheduled(req, num_new))
-                budget -= num_new
-                if req.priority > 0:
-                    background_tokens -= num_new
+                budget.take(req, num_new, prefill=prefill)
                 i += 1
+        return out_of_blocks
 
-        # static batching: a batch forms while none of its requests has produced a token (its prefill
-        # steps), then runs to completion before the next batch is admitted
-        batch_closed = self.static and any(r.num_output_tokens > 0 for r in self.running)
-        may_admit = not out_of_blocks and not batch_closed
+    def _schedule_waiting(self, budget: StepBudget, out: SchedulerOutput) -> None:
+        """Admit waiting requests, in the queue's order, while the budget, `max_num_seqs` and the free blocks allow;
+        each starts after its prefix-cache hits, and its first chunk runs in this step."""
         busy = self._busy_adapters() if self.lora is not None else None
-        while may_admit and self.waiting and len(self.running) < self.max_num_seqs:
+        whole = self.waiting.admits_whole_prompts     # static: blocks for the whole prompt, past the prompt budget
+        while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek() if busy is None else self._next_admissible(busy)
             if req is None:
                 break
-            if not self.static and min(budget, prefill_budget) <= 0:
+            if not whole and min(budget.tokens, budget.prefill_tokens) <= 0:
                 break
-            if req.priority > background_above:
-                if background_left <= 0:
-                    break
-                background_left -= 1
-            room = budget if req.priority <= 0 else min(budget, background_tokens)
+            room = budget.take_row(req)
             if room <= 0:
                 break                                             # the rest wait in priority order: above 0 too
             queried = self.kv.caches(req) and self._takes_prefix_hits(req)
             computed_blocks, num_cached = self.kv.get_computed_blocks(req) if queried else ([], 0)
             remaining = req.num_tokens - num_cached
-            num_new = min(remaining, room, prefill_budget)     # prefill_budget >= budget unless capped
-            # static admits the whole batch now and prefills it over the next steps
-            reserve = remaining if self.static else num_new
+            num_new = min(remaining, room, budget.prefill_tokens)
             req.num_computed_tokens = num_cached
-            if not self.kv.allocate_slots(req, reserve, computed_blocks):
+            if not self.kv.allocate_slots(req, remaining if whole else num_new, computed_blocks):
                 req.num_computed_tokens = 0
-                if queried:                                       # not admitted: not a query yet
-                    self.kv.prefix_cache_queries -= req.num_tokens
-                    self.kv.prefix_cache_hits -= num_cached
                 break
+            if queried:
+                self.kv.record_prefix_query(req, num_cached)
             if busy is None:
                 self.waiting.popleft()
             else:
@@ -216,15 +232,7 @@ class Scheduler:
                 self.running.append(req)
             if num_new > 0:
                 out.scheduled.append(self._scheduled(req, num_new))
-                budget -= num_new
-                prefill_budget -= num_new
-                if req.priority > 0:
-                    background_tokens -= num_new
-        if out.scheduled:
-            # decodes first (stable), speculating requests among them: their rows are decode rows
-            out.rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1 and not s.draft_token_ids)
-            out.step = self._model_step(out.rows)
-        return out
+                budget.take(req, num_new, prefill=True)
 
     # ---- LoRA ----------------------------------------------------------------------------------
     def _busy_adapters(self) -> set[int]:
