@@ -155,9 +155,7 @@ class LLM:
 
     def _compile(self, params: SamplingParams) -> SamplingParams:
         """What the frontend resolves before the engine sees a request: the grammar, the bad words' ids."""
-        if params.bad_words and params.bad_words_token_ids is None:
-            params = dataclasses.replace(params)
-            params.resolve_bad_words(self.tokenizer.encode)
+        params = params.with_bad_words_resolved(self.tokenizer.encode)
         if not params.structured_outputs or params.structured is not None:
             return params
         spec = spec_from_request({"structured_outputs": params.structured_outputs})

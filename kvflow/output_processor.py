@@ -11,7 +11,6 @@ An embedding request (`pooling`) has no text: its outputs carry sums of pooled h
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -112,8 +111,7 @@ class OutputProcessor:
         for i in range(params.n):
             core_id = request_id if params.n == 1 else f"{request_id}-{i}"
             # one choice computes the prompt logprobs; the others may then take the prompt from the prefix cache
-            child = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=params.child_seed(i), prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            child = params if params.n == 1 else params.child(i)
             detok = None if self.tokenizer is None or pooling is not None else IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=child.skip_special_tokens, stop=child.stop,
                 include_stop_str_in_output=child.include_stop_str_in_output)

@@ -216,7 +216,7 @@ class OpenAIServing:
             raise APIError(400, "include_reasoning=false needs a server started with --reasoning-parser NAME: "
                                 "without one no reasoning is split off the answer", param="include_reasoning")
         if beam is None:
-            await self.constrain(params, req, tools, reasoning=self.reasoning_parser is not None)
+            params = await self.constrain(params, req, tools, reasoning=self.reasoning_parser is not None)
         messages, render_args = self.chat_render_args(req, tools)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")   # text, flattened above
         prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, messages, **render_args)
@@ -233,7 +233,7 @@ class OpenAIServing:
         params = self.sampling_params(req, num_prompts=len(prompts))
         beam = self.beam_search_params(req, params)
         if beam is None:
-            await self.constrain(params, req)
+            params = await self.constrain(params, req)
         # each prompt is its own request: the longest one decides
         self.check_prompt_chars(max((len(p) for p in prompts if isinstance(p, str)), default=0), "prompt")
         prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, prompts, req.add_special_tokens)
@@ -301,8 +301,7 @@ class OpenAIServing:
         return model
 
     def sampling_params(self, req: ChatCompletionRequest | CompletionRequest, num_prompts: int) -> SamplingParams:
-        params = req.to_sampling_params()
-        params.resolve_bad_words(self.tokenizer.encode)
+        params = req.to_sampling_params().with_bad_words_resolved(self.tokenizer.encode)
         if params.n * num_prompts > self.max_n:
             what = f"n={params.n}" if num_prompts == 1 else f"n={params.n} times {num_prompts} prompts"
             raise APIError(400, f"{what} asks for more than {self.max_n} sequences (--max-n)",
@@ -322,8 +321,8 @@ class OpenAIServing:
         return req.to_beam_search_params(params)
 
     async def constrain(self, params: SamplingParams, req: ChatCompletionRequest | CompletionRequest,
-                        tools: ToolRequest | None = None, reasoning: bool = False) -> None:
-        """Compile the request's output constraint, if any, into params.structured (400 naming the field).
+                        tools: ToolRequest | None = None, reasoning: bool = False) -> SamplingParams:
+        """`params` with the request's output constraint, if any, compiled into `structured` (400 naming the field).
         `reasoning`: a chat under --reasoning-parser, where a constraint is refused: it would apply to the answer,
         after the reasoning, but kvflow's grammars constrain the output from its first token, and one that started
         there would forbid the reasoning (or be broken by it)."""
@@ -341,9 +340,10 @@ class OpenAIServing:
         if (record := current_record()) is not None and (forced or spec) is not None:
             record.structured_output = "tool_choice" if forced is not None else spec.kind
         spec = forced or spec
-        if spec is not None:
-            compiler = await self.grammar_compiler()
-            params.structured = await compiler.compile_async(spec)
+        if spec is None:
+            return params
+        compiler = await self.grammar_compiler()
+        return dataclasses.replace(params, structured=await compiler.compile_async(spec))
 
     async def grammar_compiler(self) -> GrammarCompiler:
         """The server's one compiler, built on first use (~0.5 s for a 49k vocabulary, off the event loop)."""
