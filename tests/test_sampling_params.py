@@ -1,10 +1,13 @@
-"""SamplingParams frozen once checked: a change is a new, checked object; n > 1's children are copies made without
-checking again."""
+"""SamplingParams frozen once checked (a change is a new, checked object; n > 1's children are copies made without
+checking again) and the one request record (AddRequest) the core builds its Request from."""
 import dataclasses
 
 import pytest
 
+from kvflow.core.messages import AddRequest
 from kvflow.errors import InvalidRequestError
+from kvflow.lora_request import LoRARequest
+from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
 
@@ -43,3 +46,15 @@ def test_bad_words_resolve_into_new_params():
     assert resolved.bad_words_token_ids == [[97, 98]]     # " ab" is one token longer: only the bare word
     plain = SamplingParams()
     assert resolved.with_bad_words_resolved(None) is resolved and plain.with_bad_words_resolved(None) is plain
+
+
+def test_the_core_builds_its_request_from_the_record():
+    lora = LoRARequest("a", 1, "/adapters/a")
+    add = AddRequest("r", [1, 2, 3], SamplingParams(max_tokens=5), 12.5, max_tokens=5, priority=3, lora=lora,
+                     cache_prefix=True)
+    req = Request.from_add_request(add, frozenset({2}))
+    assert (req.request_id, req.prompt_token_ids, req.params, req.max_tokens, req.arrival_time, req.priority,
+            req.lora, req.cache_prefix, req.pooling, req.eos_token_ids) == (
+        "r", [1, 2, 3], add.params, 5, 12.5, 3, lora, True, None, frozenset({2}))
+    with pytest.raises(ValueError, match="max_tokens"):     # not admitted: EngineCore checks it first
+        Request.from_add_request(dataclasses.replace(add, max_tokens=None))

@@ -30,8 +30,8 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from kvflow.async_engine import (CompletionDelta, EngineDeadError, EngineOverloadedError, EngineShutdownError,
-                                 RequestFailedError, RequestStream)
+from kvflow.async_engine import (AddRequest, CompletionDelta, EngineDeadError, EngineOverloadedError,
+                                 EngineShutdownError, RequestFailedError, RequestStream)
 from kvflow.server.common.config import DEFAULT_MAX_N
 from kvflow.server.common.errors import APIError
 from kvflow.server.serving.protocol import (ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -425,21 +425,14 @@ class OpenAIServing:
         `pooling`: embedding requests (server/embeddings_api.py); `priority`: the scheduler's (lower first); `beam`:
         a beam search per prompt instead (AsyncEngine.beam_search; `params` gives its prompt's truncation)."""
         streams: list[RequestStream] = []
-        lora = self.lora_for(model) if model is not None else None
-        extra = {"lora": lora} if lora is not None else {}      # `model`: a LoRA adapter's name selects it
+        lora = self.lora_for(model) if model is not None else None     # `model`: a LoRA adapter's name selects it
         if beam is not None:
             param_names = {"beam_width": "n", **param_names}
         try:
             for k, ids in enumerate(prompts):
-                rid = engine_request_id(request_id, k, len(prompts))
-                if beam is not None:
-                    streams.append(self.engine.beam_search(
-                        rid, ids, beam, arrival_time=arrival, priority=priority,
-                        truncate_prompt_tokens=params.truncate_prompt_tokens, truncation_side=params.truncation_side,
-                        **extra))
-                    continue
-                streams.append(self.engine.submit(rid, ids, params, arrival_time=arrival, pooling=pooling,
-                                                  priority=priority, **extra))
+                request = AddRequest(engine_request_id(request_id, k, len(prompts)), ids, params, arrival,
+                                     pooling=pooling, priority=priority, lora=lora)
+                streams.append(self.engine.submit(request) if beam is None else self.engine.beam_search(request, beam))
         except BaseException as e:
             for s in streams:
                 s.close()
