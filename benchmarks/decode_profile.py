@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from kvflow import LLM, SamplingParams
+from kvflow.core.messages import AddRequest
 
 MATMUL = {"aten::mm", "aten::addmm", "aten::_addmm_activation", "mkldnn::_linear_pointwise",
           "aten::mkldnn_linear", "onednn::linear",
@@ -73,7 +74,7 @@ def profile_decode(llm: LLM, batch: int, steps: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=steps + steps // 2 + 1, ignore_eos=True)
     engine = llm.engine
     for i, p in enumerate(prompts):
-        engine.add_request(f"prof-{batch}-{i}", llm.tokenizer.encode(p), params)
+        engine.add_request(AddRequest(f"prof-{batch}-{i}", llm.tokenizer.encode(p), params))
     engine.step()                                      # the prefill step (and the first token)
     t = time.perf_counter()
     for _ in range(steps // 2):                        # unprofiled steps: the profiler's own overhead

@@ -28,7 +28,6 @@ from kvflow.errors import InvalidRequestError
 from kvflow.lora_request import LoRARequest
 from kvflow.metrics import EngineMetrics, FinishedRequest, RequestTimings
 from kvflow.output_processor import ChoiceState, CompletionDelta, OutputProcessor, RequestState
-from kvflow.pooling_params import PoolingParams
 from kvflow.request_log import RequestLog
 from kvflow.sampling_params import SamplingParams
 
@@ -109,16 +108,17 @@ class BeamSearchStream:
     log: the prompt, each beam's tokens once done, the prompt's cached tokens (its first step's). A step's request
     that fails fails the search (RequestFailedError); closing the stream aborts the step in flight."""
 
-    def __init__(self, engine: "AsyncEngine", search: BeamSearch, state: RequestState, *, priority: int,
-                 lora: LoRARequest | None) -> None:
+    def __init__(self, engine: "AsyncEngine", search: BeamSearch, state: RequestState,
+                 step_request: AddRequest) -> None:
         self.state = state
         self.engine = engine
         self.search = search
         self.error: str | None = None
-        self.priority = priority
-        self.lora = lora
+        # each step's requests: this record with a live beam's tokens (the search's priority, adapter and other
+        # per-request fields carried over; one-token steps that take the prefix cache)
+        self.step_request = step_request
+        self.priority = step_request.priority
         self.recorded = False
-        self.step_params = search.params.step_params()
         self.steps: list[RequestStream] = []        # the step in flight: one request per live beam
         self._closed = False
 
@@ -369,19 +369,17 @@ class AsyncEngine:
         return self.loras.pop(name)
 
     # ---- event loop side ---------------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               arrival_time: float | None = None, pooling: PoolingParams | None = None,
-               priority: int = 0, lora: LoRARequest | None = None) -> RequestStream:
-        """Hand a request to the engine; call from the event loop. Raises InvalidRequestError (bad request),
-        EngineOverloadedError (queue full), EngineShutdownError, EngineDeadError before anything runs. `pooling`:
-        an embedding request, whose stream ends with one delta carrying the vector. `priority`: the scheduler's, a lower
-        value first (interactive 0; the Batch API's lines higher)."""
+    def submit(self, request: AddRequest) -> RequestStream:
+        """Hand a request to the engine; call from the event loop. Admits it (the prompt truncated, max_tokens
+        resolved: `RequestValidator.admit`) and raises InvalidRequestError (bad request), EngineOverloadedError
+        (queue full), EngineShutdownError, EngineDeadError before anything runs. An embedding request (`pooling`)
+        has a stream that ends with one delta carrying the vector."""
         self._check_accepting()
-        prompt_token_ids, max_tokens = self.validator.admit(prompt_token_ids, params, pooling)
-        if request_id in self._streams or request_id in self._beam_searches:
-            raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
-        self._check_queue(params.n, "n")
-        return self._enqueue(request_id, prompt_token_ids, params, max_tokens, arrival_time, pooling, priority, lora)
+        prompt_token_ids, max_tokens = self.validator.admit(request.prompt_token_ids, request.params, request.pooling)
+        if request.request_id in self._streams or request.request_id in self._beam_searches:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
+        self._check_queue(request.params.n, "n")
+        return self._enqueue(dataclasses.replace(request, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens))
 
     def _check_accepting(self) -> None:
         if self.death_reason is not None:
@@ -404,18 +402,14 @@ class AsyncEngine:
             raise EngineOverloadedError(f"the server is overloaded: {queued} requests are waiting "
                                         f"(--max-queue-len {limit}); retry later")
 
-    def _enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
-                 arrival_time: float | None, pooling: PoolingParams | None, priority: int, lora: LoRARequest | None,
-                 cache_prefix: bool = False) -> RequestStream:
+    def _enqueue(self, request: AddRequest) -> RequestStream:
         """An admitted request (checked, max_tokens resolved) to its engine; its stream."""
-        arrival = time.time() if arrival_time is None else arrival_time
-        adds = self.processor.add_request(request_id, prompt_token_ids, params, arrival, max_tokens, pooling,
-                                          priority, lora, cache_prefix)
-        stream = RequestStream(self, self.processor.requests[request_id])
-        stream.priority = priority
-        self._streams[request_id] = stream
+        adds = self.processor.add_request(request)
+        stream = RequestStream(self, self.processor.requests[request.request_id])
+        stream.priority = request.priority
+        self._streams[request.request_id] = stream
         self._pending_adds += len(adds)
-        rank = self.router.choose(prompt_token_ids)     # every choice of a request on one engine: one prefill
+        rank = self.router.choose(request.prompt_token_ids)     # every choice of a request on one engine: one prefill
         for add in adds:
             self._engine_of[add.request_id] = rank
         self.router.load[rank] += len(adds)
@@ -425,24 +419,26 @@ class AsyncEngine:
             pass
         return stream
 
-    def beam_search(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
-                    arrival_time: float | None = None, priority: int = 0, lora: LoRARequest | None = None,
-                    truncate_prompt_tokens: int | None = None, truncation_side: str = "left") -> BeamSearchStream:
-        """vLLM's beam search of one prompt (kvflow/beam_search.py); call from the event loop. Checks it and
+    def beam_search(self, request: AddRequest, params: BeamSearchParams) -> BeamSearchStream:
+        """vLLM's beam search of one prompt (kvflow/beam_search.py); call from the event loop. `request`: the
+        prompt's record, whose SamplingParams give only the prompt's truncation (`params` the search). Checks it and
         submits its first step, raising as `submit` does before anything runs (InvalidRequestError names
         `beam_width` where `submit` names `n`); iterate the stream for the beams. Each later step submits the live
         beams as one-token requests that share the prompt's KV blocks; the search ends like a request (shutdown
         lets it finish within the grace period)."""
         self._check_accepting()
         params.validate()
+        request_id = request.request_id
+        truncate_prompt_tokens = request.params.truncate_prompt_tokens
+        truncation_side = request.params.truncation_side
         limits = SamplingParams(max_tokens=params.max_tokens, truncate_prompt_tokens=truncate_prompt_tokens,
                                 truncation_side=truncation_side)
-        prompt_token_ids, max_tokens = self.validator.admit(prompt_token_ids, limits)
+        prompt_token_ids, max_tokens = self.validator.admit(request.prompt_token_ids, limits)
         if request_id in self._streams or request_id in self._beam_searches:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
         self._check_queue(params.beam_width, "beam_width")
         search = BeamSearch(prompt_token_ids, params, max_tokens, self.tokenizer.eos_token_ids)
-        arrival = time.time() if arrival_time is None else arrival_time
+        arrival = request.arrival_time
         # what the request asks for, as usage and the request log read it: beam_width choices
         summary = SamplingParams(n=params.beam_width, max_tokens=max_tokens, temperature=params.temperature,
                                  ignore_eos=params.ignore_eos, skip_special_tokens=params.skip_special_tokens,
@@ -451,7 +447,8 @@ class AsyncEngine:
         state = RequestState(request_id, prompt_token_ids, summary,
                              [ChoiceState(i, f"{request_id}-beam-{i}", RequestTimings(arrival=arrival), None)
                               for i in range(params.beam_width)])
-        stream = BeamSearchStream(self, search, state, priority=priority, lora=lora)
+        step_request = dataclasses.replace(request, params=params.step_params(), max_tokens=1, cache_prefix=True)
+        stream = BeamSearchStream(self, search, state, step_request)
         stream.steps = self._beam_step(stream)
         self._beam_searches[request_id] = stream
         return stream
@@ -468,8 +465,8 @@ class AsyncEngine:
         try:
             for i, tokens in enumerate(search.step_prompts()):
                 rid = f"{stream.state.request_id}-step{search.num_steps}-beam{i}"
-                step = self._enqueue(rid, tokens, stream.step_params, 1, None, None, stream.priority, stream.lora,
-                                     cache_prefix=True)
+                step = self._enqueue(dataclasses.replace(stream.step_request, request_id=rid,
+                                                         prompt_token_ids=tokens, arrival_time=time.time()))
                 step.recorded = True        # the beam search is the request; its steps write no request-log lines
                 steps.append(step)
         except BaseException:

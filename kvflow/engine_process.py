@@ -282,9 +282,7 @@ class _EngineLoop:
                 continue
             num_added += 1
             try:
-                self.core.add_request(m.request_id, m.prompt_token_ids, m.params, arrival_time=m.arrival_time,
-                                      max_tokens=m.max_tokens, pooling=m.pooling, priority=m.priority,
-                                      lora=m.lora, cache_prefix=m.cache_prefix)
+                self.core.add_request(m)
             except Exception as e:  # noqa: BLE001 - validated on submit; a refusal here fails this request only
                 rejected.append((m.request_id, f"{type(e).__name__}: {e}"))
         return num_added, rejected, changed

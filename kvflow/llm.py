@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 import weakref
 from typing import Sequence
 
 from kvflow.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
+from kvflow.core.messages import AddRequest
 from kvflow.lora_request import LoRARequest
 from kvflow.models.model_files import resolve_model_files
 from kvflow.output_processor import OutputProcessor, RequestState
@@ -74,7 +74,8 @@ class LLM:
         encoded = [ids for _, ids in (self._encode(p) for p in self._prompt_list(prompts))]
         admitted = [self.engine.validator.admit(ids, params, pooling) for ids in encoded]
         states = self._drive(OutputProcessor(self.tokenizer),
-                             [(ids, params, max_tokens, pooling) for ids, max_tokens in admitted])
+                             [AddRequest(str(next(self._ids)), ids, params, max_tokens=max_tokens, pooling=pooling)
+                              for ids, max_tokens in admitted])
         failed = next((state for state in states if state.embedding is None), None)
         if failed is not None:
             raise RuntimeError(f"embedding request {failed.request_id} failed: {failed.choices[0].stop_reason}")
@@ -113,14 +114,11 @@ class LLM:
         for start in range(0, len(searches), limit):
             group = list(zip(searches[start:start + limit], loras[start:start + limit]))
             while live := [(search, lora) for search, lora in group if not search.done]:
-                requests, request_loras = [], []
-                for search, lora in live:
-                    for tokens in search.step_prompts():    # each step's tokens fit: prompt + max_tokens <= context
-                        requests.append((tokens, step, 1, None))
-                        request_loras.append(lora)
+                # each step's tokens fit (prompt + max_tokens <= context); the beams share their prompt's KV blocks
+                requests = [AddRequest(str(next(self._ids)), tokens, step, max_tokens=1, lora=lora, cache_prefix=True)
+                            for search, lora in live for tokens in search.step_prompts()]
                 # no detokenizer: a step's token is a candidate, not text yet
-                states = self._drive(OutputProcessor(None, keep_logprobs=True), requests, request_loras,
-                                     cache_prefix=True)
+                states = self._drive(OutputProcessor(None, keep_logprobs=True), requests)
                 k = 0
                 for search, _ in live:
                     n = len(search.beams)
@@ -155,9 +153,7 @@ class LLM:
 
     def _compile(self, params: SamplingParams) -> SamplingParams:
         """What the frontend resolves before the engine sees a request: the grammar, the bad words' ids."""
-        if params.bad_words and params.bad_words_token_ids is None:
-            params = dataclasses.replace(params)
-            params.resolve_bad_words(self.tokenizer.encode)
+        params = params.with_bad_words_resolved(self.tokenizer.encode)
         if not params.structured_outputs or params.structured is not None:
             return params
         spec = spec_from_request({"structured_outputs": params.structured_outputs})
@@ -195,8 +191,8 @@ class LLM:
         # reject a bad prompt before running any; the core trusts what the validator admitted
         admitted = [self.engine.validator.admit(ids, params) for (_, ids), params in zip(encoded, sampling_params)]
         states = self._drive(OutputProcessor(self.tokenizer, keep_logprobs=True),
-                             [(ids, params, max_tokens, None) for (ids, max_tokens), params
-                              in zip(admitted, sampling_params)], loras)
+                             [AddRequest(str(next(self._ids)), ids, params, max_tokens=max_tokens, lora=lora)
+                              for (ids, max_tokens), params, lora in zip(admitted, sampling_params, loras)])
         return [RequestOutput(state.request_id, text, state.prompt_token_ids,
                               [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
                                                 c.logprobs) for c in state.choices],
@@ -206,25 +202,17 @@ class LLM:
                                   for p in state.prompt_logprobs])
                 for (text, _), state in zip(encoded, states)]
 
-    def _drive(self, processor: OutputProcessor,
-               requests: list[tuple[list[int], SamplingParams, int, PoolingParams | None]],
-               loras: list[LoRARequest | None] | None = None, cache_prefix: bool = False) -> list[RequestState]:
-        """Add the admitted requests (prompt ids, params, resolved max_tokens, pooling; `loras`: each one's adapter)
-        and step the engine until every one is done; their states, in order. `cache_prefix`: they take the prefix
-        cache even when the engine's is off (beam search's steps)."""
+    def _drive(self, processor: OutputProcessor, requests: list[AddRequest]) -> list[RequestState]:
+        """Add the admitted requests (max_tokens resolved) and step the engine until every one is done; their
+        states, in order."""
         states: list[RequestState] = []
         added = []
-        loras = loras or [None] * len(requests)
         try:
-            for (ids, params, max_tokens, pooling), lora in zip(requests, loras):
-                rid = str(next(self._ids))
-                for core in processor.add_request(rid, ids, params, time.time(), max_tokens, pooling, lora=lora,
-                                                  cache_prefix=cache_prefix):
-                    self.engine.add_request(core.request_id, core.prompt_token_ids, core.params,
-                                            arrival_time=core.arrival_time, max_tokens=core.max_tokens,
-                                            pooling=core.pooling, lora=core.lora, cache_prefix=core.cache_prefix)
+            for request in requests:
+                for core in processor.add_request(request):
+                    self.engine.add_request(core)
                     added.append(core.request_id)
-                states.append(processor.requests[rid])
+                states.append(processor.requests[request.request_id])
             while self.engine.has_unfinished_requests():
                 processed = processor.process(self.engine.step())
                 if processed.to_abort:

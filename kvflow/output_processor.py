@@ -20,7 +20,6 @@ import numpy as np
 from kvflow.core.messages import AddRequest
 from kvflow.core.outputs import EngineOutput
 from kvflow.detokenizer import IncrementalDetokenizer
-from kvflow.lora_request import LoRARequest
 from kvflow.metrics import RequestTimings
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
@@ -98,31 +97,27 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self._choice_of: dict[str, tuple[RequestState, ChoiceState]] = {}   # core id -> its request and choice
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float, max_tokens: int | None = None,
-                    pooling: PoolingParams | None = None, priority: int = 0,
-                    lora: LoRARequest | None = None, cache_prefix: bool = False) -> list[AddRequest]:
-        """Register a request; returns the core requests to add, one per choice (an embedding request: one).
-        `cache_prefix`: prefix caching for its core requests even when the engine's is off (beam search's steps)."""
+    def add_request(self, request: AddRequest) -> list[AddRequest]:
+        """Register a request; returns the core requests to add, one per choice (an embedding request: one): the
+        request itself when n = 1, else copies of it as `"{id}-{i}"` with `SamplingParams.child(i)`."""
+        request_id, params = request.request_id, request.params
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        state = RequestState(request_id, list(prompt_token_ids), params, [],
-                             prompt_logprobs=None if params.prompt_logprobs is None else [None], pooling=pooling)
+        state = RequestState(request_id, list(request.prompt_token_ids), params, [],
+                             prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                             pooling=request.pooling)
         core = []
         for i in range(params.n):
-            core_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            # one choice computes the prompt logprobs; the others may then take the prompt from the prefix cache
-            child = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=params.child_seed(i), prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            detok = None if self.tokenizer is None or pooling is not None else IncrementalDetokenizer(
-                self.tokenizer, skip_special_tokens=child.skip_special_tokens, stop=child.stop,
-                include_stop_str_in_output=child.include_stop_str_in_output)
-            choice = ChoiceState(i, core_id, RequestTimings(arrival=arrival_time), detok,
-                                 logprobs=[] if self.keep_logprobs and child.logprobs is not None else None)
+            child = request if params.n == 1 else dataclasses.replace(
+                request, request_id=f"{request_id}-{i}", params=params.child(i))
+            detok = None if self.tokenizer is None or request.pooling is not None else IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=child.params.skip_special_tokens, stop=child.params.stop,
+                include_stop_str_in_output=child.params.include_stop_str_in_output)
+            choice = ChoiceState(i, child.request_id, RequestTimings(arrival=request.arrival_time), detok,
+                                 logprobs=[] if self.keep_logprobs and child.params.logprobs is not None else None)
             state.choices.append(choice)
-            self._choice_of[core_id] = (state, choice)
-            core.append(AddRequest(core_id, state.prompt_token_ids, child, arrival_time, max_tokens, pooling,
-                                   priority, lora, cache_prefix))
+            self._choice_of[child.request_id] = (state, choice)
+            core.append(child)
         self.requests[request_id] = state
         return core
 

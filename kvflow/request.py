@@ -1,8 +1,15 @@
-"""Request: one sequence's tokens, progress and status as the engine core sees it (token ids only)."""
+"""A request in the engine core: `AddRequest`, the one record of it from the frontend to the core, and `Request`,
+one sequence's tokens, progress and status as the core runs it (token ids only), built from that record.
+
+A new per-request field touches three rooms: this file (the `AddRequest` field, and its copy on `Request`: an
+`__init__` argument `from_add_request` passes), the frontend that fills it (the server's `OpenAIServing.submit`, the
+offline `LLM`), and the core that reads it. The rooms between (`AsyncEngine.submit`, the output processor's fan-out
+of n > 1, the engine process's inbox, `EngineCore.add_request`) pass the record on whole."""
 from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvflow.lora_request import LoRARequest
@@ -36,7 +43,26 @@ FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class AddRequest:
+    """One request on its way from the frontend to the engine core (vLLM's EngineCoreRequest), sent as the message
+    `core/messages.py` names. The frontend fills it; the output processor fans a request of `n` > 1 out into one
+    per choice (`"{id}-{i}"`, `SamplingParams.child`) before the core sees it, so the core takes `n` = 1 only."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)   # wall clock (time.time()), stamped on arrival
+    max_tokens: int | None = None     # resolved by the frontend's validator, which admitted it: not checked again
+    pooling: PoolingParams | None = None   # an embedding request: pooled hidden states, no sampling
+    priority: int = 0                 # the scheduler's: a lower value first (interactive 0, batch work higher)
+    lora: LoRARequest | None = None   # the LoRA adapter it runs under (the engine reads it from its path when needed)
+    cache_prefix: bool = False        # prefix caching for this request even when the engine's is off (beam search)
+
+
 class Request:
+    """One n = 1 request as the core runs it. EngineCore builds it from the frontend's record
+    (`from_add_request`); the scheduler's tests build one directly."""
+
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, arrival_time: float | None = None, pooling: PoolingParams | None = None,
                  priority: int = 0, lora: LoRARequest | None = None, cache_prefix: bool = False):
@@ -68,6 +94,16 @@ class Request:
         # the grammar state of a constrained request, fed every sampled token. Preemption keeps the generated
         # tokens (recompute rebuilds only their KV), so it never needs rewinding.
         self.matcher: Matcher | None = (params.structured.matcher() if params.structured is not None else None)
+
+    @classmethod
+    def from_add_request(cls, add: AddRequest, eos_token_ids: frozenset[int] = frozenset()) -> Request:
+        """The core's request from the frontend's record; its `max_tokens` must be resolved (admitted)."""
+        if add.max_tokens is None:
+            raise ValueError(f"request {add.request_id!r} has no resolved max_tokens: admit it first")
+        req = cls(add.request_id, add.prompt_token_ids, add.params, add.max_tokens, add.arrival_time, add.pooling,
+                  add.priority, add.lora, add.cache_prefix)
+        req.eos_token_ids = eos_token_ids
+        return req
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,15 @@
 """SamplingParams: how one request picks its tokens, with vLLM's names and defaults, and the one place that
 checks every field's value. The limits below are what the engine's types can hold (int64 seeds, int32 top-k)
-or what a sane request needs; the server publishes them in its OpenAPI document."""
+or what a sane request needs; the server publishes them in its OpenAPI document.
+
+Frozen once checked: the constructor normalizes and checks every field, and nothing changes them after that. A
+change is a new SamplingParams (`dataclasses.replace`, which checks it again); the frontend's own resolutions
+return one (`with_bad_words_resolved`, the server's and LLM's compiled grammar), and n > 1's children are copies
+of checked params made without checking again (`child`)."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,7 +34,7 @@ MAX_LOGIT_BIAS = 100.0                         # as OpenAI: -100 bans a token, +
 MAX_BAD_WORDS = 1024
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0          # 0 means greedy
@@ -46,12 +53,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit
     logprobs: int | None = None       # number of top log-probabilities per sampled token
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True   # with skip_special_tokens=False: " " around special tokens
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None   # top log-probabilities per prompt token (the first one has none)
     # words the output may not contain: a word's last token is banned wherever the output so far ends with its
     # other tokens (each word with and without a leading space, as vLLM). The frontend tokenizes them into
-    # `bad_words_token_ids` (`resolve_bad_words`); the engine reads only the ids
+    # `bad_words_token_ids` (`with_bad_words_resolved`); the engine reads only the ids
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     allowed_token_ids: list[int] | None = None   # the only tokens that may be sampled
@@ -64,20 +70,19 @@ class SamplingParams:
     # the compiled constraint. Set by the frontend (LLM, the server) before the engine sees the request, so a
     # compile never runs on the step loop; n > 1 children share it, each gets its own matcher in the core.
     structured: CompiledGrammar | None = field(default=None, compare=False, repr=False)
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.logit_bias = dict(self.logit_bias or {})
+        # the constructor's own normalization, before the check; frozen from here on
+        normalize = object.__setattr__
+        normalize(self, "stop", [self.stop] if isinstance(self.stop, str) else list(self.stop or []))
+        normalize(self, "stop_token_ids", list(self.stop_token_ids or []))
+        normalize(self, "logit_bias", dict(self.logit_bias or {}))
         if self.bad_words is not None and not isinstance(self.bad_words, str):
-            self.bad_words = list(self.bad_words)
+            normalize(self, "bad_words", list(self.bad_words))
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, str):
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            normalize(self, "allowed_token_ids", list(self.allowed_token_ids))
         if self.top_k == -1:
-            self.top_k = 0
+            normalize(self, "top_k", 0)
         self.validate()
 
     def validate(self) -> None:
@@ -161,19 +166,20 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name}: token id {bad} is out of range [0, {vocab_size})",
                                           param=name, code="invalid_value")
 
-    def resolve_bad_words(self, encode) -> None:
-        """Tokenize `bad_words` into `bad_words_token_ids` with `encode(text, add_special_tokens)` (the frontend's
-        tokenizer), as vLLM does: each word as written without leading spaces, and with one leading space when
-        that makes a different first token of the same length (the word in the middle of a text)."""
+    def with_bad_words_resolved(self, encode) -> SamplingParams:
+        """These params with `bad_words` tokenized into `bad_words_token_ids` by `encode(text, add_special_tokens)`
+        (the frontend's tokenizer), as vLLM does: each word as written without leading spaces, and with one leading
+        space when that makes a different first token of the same length (the word in the middle of a text). The
+        params themselves when there is nothing to resolve."""
         if not self.bad_words or self.bad_words_token_ids is not None:
-            return
+            return self
         resolved: list[list[int]] = []
         for word in self.bad_words:
             bare = list(encode(word.lstrip(), False))
             spaced = list(encode(" " + word.lstrip(), False))
             resolved += [ids for ids in (bare, spaced if spaced[:1] != bare[:1] and len(spaced) == len(bare) else [])
                          if ids]
-        self.bad_words_token_ids = resolved
+        return dataclasses.replace(self, bad_words_token_ids=resolved)
 
     def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as `truncate_prompt_tokens` leaves it: its last k tokens (-1: the last max_model_len), or its
@@ -185,6 +191,16 @@ class SamplingParams:
         if len(prompt_token_ids) <= k:
             return prompt_token_ids
         return prompt_token_ids[:k] if self.truncation_side == "right" else prompt_token_ids[-k:]
+
+    def child(self, index: int) -> SamplingParams:
+        """The index-th of n samples as its own n = 1 request: seeded `child_seed(index)`, and only the first one
+        computes the prompt's logprobs (the others may then take the prompt from the prefix cache). A copy of these
+        checked params with those fields set, not checked again (the same stop lists, bias, grammar)."""
+        child = copy.copy(self)
+        for name, value in (("n", 1), ("seed", self.child_seed(index)),
+                            ("prompt_logprobs", self.prompt_logprobs if index == 0 else None)):
+            object.__setattr__(child, name, value)
+        return child
 
     def child_seed(self, index: int) -> int | None:
         """The seed of the index-th of n samples (seed + index, wrapped into the int64 range)."""

@@ -1,6 +1,7 @@
 """The output processor alone (the one path from core token ids to what LLM and the server return): stop strings
 across token boundaries, `n` fan-out into seeded core requests, aborting a choice its stop string ended, and one
 request's failure staying its own. Real tokenizer (the embedded SmolLM2's); the engine outputs are made by hand."""
+from kvflow.core.messages import AddRequest
 from kvflow.core.outputs import EngineOutput
 from kvflow.output_processor import OutputProcessor
 from kvflow.sampling_params import SamplingParams
@@ -20,7 +21,7 @@ def texts(results, request_id):
 def test_a_stop_string_across_tokens_ends_the_choice_and_aborts_it_in_the_core(smollm2_tokenizer):
     ids = smollm2_tokenizer.encode(TEXT, add_special_tokens=False)
     p = OutputProcessor(smollm2_tokenizer)
-    [core] = p.add_request("r", [1, 2], SamplingParams(stop=["d. Th"], max_tokens=50), arrival_time=0.0)
+    [core] = p.add_request(AddRequest("r", [1, 2], SamplingParams(stop=["d. Th"], max_tokens=50), arrival_time=0.0))
     assert core.request_id == "r"
     results = feed(p, "r", ids)
     # "world" ends in "d", the stop string's first character: held back until the string completes or cannot
@@ -39,7 +40,7 @@ def test_a_stop_string_across_tokens_ends_the_choice_and_aborts_it_in_the_core(s
 def test_a_stop_string_kept_in_the_output_when_asked(smollm2_tokenizer):
     ids = smollm2_tokenizer.encode(TEXT, add_special_tokens=False)
     p = OutputProcessor(smollm2_tokenizer)
-    p.add_request("r", [1], SamplingParams(stop=["end"], include_stop_str_in_output=True), arrival_time=0.0)
+    p.add_request(AddRequest("r", [1], SamplingParams(stop=["end"], include_stop_str_in_output=True), arrival_time=0.0))
     feed(p, "r", ids)
     assert p.requests["r"].choices[0].text == "Hello world. The end"
 
@@ -47,7 +48,7 @@ def test_a_stop_string_kept_in_the_output_when_asked(smollm2_tokenizer):
 def test_a_held_back_prefix_that_does_not_complete_is_released(smollm2_tokenizer):
     ids = smollm2_tokenizer.encode(TEXT, add_special_tokens=False)
     p = OutputProcessor(smollm2_tokenizer)
-    p.add_request("r", [1], SamplingParams(stop=[" world peace"]), arrival_time=0.0)
+    p.add_request(AddRequest("r", [1], SamplingParams(stop=[" world peace"]), arrival_time=0.0))
     results = feed(p, "r", ids[:3])
     assert texts(results, "r") == ["Hello", "", " world."]     # " world" waits until "." rules it out
     assert p.requests["r"].choices[0].finish_reason is None
@@ -56,7 +57,7 @@ def test_a_held_back_prefix_that_does_not_complete_is_released(smollm2_tokenizer
 def test_n_fans_out_into_seeded_core_requests_and_gathers_back(smollm2_tokenizer):
     p = OutputProcessor(smollm2_tokenizer, keep_logprobs=True)
     params = SamplingParams(n=3, seed=41, temperature=1.0, logprobs=0)
-    cores = p.add_request("req", [5, 6], params, arrival_time=0.0)
+    cores = p.add_request(AddRequest("req", [5, 6], params, arrival_time=0.0))
     assert [c.request_id for c in cores] == ["req-0", "req-1", "req-2"]
     assert [(c.params.n, c.params.seed) for c in cores] == [(1, 41), (1, 42), (1, 43)]
     assert all(c.prompt_token_ids == [5, 6] for c in cores)
@@ -76,14 +77,14 @@ def test_n_fans_out_into_seeded_core_requests_and_gathers_back(smollm2_tokenizer
 def test_n_equal_one_keeps_the_request_id_and_its_params(smollm2_tokenizer):
     p = OutputProcessor(smollm2_tokenizer)
     params = SamplingParams(seed=7)
-    [core] = p.add_request("solo", [1], params, arrival_time=0.0)
+    [core] = p.add_request(AddRequest("solo", [1], params, arrival_time=0.0))
     assert core.request_id == "solo" and core.params is params
 
 
 def test_one_requests_bad_output_fails_it_alone(smollm2_tokenizer):
     p = OutputProcessor(smollm2_tokenizer)
-    p.add_request("bad", [1], SamplingParams(), arrival_time=0.0)
-    p.add_request("good", [1], SamplingParams(), arrival_time=0.0)
+    p.add_request(AddRequest("bad", [1], SamplingParams(), arrival_time=0.0))
+    p.add_request(AddRequest("good", [1], SamplingParams(), arrival_time=0.0))
     hello = smollm2_tokenizer.encode("Hello", add_special_tokens=False)[0]
     out = p.process([EngineOutput("bad", ["not a token id"]), EngineOutput("good", [hello])], 0.0, 1.0)
     [failed] = out.deltas["bad"]
@@ -95,7 +96,7 @@ def test_one_requests_bad_output_fails_it_alone(smollm2_tokenizer):
 
 def test_an_engine_error_and_timings(smollm2_tokenizer):
     p = OutputProcessor(smollm2_tokenizer)
-    p.add_request("r", [1], SamplingParams(), arrival_time=10.0)
+    p.add_request(AddRequest("r", [1], SamplingParams(), arrival_time=10.0))
     hello = smollm2_tokenizer.encode("Hello", add_special_tokens=False)[0]
     p.process([EngineOutput("r", [hello], first_scheduled_time=10.5)], 11.0, 12.0)
     out = p.process([EngineOutput("r", [], finish_reason="error", stop_reason="sampling failed")], 12.0, 13.0)

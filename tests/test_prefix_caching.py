@@ -7,6 +7,7 @@ import pytest
 
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
+from kvflow.core.messages import AddRequest
 from kvflow.sampling_params import SamplingParams
 from tiny_models import make_tiny_hf_model
 
@@ -32,7 +33,7 @@ def run_staggered(engine: EngineCore, prompts: list[list[int]], every: int = 2) 
     while pending or engine.has_unfinished_requests():
         if pending and step % every == 0:
             i, p = pending.pop(0)
-            engine.add_request(str(i), p, GREEDY)
+            engine.add_request(AddRequest(str(i), p, GREEDY))
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
         step += 1

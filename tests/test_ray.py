@@ -254,14 +254,15 @@ def test_tp2_over_ray_matches_tp1_and_the_mp_backend_token_for_token(on_the_clus
 def test_a_killed_ray_worker_ends_the_engine_with_the_mp_backends_error(on_the_cluster, model_path):
     from kvflow import SamplingParams
     from kvflow.core.engine_core import EngineCore
+    from kvflow.core.messages import AddRequest
     from kvflow.executor.tensor_parallel import TensorParallelError
     from test_tensor_parallel import core_config
 
     core = EngineCore(core_config(model_path, tensor_parallel_size=2, distributed_executor_backend="ray"))
     try:
         pid = core.worker_pids()[0]
-        core.add_request("long", list(range(100, 120)), SamplingParams(temperature=0, max_tokens=200,
-                                                                      ignore_eos=True))
+        core.add_request(AddRequest("long", list(range(100, 120)), SamplingParams(temperature=0, max_tokens=200,
+                                                                                  ignore_eos=True)))
         for _ in range(3):
             core.step()                                 # the request is running
         os.kill(pid, signal.SIGKILL)

@@ -147,8 +147,8 @@ class PieceStream:
 class PieceEngine(FakeEngine):
     tokenizer = PieceTokenizer()
 
-    def submit(self, request_id, prompt, params, arrival_time=None, pooling=None, priority=0):
-        return PieceStream(params, prompt)
+    def submit(self, request):
+        return PieceStream(request.params, request.prompt_token_ids)
 
 
 async def streamed_chunks(serving: OpenAIServing, **body) -> list[dict]:

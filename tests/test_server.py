@@ -212,12 +212,13 @@ def test_a_stream_read_after_its_request_finished_gets_every_delta(model_path):
     """A consumer slower than the engine: every step's deltas wait in the stream's queue. The stream once stopped
     after the first of them, because it asked the request's state (already finished) rather than the step."""
     from kvflow import SamplingParams
-    from kvflow.async_engine import AsyncEngine
+    from kvflow.async_engine import AddRequest, AsyncEngine
 
     async def run():
         engine = AsyncEngine.from_config(engine_config(model_path)).start()
         try:
-            stream = engine.submit("slow", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            stream = engine.submit(AddRequest("slow", [1, 2, 3],
+                                              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
             while not stream.finished:
                 await asyncio.sleep(0.01)
             return [d async for d in stream]

@@ -76,11 +76,12 @@ class FakeEngine:
         self.refuse, self.fail, self.streams = refuse, fail, []
         self.loras = {}
 
-    def submit(self, request_id, prompt, params, arrival_time=None, pooling=None, priority=0):
+    def submit(self, request):
         if self.refuse:
             raise self.refuse
-        RequestValidator(self.vocab_size, self.max_model_len).validate(prompt, params, pooling)   # the engine's check
-        self.streams.append(FakeStream(params, prompt, self.fail))
+        RequestValidator(self.vocab_size, self.max_model_len).validate(   # the engine's check
+            request.prompt_token_ids, request.params, request.pooling)
+        self.streams.append(FakeStream(request.params, request.prompt_token_ids, self.fail))
         return self.streams[-1]
 
 

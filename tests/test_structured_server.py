@@ -256,6 +256,7 @@ def test_auto_tool_choice_with_a_parser(tiny_path):
 
 def test_offline_llm_compiles_structured_outputs(tiny_path):
     from kvflow import LLM
+    from kvflow.core.messages import AddRequest
     from kvflow.errors import InvalidRequestError
 
     with LLM(str(tiny_path), dtype="float32", max_model_len=256, kv_cache_memory="8MiB") as llm:
@@ -265,7 +266,7 @@ def test_offline_llm_compiles_structured_outputs(tiny_path):
         assert [c.finish_reason for c in out.outputs] == ["stop"] * 3
         assert all(len(c.text) == 5 and c.text[2] == "-" for c in out.outputs), [c.text for c in out.outputs]
         with pytest.raises(InvalidRequestError) as e:     # the core never compiles: a frontend must
-            llm.engine.add_request("raw", [1, 2], SamplingParams(structured_outputs={"regex": "a"}))
+            llm.engine.add_request(AddRequest("raw", [1, 2], SamplingParams(structured_outputs={"regex": "a"})))
         assert e.value.param == "structured_outputs"
 
 

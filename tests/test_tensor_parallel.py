@@ -23,6 +23,7 @@ import pytest
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
+from kvflow.core.messages import AddRequest
 from kvflow.distributed.parallel_state import even_ranges
 from kvflow.server.testing import ServerThread, free_port
 from tiny_models import make_tiny_hf_model
@@ -58,7 +59,7 @@ def run(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]
     tokens = {str(i): [] for i in range(len(prompts))}
     logprobs = {str(i): [] for i in range(len(prompts))}
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        core.add_request(str(i), p, sp)
+        core.add_request(AddRequest(str(i), p, sp))
     while core.has_unfinished_requests():
         for out in core.step():
             tokens[out.request_id] += out.new_token_ids

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Iterable
@@ -18,9 +19,7 @@ from kvflow.core.scheduler import Scheduler
 from kvflow.executor import create_executor
 from kvflow.models.model_files import ModelFiles, resolve_model_files
 from kvflow.lora_request import LoRARequest
-from kvflow.pooling_params import PoolingParams
-from kvflow.request import Request
-from kvflow.sampling_params import SamplingParams
+from kvflow.request import AddRequest, Request
 
 log = logging.getLogger("kvflow")
 
@@ -87,29 +86,22 @@ class EngineCore:
         return self.scheduler.requests
 
     # ---- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, max_tokens: int | None = None,
-                    pooling: PoolingParams | None = None, priority: int = 0,
-                    lora: LoRARequest | None = None, cache_prefix: bool = False) -> None:
-        """`max_tokens`: resolved by the frontend's `RequestValidator.admit`, which checked the request (the
-        frontends do: it is not checked twice). Without it the core checks the request itself and raises
-        InvalidRequestError before anything is queued. `pooling`: an embedding request (prefill only). `priority`:
-        the scheduler's, a lower value first (core/scheduler.py). `lora`: the adapter it runs under (enable_lora;
-        read from its path when it first needs a slot). `cache_prefix`: prefix caching for this request even when the
-        engine's is off (its full blocks are cached, it takes hits: beam search's steps share their prompt's KV)."""
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if params.n != 1:
+    def add_request(self, request: AddRequest) -> None:
+        """Queue a request, n = 1 (the frontend fans out n > 1). Its `max_tokens` resolved means the frontend's
+        `RequestValidator.admit` checked it (the frontends do: it is not checked twice); without it the core checks
+        the request itself and raises InvalidRequestError before anything is queued. A LoRA adapter it names is read
+        from its path when it first needs a slot (enable_lora)."""
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.params.n != 1:
             raise ValueError("the engine core takes n=1 requests; fan out n>1 before add_request")
-        if lora is not None and self.lora_slots is None:
-            raise ValueError(f"request {request_id!r} names LoRA adapter {lora.lora_name!r}, but LoRA is off "
-                             "(enable_lora)")
-        if max_tokens is None:
-            max_tokens = self.validator.validate(prompt_token_ids, params, pooling)
-        req = Request(request_id, prompt_token_ids, params, max_tokens, arrival_time, pooling, priority, lora,
-                      cache_prefix)
-        req.eos_token_ids = self.eos_token_ids
-        self.scheduler.add_request(req)
+        if request.lora is not None and self.lora_slots is None:
+            raise ValueError(f"request {request.request_id!r} names LoRA adapter {request.lora.lora_name!r}, but LoRA "
+                             "is off (enable_lora)")
+        if request.max_tokens is None:
+            request = dataclasses.replace(request, max_tokens=self.validator.validate(
+                request.prompt_token_ids, request.params, request.pooling))
+        self.scheduler.add_request(Request.from_add_request(request, self.eos_token_ids))
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Free unfinished requests' blocks now; their final outputs (finish_reason "abort") come next step."""

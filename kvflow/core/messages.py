@@ -4,6 +4,9 @@ process (EngineCore's step loop, `core/engine_process.py`). Plain picklable data
     frontend -> engine:  AddRequest, AbortRequests, UtilityCall, Shutdown
     engine -> frontend:  EngineReady (once, after the model is loaded), StepResult (one per turn of the loop),
                          UtilityResult (one per UtilityCall), EngineDead (the last message of a dying engine)
+
+`AddRequest` is the one record of a request from the frontend to the core, defined beside the core's `Request`
+(kvflow/request.py), which is built from it.
 """
 from __future__ import annotations
 
@@ -11,23 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.core.outputs import EngineOutput, StepStats
-from kvflow.lora_request import LoRARequest
-from kvflow.pooling_params import PoolingParams
-from kvflow.sampling_params import SamplingParams
+from kvflow.request import AddRequest
 
-
-@dataclass(frozen=True)
-class AddRequest:
-    """One core request (one choice: `n` > 1 is fanned out by the output processor before it is sent)."""
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    max_tokens: int | None = None     # resolved by the frontend's validator, which admitted it: not checked again
-    pooling: PoolingParams | None = None   # an embedding request: pooled hidden states, no sampling
-    priority: int = 0                 # the scheduler's: a lower value first (interactive 0, batch work higher)
-    lora: LoRARequest | None = None   # the LoRA adapter it runs under (the engine reads it from its path when needed)
-    cache_prefix: bool = False        # prefix caching for this request even when the engine's is off (beam search)
+__all__ = ["AddRequest", "AbortRequests", "UtilityCall", "Shutdown", "EngineReady", "StepResult", "UtilityResult",
+           "EngineDead"]
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,9 @@ from kvflow.server.serving.request_preparer import PreparedRequest
 from kvflow.server.serving.serving import OpenAIServing
 
 # SamplingParams' fields the render does not show: worked out by the server for the engine (vLLM leaves its own out
-# the same way), already applied to token_ids, or not a sampling parameter of vLLM's
+# the same way), or already applied to token_ids
 NOT_SHOWN = frozenset({"bad_words_token_ids", "structured", "structured_outputs", "truncate_prompt_tokens",
-                       "truncation_side", "max_tokens", "extra"})
+                       "truncation_side", "max_tokens"})
 # a compiled constraint's kind -> vLLM's StructuredOutputsParams field
 STRUCTURED_OUTPUTS_FIELD = {"json_schema": "json", "json_object": "json_object", "regex": "regex",
                             "choice": "choice", "grammar": "grammar", "structural_tag": "structural_tag"}

@@ -9,13 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from kvflow.async_engine import BeamSearchStream, RequestStream
+from kvflow.async_engine import AddRequest, BeamSearchStream, RequestStream
 from kvflow.beam_search import BeamSearchParams
 from kvflow.config import EngineConfig
 from kvflow.core.request_validator import RequestValidator
 from kvflow.lora_request import LoRARequest
-from kvflow.pooling_params import PoolingParams
-from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import Tokenizer
 
 
@@ -34,16 +32,13 @@ class EngineClient(Protocol):
     def is_accepting(self) -> bool:
         """False once shutdown began or the engine died."""
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               arrival_time: float | None = None, pooling: PoolingParams | None = None,
-               priority: int = 0, lora: LoRARequest | None = None) -> RequestStream:
+    def submit(self, request: AddRequest) -> RequestStream:
         """One request (its n choices) to the engine; raises InvalidRequestError, EngineOverloadedError,
         EngineShutdownError or EngineDeadError before anything runs."""
 
-    def beam_search(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
-                    arrival_time: float | None = None, priority: int = 0, lora: LoRARequest | None = None,
-                    truncate_prompt_tokens: int | None = None, truncation_side: str = "left") -> BeamSearchStream:
-        """A beam search of one prompt, whose stream stands where `submit`'s would; raises as `submit` does."""
+    def beam_search(self, request: AddRequest, params: BeamSearchParams) -> BeamSearchStream:
+        """A beam search of `request`'s prompt (its SamplingParams give only the prompt's truncation), whose stream
+        stands where `submit`'s would; raises as `submit` does."""
 
     async def shutdown(self, grace_period: float = 30.0) -> None:
         """Stop accepting, let requests in flight finish within `grace_period`, fail the rest, stop."""

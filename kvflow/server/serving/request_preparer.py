@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from kvflow.async_engine import EngineDeadError, EngineOverloadedError, EngineShutdownError, RequestStream
+from kvflow.async_engine import (AddRequest, EngineDeadError, EngineOverloadedError, EngineShutdownError,
+                                 RequestStream)
 from kvflow.beam_search import BeamSearchParams
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
@@ -89,7 +90,7 @@ class RequestPreparer:
             raise APIError(400, "include_reasoning=false needs a server started with --reasoning-parser NAME: "
                                 "without one no reasoning is split off the answer", param="include_reasoning")
         if beam is None:
-            await self.constrain(params, req, tools, reasoning=self.reasoning_parser is not None)
+            params = await self.constrain(params, req, tools, reasoning=self.reasoning_parser is not None)
         messages, render_args = self.chat_render_args(req, tools)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")   # text, flattened above
         prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, messages, **render_args)
@@ -106,7 +107,7 @@ class RequestPreparer:
         params = self.sampling_params(req, num_prompts=len(prompts))
         beam = self.beam_search_params(req, params)
         if beam is None:
-            await self.constrain(params, req)
+            params = await self.constrain(params, req)
         # each prompt is its own request: the longest one decides
         self.check_prompt_chars(max((len(p) for p in prompts if isinstance(p, str)), default=0), "prompt")
         prompt_ids = await asyncio.to_thread(self.completion_prompt_ids, prompts, req.add_special_tokens)
@@ -148,8 +149,7 @@ class RequestPreparer:
         return model
 
     def sampling_params(self, req: ChatCompletionRequest | CompletionRequest, num_prompts: int) -> SamplingParams:
-        params = req.to_sampling_params()
-        params.resolve_bad_words(self.tokenizer.encode)      # mutates the params it just built
+        params = req.to_sampling_params().with_bad_words_resolved(self.tokenizer.encode)
         if params.n * num_prompts > self.max_n:
             what = f"n={params.n}" if num_prompts == 1 else f"n={params.n} times {num_prompts} prompts"
             raise APIError(400, f"{what} asks for more than {self.max_n} sequences (--max-n)",
@@ -169,8 +169,8 @@ class RequestPreparer:
         return req.to_beam_search_params(params)
 
     async def constrain(self, params: SamplingParams, req: ChatCompletionRequest | CompletionRequest,
-                        tools: ToolRequest | None = None, reasoning: bool = False) -> None:
-        """Compile the request's output constraint, if any, into params.structured (400 naming the field).
+                        tools: ToolRequest | None = None, reasoning: bool = False) -> SamplingParams:
+        """`params` with the request's output constraint, if any, compiled into `structured` (400 naming the field).
         `reasoning`: a chat under --reasoning-parser, where a constraint is refused: it would apply to the answer,
         after the reasoning, but kvflow's grammars constrain the output from its first token, and one that started
         there would forbid the reasoning (or be broken by it)."""
@@ -188,9 +188,10 @@ class RequestPreparer:
         if (record := current_record()) is not None and (forced or spec) is not None:
             record.structured_output = "tool_choice" if forced is not None else spec.kind
         spec = forced or spec
-        if spec is not None:
-            compiler = await self.grammar_compiler()
-            params.structured = await compiler.compile_async(spec)      # mutates the request's SamplingParams
+        if spec is None:
+            return params
+        compiler = await self.grammar_compiler()
+        return dataclasses.replace(params, structured=await compiler.compile_async(spec))
 
     async def grammar_compiler(self) -> GrammarCompiler:
         """The server's one compiler, built on first use (~0.5 s for a 49k vocabulary, off the event loop)."""
@@ -274,21 +275,14 @@ class RequestPreparer:
         `pooling`: embedding requests (server/embeddings/routes.py); `priority`: the scheduler's (lower first); `beam`:
         a beam search per prompt instead (AsyncEngine.beam_search; `params` gives its prompt's truncation)."""
         streams: list[RequestStream] = []
-        lora = self.lora_for(model) if model is not None else None
-        extra = {"lora": lora} if lora is not None else {}      # `model`: a LoRA adapter's name selects it
+        lora = self.lora_for(model) if model is not None else None     # `model`: a LoRA adapter's name selects it
         if beam is not None:
             param_names = {"beam_width": "n", **param_names}
         try:
             for k, ids in enumerate(prompts):
-                rid = engine_request_id(request_id, k, len(prompts))
-                if beam is not None:
-                    streams.append(self.engine.beam_search(
-                        rid, ids, beam, arrival_time=arrival, priority=priority,
-                        truncate_prompt_tokens=params.truncate_prompt_tokens, truncation_side=params.truncation_side,
-                        **extra))
-                    continue
-                streams.append(self.engine.submit(rid, ids, params, arrival_time=arrival, pooling=pooling,
-                                                  priority=priority, **extra))
+                request = AddRequest(engine_request_id(request_id, k, len(prompts)), ids, params, arrival,
+                                     pooling=pooling, priority=priority, lora=lora)
+                streams.append(self.engine.submit(request) if beam is None else self.engine.beam_search(request, beam))
         except BaseException as e:
             for s in streams:
                 s.close()
