@@ -137,8 +137,7 @@ def test_mixed_stacks_keep_8_bit_pieces_as_the_files_codes():
 @pytest.mark.slow
 def test_q4_k_m_file_serves_from_its_codes(wide_hf, tmp_path):
     from kvflow import LLM, SamplingParams
-    from kvflow.kernels import build, layout
-    from kvflow.kernels.formats import FORMATS
+    from kvflow.kernels import build
     from kvflow.layers.int4 import Int4Linear
     from kvflow.layers.quantization import NativeQ8Linear
 
@@ -160,8 +159,7 @@ def test_q4_k_m_file_serves_from_its_codes(wide_hf, tmp_path):
 @pytest.mark.parametrize("ftype", ["q8_0", "q5_0", "q6_k"])
 def test_untied_8_bit_head_multiplies_the_files_codes(tmp_path, ftype):
     from kvflow import LLM
-    from kvflow.kernels import build, layout
-    from kvflow.kernels.formats import FORMATS
+    from kvflow.kernels import build
     from kvflow.layers.quantization import NativeQ8Linear
 
     if not build.usable():
@@ -184,8 +182,7 @@ def test_untied_8_bit_head_multiplies_the_files_codes(tmp_path, ftype):
 @pytest.mark.parametrize("ftype", ["q4_k", "q4_0", "q4_1", "q8_0", "q4_k_m", "q6_k"])
 def test_tied_table_is_held_once_and_looks_up_the_files_values(wide_hf, tmp_path, ftype):
     from kvflow import LLM, SamplingParams
-    from kvflow.kernels import build, layout
-    from kvflow.kernels.formats import FORMATS
+    from kvflow.kernels import build
     from kvflow.layers.quantization import GGUFVocabulary
 
     if not build.usable():
@@ -228,7 +225,6 @@ def test_fp16_scales_give_the_kernels_the_same_bits_as_float32():
 
     if not build.usable():
         pytest.skip("kvflow's kernels do not run here")
-    lib = build.library()
     g = torch.Generator().manual_seed(1)
     n, k = 45, 128
     c4 = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -252,8 +248,7 @@ def test_fp16_scales_give_the_kernels_the_same_bits_as_float32():
 @pytest.mark.slow
 def test_untied_4_bit_embedding_is_held_packed_and_looks_up_the_files_values(tmp_path):
     from kvflow import LLM
-    from kvflow.kernels import build, layout
-    from kvflow.kernels.formats import FORMATS
+    from kvflow.kernels import build
     from kvflow.layers.quantization import GGUFVocabulary
 
     if not build.usable():
@@ -279,7 +274,6 @@ def test_q4_k_scales_held_as_two_levels_give_the_same_bits():
 
     if not build.usable():
         pytest.skip("kvflow's kernels do not run here")
-    lib = build.library()
     x = matrix(45, 512, 0.05)
     gq = group_quantized(quantize_q4_k(x), T.Q4_K, x.shape)
     fn = 4
@@ -309,7 +303,6 @@ def test_5_bit_kernel_gives_the_8_bit_kernels_bits_from_5_8_of_the_bytes():
 
     if not build.usable():
         pytest.skip("kvflow's kernels do not run here")
-    lib = build.library()
     g = torch.Generator().manual_seed(7)
     for n, k in ((45, 96), (16, 576), (3, 32)):
         codes = torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)

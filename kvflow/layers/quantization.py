@@ -30,7 +30,7 @@ from torch import nn
 
 from kvflow import platform
 from kvflow.kernels import build, ops
-from kvflow.kernels.formats import FORMATS, WeightFormat, format_of
+from kvflow.kernels.formats import WeightFormat, format_of
 from kvflow.kernels.group_quant import GroupQuantized
 from kvflow.kernels.layout import GROUP
 from kvflow.layers import int4
