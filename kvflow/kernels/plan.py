@@ -27,14 +27,6 @@ SMALL_STEP_ROWS = 8      # EngineConfig.small_step_threads applies to steps of u
                          # kernels run calls of up to this many rows on their own pool: csrc/common.h's POOL_ROWS)
 
 
-def attention_on_kvflow_kernels(device: torch.device, dtype: torch.dtype, quantization: str | None, head_dim: int,
-                                kv_dtype: torch.dtype, group: int) -> bool:
-    """kvflow's paged-attention kernel (and its norms) where its linear kernels run: faster than gathering the
-    context for SDPA, and each row's result depends on that row alone (batch invariance; csrc/attention.c)."""
-    return (build.wanted(device, dtype, quantization) and build.library() is not None
-            and ops.attention_supports(head_dim, kv_dtype, group))
-
-
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
     device: torch.device
@@ -56,8 +48,9 @@ class KernelPlan:
                frontend_shares_cores: bool) -> KernelPlan:
         """Every choice that needs no weights, before the model is built; `completed` adds the rest after load."""
         native = build.wanted(device, dtype, quantization) and build.library() is not None
-        native_attention = attention_on_kvflow_kernels(device, dtype, quantization, head_dim, kv_dtype,
-                                                       heads_per_kv_head)
+        # kvflow's paged-attention kernel (and its norms) where its linear kernels run: faster than gathering the
+        # context for SDPA, and each row's result depends on that row alone (batch invariance; csrc/attention.c)
+        native_attention = native and ops.attention_supports(head_dim, kv_dtype, heads_per_kv_head)
         return cls(device=device, isa=build.isa() if native else None, matmuls="", native_attention=native_attention,
                    # every matmul, attention and norm of a step is kvflow's (weight codes on its kernels): small steps
                    # run them on kvflow's thread pool (step_threads)

@@ -253,8 +253,8 @@ def _int4_linear(layer: nn.Linear, method: str, native: bool) -> nn.Module:
         return fill_gguf_floats(layer)
     if codes.bits == 4:
         return Int4Linear(codes, layer.bias, native).to(layer.weight.device)
-    if native and _eight_or_six_bit(codes):
-        return NativeQ8Linear(codes, layer.bias).to(layer.weight.device)
+    if native and (fmt := _wide_format(codes)) is not None:
+        return NativeQ8Linear(codes, layer.bias, fmt).to(layer.weight.device)
     return QuantizedLinear(fill_gguf_floats(layer), "int8")
 
 
@@ -267,10 +267,11 @@ class NativeQ8Linear(nn.Module):
     8-bit one; Q6_K's in its own 6-bit layout, with their int8 multiplier per 16 columns and d per 256, as the file
     holds them."""
 
-    def __init__(self, codes: GroupQuantized, bias: torch.Tensor | None):
+    def __init__(self, codes: GroupQuantized, bias: torch.Tensor | None, fmt: WeightFormat | None = None):
+        """`fmt`: the codes' format where the caller has looked it up already (`format_of`)."""
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        self.format = format_of(codes)
+        self.format = fmt or format_of(codes)
         if self.format is None or self.format.bits == 4:
             raise ValueError("NativeQ8Linear takes 8-bit group-32 codes or Q6_K's 6-bit ones")
         packed, scale, _ = self.format.pack(codes)
@@ -314,13 +315,16 @@ class GGUFVocabulary(nn.Module):
     (`head.rows`) and, when tied, the LM head's matmuls: no second copy. Otherwise, when tied, the head is a
     separate matrix (`head`) quantized for matmuls."""
 
-    def __init__(self, codes: GroupQuantized, head: nn.Module | None, dtype: torch.dtype, native_head: bool = False):
+    def __init__(self, codes: GroupQuantized, head: nn.Module | None, dtype: torch.dtype,
+                 native_format: WeightFormat | None = None):
+        """`native_format`: the codes' weight format where kvflow's kernels hold the table (`native_head`)."""
         super().__init__()
         self.group, self.offset, self.dtype = codes.group, codes.offset, dtype
         self.num_rows = codes.shape[0]
-        self.native_head = native_head
-        if native_head:
-            self.head = Int4Linear(codes, None, native=True) if codes.bits == 4 else NativeQ8Linear(codes, None)
+        self.native_head = native_format is not None
+        if self.native_head:
+            self.head = (Int4Linear(codes, None, native=True) if native_format.bits == 4
+                         else NativeQ8Linear(codes, None, native_format))
             return
         self.register_buffer("codes", codes.codes)
         self.register_buffer("scale", codes.scale)
@@ -341,10 +345,10 @@ class GGUFVocabulary(nn.Module):
         return self.head.project(hidden)[..., :self.num_rows]
 
 
-def _eight_or_six_bit(codes: GroupQuantized) -> bool:
-    """Codes a weight format of 5 bits or more holds exactly (NativeQ8Linear's)."""
+def _wide_format(codes: GroupQuantized) -> WeightFormat | None:
+    """The weight format of 5 bits or more (NativeQ8Linear's) that holds these codes exactly, or None."""
     fmt = format_of(codes)
-    return fmt is not None and fmt.bits != 4
+    return fmt if fmt is not None and fmt.bits != 4 else None
 
 
 def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype, tied: bool,
@@ -361,14 +365,12 @@ def _vocabulary(table: nn.Embedding | nn.Linear, method: str, dtype: torch.dtype
     if isinstance(table, nn.Linear):
         if codes.bits == 4:
             return Int4Linear(codes, None, native).to(device)
-        if native and _eight_or_six_bit(codes):     # the codes themselves
-            return NativeQ8Linear(codes, None).to(device)
+        if native and (fmt := _wide_format(codes)) is not None:     # the codes themselves
+            return NativeQ8Linear(codes, None, fmt).to(device)
         return QuantizedEmbedding(fill_gguf_floats(table), "int8", dtype)
-    kernel_layout = native and format_of(codes) is not None
-    if not tied:        # lookups only: in the kernel's layout too where it runs (4-bit codes packed two a byte)
-        return GGUFVocabulary(codes, None, dtype, native_head=kernel_layout).to(device)
-    if kernel_layout:
-        return GGUFVocabulary(codes, None, dtype, native_head=True).to(device)
+    fmt = format_of(codes) if native else None      # the table in the kernel's layout where it runs
+    if not tied or fmt is not None:     # lookups (4-bit codes packed two a byte), and the tied head's matmuls
+        return GGUFVocabulary(codes, None, dtype, native_format=fmt).to(device)
     return GGUFVocabulary(codes, QuantizedEmbedding(fill_gguf_floats(table), "int8", dtype), dtype).to(device)
 
 
