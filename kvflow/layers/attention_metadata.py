@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvflow.kernels.recurrent import StateBatch
+
 
 @dataclass
 class PrefillBatch:
@@ -47,3 +49,5 @@ class AttentionMetadata:
     # LoRA (enable_lora only): [num_tokens, max_loras * max_lora_rank], 1.0 in the columns of each token's adapter
     # slot, zeros for base rows and padding (layers/lora.py); None: no row of this (eager) step has an adapter
     lora_mask: torch.Tensor | None = None
+    # a model with recurrent layers (hybrids): which state slot each run of rows continues (None: no such layers)
+    state: StateBatch | None = None

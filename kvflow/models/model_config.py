@@ -115,6 +115,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("MixtralForCausalLM", "mixtral", ("mixtral",), (), "moe:MoeForCausalLM", permuted_qk=True,
                  sliding_window_everywhere=True, moe_router="softmax_topk_renormalized", gguf_experts=("llama",),
                  gguf_norm_topk_prob=True),
+    # hybrids: recurrent layers (a state per request: layers/recurrent_state.py) between attention layers
+    Architecture("Lfm2ForCausalLM", "lfm2", ("lfm2",), ("lfm2",), "lfm2:Lfm2ForCausalLM", qk_norm=True),
+    Architecture("Qwen3_5ForCausalLM", "qwen3_5", ("qwen3_5_text", "qwen3_5"), ("qwen35",),
+                 "qwen3_5:Qwen3_5ForCausalLM", qk_norm=True),
+    Architecture("GraniteMoeHybridForCausalLM", "granitemoehybrid", ("granitemoehybrid",), ("granitehybrid",),
+                 "granite_hybrid:GraniteHybridForCausalLM"),
 )
 # known architectures refused on purpose: why, and what to use instead
 REFUSED = {
@@ -178,6 +184,71 @@ MOE_REFUSED_KEYS = {
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
+# a hybrid's recurrent layer kinds (RecurrentConfig.kind)
+SHORT_CONV, GATED_DELTA_NET, MAMBA2 = "short_conv", "gated_delta_net", "mamba2"
+
+
+@dataclass(frozen=True)
+class RecurrentConfig:
+    """A hybrid model's recurrent layers: which they are and their sizes (the other layers are attention)."""
+    kind: str                         # SHORT_CONV (LFM2) | GATED_DELTA_NET (Qwen3.5) | MAMBA2 (Granite 4.0 H)
+    layers: tuple[int, ...]           # the recurrent layers' indices
+    conv_kernel: int                  # the causal convolution's width (its state keeps conv_kernel - 1 inputs)
+    conv_bias: bool = False
+    # Gated DeltaNet: query/key heads, value heads (a multiple of them), their head dims
+    num_key_heads: int = 0
+    num_value_heads: int = 0
+    key_head_dim: int = 0
+    value_head_dim: int = 0
+    # Mamba2: heads x head_dim = d_inner, the state size N, B/C groups, dt's clamp, in_proj/out_proj bias
+    num_heads: int = 0
+    head_dim: int = 0
+    state_size: int = 0
+    num_groups: int = 1
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    proj_bias: bool = False
+
+
+def _recurrent_config(cfg: dict, family: str, layers: int) -> RecurrentConfig | None:
+    """The hybrid families' recurrent layers from config.json (None for the others, and for a hybrid without any)."""
+    config = _recurrent_layers(cfg, family, layers)
+    return config if config is not None and config.layers else None
+
+
+def _recurrent_layers(cfg: dict, family: str, layers: int) -> RecurrentConfig | None:
+    types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if family == "lfm2":
+        if types is None:
+            full = set(cfg.get("full_attn_idxs") or range(layers))
+            types = [FULL if i in full else "conv" for i in range(layers)]
+        return RecurrentConfig(SHORT_CONV, tuple(i for i, t in enumerate(types) if t == "conv"),
+                               int(cfg.get("conv_L_cache", 3)), bool(cfg.get("conv_bias", False)))
+    if family == "qwen3_5":
+        if types is None:
+            interval = cfg.get("full_attention_interval", 4)
+            types = [FULL if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+        return RecurrentConfig(GATED_DELTA_NET, tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+                               int(cfg.get("linear_conv_kernel_dim", 4)),
+                               num_key_heads=int(cfg["linear_num_key_heads"]),
+                               num_value_heads=int(cfg["linear_num_value_heads"]),
+                               key_head_dim=int(cfg["linear_key_head_dim"]),
+                               value_head_dim=int(cfg["linear_value_head_dim"]))
+    if family == "granitemoehybrid":
+        if types is None:
+            types = ["mamba"] * layers
+        heads = int(cfg.get("mamba_n_heads", 128))
+        head_dim = cfg.get("mamba_d_head", "auto")
+        if head_dim in (None, "auto"):
+            head_dim = int(cfg.get("mamba_expand", 2)) * cfg["hidden_size"] // heads
+        limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+        return RecurrentConfig(MAMBA2, tuple(i for i, t in enumerate(types) if t in ("mamba", "linear_attention")),
+                               int(cfg.get("mamba_d_conv", 4)), bool(cfg.get("mamba_conv_bias", True)),
+                               num_heads=heads, head_dim=int(head_dim), state_size=int(cfg.get("mamba_d_state", 256)),
+                               num_groups=int(cfg.get("mamba_n_groups", 1)),
+                               time_step_limit=(float(limit[0]), float(limit[1])),
+                               proj_bias=bool(cfg.get("mamba_proj_bias", False)))
+    return None
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -220,6 +291,10 @@ class ModelConfig:
     residual_multiplier: float | None = None
     attention_multiplier: float | None = None
     logits_scaling: float | None = None
+    # hybrids: the recurrent layers (None: every layer is attention)
+    recurrent: RecurrentConfig | None = None
+    attn_output_gate: bool = False    # q_proj also gives a per-head gate on the attention's output (Qwen3.5)
+    nope_layers: tuple[int, ...] = ()  # attention layers that rotate nothing (Granite 4.0 H: all of them)
 
     @property
     def arch(self) -> Architecture:
@@ -227,6 +302,9 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
+
+    def is_recurrent(self, layer: int) -> bool:
+        return self.recurrent is not None and layer in self.recurrent.layers
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == SLIDING
@@ -296,19 +374,21 @@ class ModelConfig:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {layers} layers")
         gemma = family == "gemma3"
         moe = _moe_fields(cfg, arch, layers)
-        granite = family == "granitemoe"
+        granite = family in ("granitemoe", "granitemoehybrid")
+        recurrent = _recurrent_config(cfg, family, layers)
+        hybrid = _hybrid_fields(cfg, family, layers)
         scalings = {k: float(cfg.get(k, 1.0)) for k in ("embedding_multiplier", "residual_multiplier",
                                                          "attention_multiplier", "logits_scaling")} if granite else {}
         return ModelConfig(
             family=family,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=hybrid.pop("intermediate_size", None) or cfg["intermediate_size"],
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-6)),
             rope_theta=float(rope_theta or (1_000_000.0 if gemma else 10000.0)),
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
@@ -327,8 +407,33 @@ class ModelConfig:
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             clip_qkv=float(cfg["clip_qkv"]) if cfg.get("clip_qkv") is not None else None,
-            **moe, **scalings,
+            recurrent=recurrent, **moe, **scalings, **hybrid,
         )
+
+
+def _hybrid_fields(cfg: dict, family: str, layers: int) -> dict:
+    """The hybrid families' other differences from a Llama: LFM2's real MLP width, Qwen3.5's gated attention output,
+    Granite 4.0 H's attention without RoPE and its dense MLP's width (its MoE variants are refused)."""
+    if family == "lfm2":
+        width = cfg["intermediate_size"]
+        if cfg.get("block_auto_adjust_ff_dim", True):       # transformers' Lfm2MLP: the config's width is not the MLP's
+            width = int(2 * width / 3)
+            if cfg.get("block_ffn_dim_multiplier") is not None:     # (rounded up only then, as transformers)
+                width = int(cfg["block_ffn_dim_multiplier"] * width)
+                multiple = cfg.get("block_multiple_of", 256)
+                width = multiple * ((width + multiple - 1) // multiple)
+        return {"intermediate_size": width}
+    if family == "qwen3_5":
+        return {"attn_output_gate": bool(cfg.get("attn_output_gate", True))}
+    if family == "granitemoehybrid":
+        if cfg.get("num_local_experts"):
+            raise ValueError("GraniteMoeHybridForCausalLM with experts (num_local_experts="
+                             f"{cfg['num_local_experts']}: Granite 4.0 H Tiny / Small) is not supported yet; kvflow "
+                             "serves the dense Granite 4.0 H models (350M, 1B)")
+        nope = cfg.get("position_embedding_type") != "rope"
+        return {"intermediate_size": cfg.get("shared_intermediate_size") or cfg["intermediate_size"],
+                "nope_layers": tuple(range(layers)) if nope else ()}
+    return {}
 
 
 def _moe_fields(cfg: dict, arch: Architecture, layers: int) -> dict:

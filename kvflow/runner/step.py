@@ -32,6 +32,14 @@ class StepBatch:
     # per row: the LoRA slot its request's adapter sits in (-1: the base model); empty: no row has an adapter (or
     # LoRA is off)
     lora_slots: tuple[int, ...] = ()
+    # models with recurrent layers (hybrids; empty otherwise). Per row: its request's state slot (consecutive rows with
+    # the same slot form one run: a speculating request's rows); before the forward, (source slot, slot) copies of
+    # every recurrent layer's state, source -1 zeroing the slot (a fresh request; a prefix-cache hit restores its
+    # checkpoint; a rejected draft its snapshot); during it, (row, offset in its chunk, slot) snapshots: the state
+    # after that position goes to that slot
+    state_slots: tuple[int, ...] = ()
+    state_copies: tuple[tuple[int, int], ...] = ()
+    state_snapshots: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
