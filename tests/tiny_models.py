@@ -26,6 +26,7 @@ FAMILIES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
 }
 # each mixture of experts' small shape: 8 experts, 2 or 3 per token (overrides change them)
 MOE_SHAPES = {
@@ -61,6 +62,11 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
         kwargs.update(num_hidden_layers=6, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
                       sliding_window=16, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rms_norm_eps=1e-6,
                       tie_word_embeddings=True)
+    if family == "qwen3_5":     # Qwen3.5's layout, small: 3 Gated DeltaNet layers : 1 gated attention, twice;
+        # partial RoPE; twice as many value heads as key heads in the Gated DeltaNet (its grouped heads)
+        kwargs.update(num_hidden_layers=8, head_dim=32, partial_rotary_factor=0.25, full_attention_interval=4,
+                      linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
+                      linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
     kwargs.update(overrides)
     hf_dtype = kwargs.pop("torch_dtype")
     config = cfg_cls(**kwargs)
@@ -70,8 +76,16 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # give every tensor distinct random values (norms near 1) so mix-ups show
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if family == "qwen3_5" and name.endswith("norm.weight") and ".linear_attn." not in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))      # zero-centred: the norm multiplies by 1 + w
+            elif name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".A_log"):       # decay rates from ~0.02 (long memory) to ~4 per unit of dt
+                p.copy_(torch.empty(p.shape).uniform_(-4.0, 1.4, generator=gen))
+            elif name.endswith(".dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) - 1.0)
+            elif name.endswith(".conv1d.weight"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
             elif name.endswith(("mlp.gate.weight", "router.weight", "gate.weight")):
                 # routers wide apart enough that a routing mistake changes the tokens
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
@@ -292,7 +306,7 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
     arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
             "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe",
             "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
-            "MixtralForCausalLM": "llama"}[cfg["architectures"][0]]
+            "MixtralForCausalLM": "llama", "Qwen3_5ForCausalLM": "qwen35"}[cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
@@ -339,6 +353,15 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
             w.add_logit_scale(cfg["logits_scaling"])
         if cfg.get("clip_qkv"):
             w.add_clamp_kqv(cfg["clip_qkv"])
+    if arch == "qwen35":        # as llama.cpp's Qwen3NextModel / Qwen3_5TextModel write them
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        w.add_full_attention_interval(cfg.get("full_attention_interval")
+                                      or cfg["layer_types"].index("full_attention") + 1)
+        w.add_rope_dimension_sections([*rope.get("mrope_section", [11, 11, 10]), 0][:4])
     w.add_file_type(_FTYPES[ftype])
 
     tok = _hf_tokenizer_metadata(hf_dir)
@@ -365,6 +388,8 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
         tensors.pop("lm_head.weight", None)
     if experts:
         tensors = _stacked_experts(tensors)
+    if arch == "qwen35":
+        tensors = _qwen35_tensors(tensors, cfg)
     _write_tensors(w, tensors.items(), arch, cfg, ftype, qtype, heads, kv_heads)
     return _finish(w, out_path, longrope)
 
@@ -381,8 +406,9 @@ def _write_tensors(w, tensors, arch: str, cfg: dict, ftype: str, qtype, heads: i
             data = llama_permute(data, kv_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data + 1.0       # llama.cpp's Gemma converter stores the norms as 1 + w
-        gname = hf_name_to_gguf(name, arch)
-        if data.ndim < 2 or qtype == T.F32:  # norms and biases stay F32, as llama.cpp keeps them
+        gname = name if arch == "qwen35" else hf_name_to_gguf(name, arch)     # (qwen35: named already)
+        if data.ndim < 2 or qtype == T.F32 or gname.endswith("ssm_conv1d.weight"):
+            # norms, biases and the convolution's taps stay F32, as llama.cpp keeps them
             w.add_tensor(gname, np.ascontiguousarray(data))
         elif qtype == T.F16:
             w.add_tensor(gname, data.astype(np.float16))
@@ -396,6 +422,55 @@ def _write_tensors(w, tensors, arch: str, cfg: dict, ftype: str, qtype, heads: i
                 w.add_tensor(gname, gguf.quants.quantize(data, fallback), raw_dtype=fallback)
         else:
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def _qwen35_tensors(tensors: dict[str, np.ndarray], cfg: dict) -> dict[str, np.ndarray]:
+    """A Qwen3.5 checkpoint as llama.cpp's converter writes it (conversion/qwen.py: Qwen3NextModel.modify_tensors and
+    _LinearAttentionVReorderBase), named by gguf-py's own tensor map: the zero-centred norms as 1 + w (not the Gated
+    DeltaNet's gated norm), A_log as ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, the convolution's taps squeezed to
+    [channels, kernel]; with fewer key than value heads, every tensor with a row (column: out_proj) per value head
+    reordered from grouped by key head to tiled. MTP tensors (`mtp.*`) are left out, as llama.cpp's --no-mtp."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, cfg["num_hidden_layers"])
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+
+    def tiled(x: np.ndarray, axis: int, head_dim: int) -> np.ndarray:     # llama.cpp's _reorder_v_heads
+        x = np.moveaxis(x, axis, 0)
+        shape = x.shape
+        x = x.reshape(hk, hv // hk, head_dim, *shape[1:]).swapaxes(0, 1).reshape(shape)
+        return np.ascontiguousarray(np.moveaxis(x, 0, axis))
+
+    out = {}
+    for name, data in tensors.items():
+        if name.startswith("mtp."):
+            continue
+        data = np.asarray(data, dtype=np.float32)
+        if name.endswith(".A_log"):
+            data, name = -np.exp(data), name.removesuffix(".A_log") + ".A_log.weight"
+        elif name.endswith(".dt_bias"):
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        elif name.endswith(".conv1d.weight"):
+            data = data.squeeze(1)
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            data = data + 1.0
+        if hk != hv and ".linear_attn." in name:
+            qk = 2 * hk * dk
+            if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+                data = np.concatenate([data[:qk], tiled(data[qk:], 0, dv)])
+            elif name.endswith(".in_proj_z.weight"):
+                data = tiled(data, 0, dv)
+            elif name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log.weight", ".dt_proj.bias")):
+                data = tiled(data, 0, 1)
+            elif name.endswith(".out_proj.weight"):
+                data = tiled(data, 1, dv)
+        base, suffix = name.rsplit(".", 1)
+        gname = names.get_name(base)
+        assert gname is not None, name
+        # ssm_a has no suffix in llama.cpp's files
+        out[gname if gname.endswith(".ssm_a") else f"{gname}.{suffix}"] = data
+    return out
 
 
 def _finish(w, out_path: Path, longrope: dict | None) -> Path:

@@ -214,6 +214,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, sizes.vocab_size, bias=False)
 
     decoder_layer = DecoderLayer
+    # checkpoint name piece -> (fused parameter, shard index): a family with more fused projections extends it
+    fused_pieces = _FUSED
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
@@ -346,7 +348,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 tensor = self._rank_slice(name, tensor)
             target = name
-            for piece, (fused, shard) in _FUSED.items():
+            for piece, (fused, shard) in self.fused_pieces.items():
                 if f".{piece}." in name:
                     target = name.replace(piece, fused)
                     param = params[target]

@@ -54,13 +54,18 @@ _GGUF_BLOCK_TO_HF = {
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def gguf_name_to_hf(name: str, renames: dict[str, str] | None = None) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors we don't use.
-    `renames`: the architecture's block names that differ from the llama table (`Architecture.gguf_tensor_names`)."""
+    `renames`: the architecture's block names that differ from the llama table (`Architecture.gguf_tensor_names`):
+    a piece before .weight / .bias, or a whole name after blk.N. (Qwen3.5's ssm_a, ssm_dt.bias)."""
     if name in _GGUF_TO_HF:
         return _GGUF_TO_HF[name]
+    whole = _BLOCK_TENSOR_RE.fullmatch(name)
+    if whole and renames and whole.group(2) in renames:
+        return f"model.layers.{whole.group(1)}.{renames[whole.group(2)]}"
     m = _BLOCK_RE.fullmatch(name)
     if m:
         piece = (renames or {}).get(m.group(2)) or _GGUF_BLOCK_TO_HF.get(m.group(2))
@@ -110,7 +115,50 @@ def _iter_gguf(g: GGUFFile, config: ModelConfig, keep_quantized: bool) -> Iterat
                 w = unpermute_qk(w, heads)
         if config.family == "gemma3" and name.endswith("norm.weight"):
             w = w - 1       # llama.cpp stores Gemma's norms as 1 + w; the checkpoint's w (as transformers undoes it)
+        if config.family == "qwen3_5":
+            w = _qwen3_5_from_gguf(name, w, config)
         yield name, w
+
+
+def _qwen3_5_from_gguf(name: str, w, config: ModelConfig):
+    """A Qwen3.5 GGUF tensor as the checkpoint holds it, undoing llama.cpp's converter (conversion/qwen.py; as
+    transformers' GGUF load does): norms stored as 1 + w (all but the Gated DeltaNet's gated norm), ssm_a as
+    -exp(A_log), the convolution's taps squeezed to [channels, kernel], and, with fewer key than value heads, the
+    value heads in tiled order (value head m of key head g at m * Hk + g) instead of grouped (g * Hv / Hk + m) on
+    every tensor with a row or column per value head. Row picks keep GGUF codes as they are; out_proj's columns cross
+    the codes' blocks, so a quantized out_proj comes out as floats."""
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return w - 1
+    if ".linear_attn." not in name:
+        return w
+    if name.endswith(".A_log"):
+        w = torch.log(-w)
+    elif name.endswith(".conv1d.weight"):
+        w = w.unsqueeze(1)
+    rc = config.recurrent
+    if rc.num_key_heads == rc.num_value_heads:
+        return w
+    key_rows = 2 * rc.num_key_heads * rc.key_head_dim
+    per_head = _grouped_from_tiled(rc.num_key_heads, rc.num_value_heads, 1)
+    per_value = _grouped_from_tiled(rc.num_key_heads, rc.num_value_heads, rc.value_head_dim)
+    qkv_rows = torch.cat([torch.arange(key_rows), key_rows + per_value])
+    rows = {".in_proj_qkv.weight": qkv_rows, ".conv1d.weight": qkv_rows, ".in_proj_z.weight": per_value,
+            ".in_proj_a.weight": per_head, ".in_proj_b.weight": per_head, ".A_log": per_head, ".dt_bias": per_head}
+    index = next((r for suffix, r in rows.items() if name.endswith(suffix)), None)
+    if index is not None:
+        return w.take_rows(index) if isinstance(w, CODES) else w[index]
+    if name.endswith(".out_proj.weight"):
+        if isinstance(w, CODES):
+            logger.info("%s: its columns are value heads in llama.cpp's tiled order; kept as floats in the "
+                        "checkpoint's order", name)
+            w = w.dequantize()
+        return w[:, per_value]
+    return w
+
+
+def _grouped_from_tiled(key_heads: int, value_heads: int, size: int) -> torch.Tensor:
+    """For each row of the grouped order (key head g, its value head m, element d), its row in the tiled order."""
+    return torch.arange(value_heads * size).view(value_heads // key_heads, key_heads, size).transpose(0, 1).reshape(-1)
 
 
 # fused checkpoint tensors (Phi-3's) -> the pieces every other architecture's checkpoint has, so that one

@@ -90,6 +90,14 @@ GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
 {%- endif -%}
 """
 
+# llama.cpp's Qwen3.5 (`qwen35`) tensor names, after blk.N.: the Gated DeltaNet's, and whole names for the tensors
+# without a .weight suffix (ssm_a) or whose HF name is no piece + suffix (ssm_dt.bias)
+QWEN3_5_GGUF_NAMES = (("post_attention_norm", "post_attention_layernorm"), ("attn_qkv", "linear_attn.in_proj_qkv"),
+                      ("attn_gate", "linear_attn.in_proj_z"), ("ssm_beta", "linear_attn.in_proj_b"),
+                      ("ssm_alpha", "linear_attn.in_proj_a"), ("ssm_conv1d", "linear_attn.conv1d"),
+                      ("ssm_norm", "linear_attn.norm"), ("ssm_out", "linear_attn.out_proj"),
+                      ("ssm_a", "linear_attn.A_log"), ("ssm_dt.bias", "linear_attn.dt_bias"))
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("LlamaForCausalLM", "llama", ("llama",), ("llama",), "llama:LlamaForCausalLM", permuted_qk=True),
     Architecture("MistralForCausalLM", "llama", ("mistral",), ("mistral",), "llama:LlamaForCausalLM",
@@ -118,7 +126,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # hybrids: recurrent layers (a state per request: layers/recurrent_state.py) between attention layers
     Architecture("Lfm2ForCausalLM", "lfm2", ("lfm2",), ("lfm2",), "lfm2:Lfm2ForCausalLM", qk_norm=True),
     Architecture("Qwen3_5ForCausalLM", "qwen3_5", ("qwen3_5_text", "qwen3_5"), ("qwen35",),
-                 "qwen3_5:Qwen3_5ForCausalLM", qk_norm=True),
+                 "qwen3_5:Qwen3_5ForCausalLM", qk_norm=True, gguf_tensor_names=QWEN3_5_GGUF_NAMES),
+    # the released Qwen3.5 checkpoints: the text model beside a vision tower, which kvflow skips (text only)
+    Architecture("Qwen3_5ForConditionalGeneration", "qwen3_5", (), (), "qwen3_5:Qwen3_5ForCausalLM", qk_norm=True),
     Architecture("GraniteMoeHybridForCausalLM", "granitemoehybrid", ("granitemoehybrid",), ("granitehybrid",),
                  "granite_hybrid:GraniteHybridForCausalLM"),
 )

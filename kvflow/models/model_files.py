@@ -107,7 +107,10 @@ def read_hf_config(folder: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
-        cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+        text = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+        if "tie_word_embeddings" in cfg:      # the outer config's says whether lm_head is the embedding (transformers)
+            text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+        cfg = text
     return cfg
 
 
@@ -152,6 +155,32 @@ def _check_gguf_experts(g: GGUFFile, arch: str) -> None:
                                  f"experts may be {', '.join(EXPERT_TYPES)}")
 
 
+def _recurrent_gguf_config(g: GGUFFile, arch: str) -> dict:
+    """A hybrid's recurrent layers as config.json states them, from the `{arch}.ssm.*` keys (their meaning is the
+    architecture's: llama.cpp reuses Mamba's names)."""
+    if arch != "qwen35":
+        return {}
+    md = g.metadata
+
+    def key(name: str):
+        if f"{arch}.{name}" not in md:
+            raise ValueError(f"{g.path}: GGUF metadata lacks {arch}.{name}")
+        return md[f"{arch}.{name}"]
+    value_heads = key("ssm.time_step_rank")
+    cfg = {"linear_conv_kernel_dim": key("ssm.conv_kernel"), "linear_key_head_dim": key("ssm.state_size"),
+           "linear_num_key_heads": key("ssm.group_count"), "linear_num_value_heads": value_heads,
+           "linear_value_head_dim": key("ssm.inner_size") // value_heads,
+           # the file counts the multi-token-prediction block's layers in block_count (they follow the trunk's)
+           "num_hidden_layers": key("block_count") - md.get(f"{arch}.nextn_predict_layers", 0)}
+    recurrent = md.get(f"{arch}.attention.recurrent_layers")
+    if isinstance(recurrent, (list, tuple)):
+        layers = recurrent[:cfg["num_hidden_layers"]]
+        cfg["layer_types"] = ["linear_attention" if r else "full_attention" for r in layers]
+    else:
+        cfg["full_attention_interval"] = md.get(f"{arch}.full_attention_interval", 4)
+    return cfg
+
+
 def gguf_model_config(g: GGUFFile) -> ModelConfig:
     """The GGUF metadata as the config.json it stands for, read by the one ModelConfig builder."""
     md = g.metadata
@@ -161,6 +190,7 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
     if row.moe_router:
         cfg["norm_topk_prob"] = bool(md.get(f"{arch}.expert_weights_norm", row.gguf_norm_topk_prob))
         _check_gguf_experts(g, arch)
+    cfg.update(_recurrent_gguf_config(g, arch))
     for key in ("rms_norm_eps", "rope_theta", "clip_qkv", "embedding_multiplier", "residual_multiplier",
                 "attention_multiplier", "logits_scaling"):
         if key in cfg:

@@ -1,0 +1,239 @@
+"""Qwen3.5 (dense: 0.8B, 2B, 4B, 9B), as transformers' Qwen3_5ForCausalLM computes it: three Gated DeltaNet layers
+(a recurrent state per request: layers/recurrent_state.py) before each gated full-attention layer, on the Llama
+decoder's pieces (llama.py: fused projections, MLP, rotary tables, loading).
+
+- Gated DeltaNet (`GatedDeltaNet`): q/k/v, z, b and a projections (two matmuls: [qkv; z] and [b; a], fused at
+  load), a causal depthwise convolution over the q/k/v channels with SiLU, then the delta rule per value head
+  (kernels/recurrent.py: token after token, the state float32), a gated RMSNorm per value head and out_proj.
+- Gated attention (`GatedAttention`): q_proj gives, per head, the query then a gate on the attention's output
+  (`o_proj(attention * sigmoid(gate))`); per-head q/k RMSNorm; RoPE on the first quarter of each head (the
+  checkpoints' interleaved M-RoPE sections rotate a text position alike in every section: plain partial RoPE).
+- RMSNorm x̂ (1 + w), the checkpoint holding w: 1 is added once at load in float32 (as gemma3.py does; the loader
+  turns a GGUF's stored 1 + w back into w). The Gated DeltaNet's own norm multiplies by w as it is.
+
+The released checkpoints are Qwen3_5ForConditionalGeneration (a vision tower beside the text model): the text model
+is served, the tower's weights (`model.visual.*`) skipped, and so are the multi-token-prediction block's (`mtp.*`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.kernels.group_quant import CODES
+from kvflow.kernels.plan import KernelPlan
+from kvflow.kernels.recurrent import causal_conv1d, gated_delta_rule
+from kvflow.layers.attention import PagedAttention
+from kvflow.layers.attention_metadata import AttentionMetadata
+from kvflow.layers.native_layers import NativeDecoder, NotNative
+from kvflow.layers.norm import RMSNorm
+from kvflow.layers.recurrent_state import RecurrentLayer
+from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.models.llama import MLP, Attention, LlamaForCausalLM, TensorParallelSizes
+from kvflow.models.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head's dv values, times w (as it is), times silu(gate): norm before gate, in float32,
+    as transformers' Qwen3_5RMSNormGated."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), x.shape[-1:], None, self.eps)
+        return (self.weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+
+
+class CausalConv1d(nn.Module):
+    """The depthwise causal convolution's taps, [channels, kernel] (a checkpoint's [channels, 1, kernel] squeezed at
+    load); no bias."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, kernel))
+
+
+class GatedDeltaNet(RecurrentLayer):
+    """One Gated DeltaNet mixer over the step's flat rows; `meta.state` says which state slot each run of rows
+    continues. States per slot: the convolution's last K - 1 inputs [K - 1, 2 Hk dk + Hv dv] (compute dtype) and
+    the delta rule's matrices [Hv, dk, dv] (float32)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        rc = cfg.recurrent
+        self.num_k_heads, self.num_v_heads = rc.num_key_heads, rc.num_value_heads
+        self.head_k_dim, self.head_v_dim = rc.key_head_dim, rc.value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"Gated DeltaNet: {self.num_v_heads} value heads do not form groups over "
+                             f"{self.num_k_heads} key heads")
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = rc.conv_kernel
+        # [q; k; v; z] and [b; a]: the checkpoint's four projections in two matmuls (b and a, Hv rows each, apart:
+        # a GGUF may keep them in another format than the big ones)
+        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, self.conv_dim + self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.num_v_heads, bias=False)
+        self.conv1d = CausalConv1d(self.conv_dim, self.conv_kernel)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def state_shapes(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"conv": ((self.conv_kernel - 1, self.conv_dim), dtype),
+                "recurrent": ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32)}
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.state is None:
+            raise RuntimeError("a Gated DeltaNet layer needs the step's state runs (AttentionMetadata.state)")
+        T = x.shape[0]
+        qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = self.in_proj_ba(x).split(self.num_v_heads, dim=-1)
+        qkv = causal_conv1d(qkv.contiguous(), self.conv1d.weight, None, self.states["conv"], meta.state, silu=True)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta = b.sigmoid()
+        # per value head, the log decay (<= 0); in float32 whatever the dtype (as transformers: -inf otherwise in
+        # fp16), with torch's softplus (x above 20 passes as is)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        o = gated_delta_rule(q.reshape(T, self.num_k_heads, self.head_k_dim),
+                             k.reshape(T, self.num_k_heads, self.head_k_dim),
+                             v.reshape(T, self.num_v_heads, self.head_v_dim), g, beta, self.states["recurrent"],
+                             meta.state)
+        o = self.norm(o, z.reshape(T, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(o.reshape(T, self.value_dim))
+
+
+class GatedAttention(Attention):
+    """Llama's attention with q_proj twice as wide: per head, head_dim query values then head_dim gate values (the
+    checkpoint's row order, transformers' view(..., heads, 2 * head_dim).chunk(2)), kept in that order in the fused
+    qkv_proj; the output is o_proj(attention * sigmoid(gate))."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
+                 layer: int = 0, kernels: KernelPlan | None = None):
+        super().__init__(cfg, rotary, tp, sizes, layer, kernels)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qg = qg.view(T, H, 2, D)
+        gate = qg[:, :, 1].reshape(T, self.q_size)
+        qk = torch.cat([self.q_norm(qg[:, :, 0].contiguous()), self.k_norm(k.reshape(T, Hkv, D))], dim=1)
+        q, k = self.rotary.rotate(qk, rope).split([H, Hkv], dim=1)
+        attn = self.attn(q, k, v.reshape(T, Hkv, D), meta)
+        return self.o_proj(attn * torch.sigmoid(gate))
+
+    def native(self, rotary: RotaryEmbedding):
+        raise NotNative("gated attention (Qwen3.5)")
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
+                 layer: int = 0, kernels: KernelPlan | None = None):
+        super().__init__()
+        self.recurrent = cfg.is_recurrent(layer)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        if self.recurrent:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg, rotary, tp, sizes, layer, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.mlp = MLP(cfg, tp, sizes)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        h = h + (self.linear_attn(x, meta) if self.recurrent else self.self_attn(rope, x, meta))
+        return h + self.mlp(self.post_attention_layernorm(h), meta)
+
+
+# the checkpoint's Gated DeltaNet projections in the fused ones, beside Llama's
+_QWEN3_5_FUSED = {**LlamaForCausalLM.fused_pieces, "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1),
+                  "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
+# checkpoint prefixes that are not the text model: Qwen3_5ForConditionalGeneration's vision tower, the
+# multi-token-prediction block (a drafter: not used yet)
+_SKIPPED = {"model.visual.": "vision tower", "mtp.": "multi-token prediction"}
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    decoder_layer = Qwen3_5DecoderLayer
+    fused_pieces = _QWEN3_5_FUSED
+    compiled_decode = False         # no compiled decode step for recurrent layers yet
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None,
+                 kernels: KernelPlan | None = None):
+        if tp is not None and tp.size > 1:
+            raise ValueError("Qwen3.5 (recurrent Gated DeltaNet layers) does not run with tensor_parallel_size > 1 "
+                             "yet; use tensor_parallel_size=1")
+        if cfg.recurrent is None:
+            raise ValueError("a Qwen3.5 config without linear-attention layers")
+        if not cfg.attn_output_gate:
+            raise ValueError("Qwen3.5 without attn_output_gate is not supported")
+        super().__init__(cfg, max_positions, tp, kernels)
+
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers if not layer.recurrent]
+
+    @property
+    def state_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.layers if layer.recurrent]
+
+    def native_decoder(self) -> NativeDecoder:
+        raise NotNative("Qwen3.5's recurrent layers (Gated DeltaNet) and gated attention")
+
+    def enable_lora(self, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32,
+                    targets: tuple[str, ...] | None = None) -> None:
+        raise ValueError("LoRA is not supported for Qwen3.5 yet (its Gated DeltaNet layers and gated attention take "
+                         "no LoRA terms); serve it without enable_lora")
+
+    def _shard_sizes(self, name: str) -> list[int]:
+        cfg = self.config
+        if "qkv_proj" in name:          # q_proj's rows are query and gate per head
+            q, kv = self.sizes.num_heads * cfg.head_dim, self.sizes.num_kv_heads * cfg.head_dim
+            return [2 * q, kv, kv]
+        if "in_proj_qkvz" in name:
+            rc = cfg.recurrent
+            value = rc.num_value_heads * rc.value_head_dim
+            return [2 * rc.num_key_heads * rc.key_head_dim + value, value]
+        if "in_proj_ba" in name:
+            return [cfg.recurrent.num_value_heads] * 2
+        return super()._shard_sizes(name)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A Qwen3_5ForCausalLM checkpoint, or a Qwen3_5ForConditionalGeneration one (the text model under
+        `model.language_model.`): the vision tower's and the MTP block's tensors are skipped (logged), norms get
+        their 1 added in float32 (not the Gated DeltaNet's gated norm), the convolution's taps are squeezed."""
+        skipped: dict[str, int] = {}
+        layers = self.config.num_hidden_layers
+
+        def text_model():
+            for name, tensor in weights:
+                name = name.replace("model.language_model.", "model.", 1)
+                what = next((w for prefix, w in _SKIPPED.items() if name.startswith(prefix)), None)
+                if what is None and name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
+                    what = "multi-token prediction"     # a GGUF's MTP block: layers past the trunk's
+                if what is not None:
+                    skipped[what] = skipped.get(what, 0) + 1
+                    continue
+                if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                    tensor = tensor.float() + 1.0
+                elif name.endswith("linear_attn.conv1d.weight"):
+                    if isinstance(tensor, CODES):
+                        tensor = tensor.dequantize()
+                    tensor = tensor.reshape(tensor.shape[0], -1)
+                yield name, tensor
+
+        super().load_weights(text_model())
+        for what, count in skipped.items():
+            logger.info("Qwen3.5: serving the text model; skipped %d %s tensor(s)", count, what)
