@@ -279,3 +279,162 @@ def test_gguf_matches_transformers_gguf_load(tiny_qwen3_5, tmp_path, ftype):
     torch.testing.assert_close(logits_of(loaded(gguf_path), ids), want, rtol=TOL, atol=TOL)
     if ftype == "f32":          # and the safetensors' own
         torch.testing.assert_close(logits_of(loaded(tiny_qwen3_5), ids), want, rtol=TOL, atol=TOL)
+
+
+def test_gguf_codes_come_out_in_the_checkpoints_order(tiny_qwen3_5, tmp_path):
+    """Kept as codes (the default configuration's load), the tiled value heads' rows are picked back exactly (the
+    codes' values are the float load's, bit for bit); out_proj, whose columns cross the codes' blocks, keeps the
+    file's codes and order, with the order its input takes."""
+    from kvflow.kernels.group_quant import CODES
+    from kvflow.models.loader import iter_weights
+
+    gguf_path = write_gguf_from_hf(tiny_qwen3_5, tmp_path / "qwen3_5-q8_0.gguf", ftype="q8_0")
+    floats = dict(iter_weights(gguf_path))
+    kept = dict(iter_weights(resolve_model_files(gguf_path), keep_quantized=True))
+    orders = {n for n in kept if n.endswith(".input_order")}
+    assert floats.keys() == kept.keys() - orders and len(orders) == 6      # one per Gated DeltaNet layer
+    for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.0.linear_attn.in_proj_z.weight",
+                 "model.layers.4.linear_attn.in_proj_a.weight", "model.layers.4.linear_attn.in_proj_b.weight"):
+        assert isinstance(kept[name], CODES), name
+        assert torch.equal(kept[name].dequantize(), floats[name]), name
+    out_proj, order = kept["model.layers.0.linear_attn.out_proj.weight"], kept[
+        "model.layers.0.linear_attn.out_proj.input_order"]
+    assert isinstance(out_proj, CODES) and "model.layers.0.linear_attn.out_proj.input_order" not in floats
+    assert torch.equal(out_proj.dequantize()[:, torch.argsort(order)],
+                       floats["model.layers.0.linear_attn.out_proj.weight"])
+
+
+def test_lora_and_tensor_parallelism_are_refused_with_a_reason(tiny_qwen3_5):
+    cfg = resolve_model_files(tiny_qwen3_5).config
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        Qwen3_5ForCausalLM(cfg, 64, TensorParallel(size=2))
+    with pytest.raises(ValueError, match="LoRA is not supported for Qwen3.5"):
+        Qwen3_5ForCausalLM(cfg, 64).enable_lora(1, 8)
+    from kvflow.layers.native_layers import NotNative
+    with pytest.raises(NotNative, match="recurrent"):
+        Qwen3_5ForCausalLM(cfg, 64).native_decoder()
+
+
+# ---- through kvflow.LLM ---------------------------------------------------------------------------------------------
+
+MAX_TOKENS = 16
+GREEDY = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def llm_prompts() -> list[list[int]]:
+    """Short ones, one longer than max_num_batched_tokens (64: prefilled in chunks, the state carried between
+    steps), two sharing a 40-token prefix (a prefix-cache checkpoint at their junction)."""
+    shared = prompt(40, seed=11)
+    return [prompt(5, seed=12), prompt(150, seed=13), [42], shared + prompt(7, seed=14), shared + prompt(3, seed=15),
+            prompt(23, seed=16)]
+
+
+def generate(llm, prompts, **params) -> list[list[int]]:
+    from kvflow import SamplingParams
+
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(**{**GREEDY, **params}))]
+
+
+@pytest.fixture(scope="module")
+def hf_qwen3_5(tiny_qwen3_5):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_5, dtype=torch.float32).eval()
+
+
+def make_llm(path, **engine):
+    from kvflow import LLM
+
+    return LLM(str(path), dtype="float32", max_model_len=256, kv_cache_memory="32MiB", max_num_batched_tokens=64,
+               **engine)
+
+
+@pytest.mark.slow
+def test_llm_greedy_matches_transformers_alone_batched_and_from_checkpoints(tiny_qwen3_5, hf_qwen3_5):
+    """Greedy float32 tokens equal transformers' for every prompt, batched; each alone gives the same tokens bit for
+    bit (batch invariance); a second pass of the same prompts starts from prefix-cache checkpoints and gives them
+    again."""
+    from transformers_greedy import assert_greedy_matches
+
+    prompts = llm_prompts()
+    with make_llm(tiny_qwen3_5, enable_prefix_caching=False) as llm:
+        batched = generate(llm, prompts)
+        alone = [generate(llm, [p])[0] for p in prompts]
+    assert alone == batched, "a request's tokens depend on what shares its steps"
+    for p, got in zip(prompts, batched):
+        assert_greedy_matches(hf_qwen3_5, p, got, "qwen3_5, ", MAX_TOKENS)
+    with make_llm(tiny_qwen3_5) as llm:
+        first = generate(llm, prompts)
+        hits = llm.engine.kv_cache_manager.prefix_cache_hits
+        again = generate(llm, prompts)
+        assert llm.engine.kv_cache_manager.prefix_cache_hits > hits, "no prefix-cache hit on the repeated prompts"
+        llm.engine.kv_cache_manager.check()
+    assert first == batched and again == batched, "prefix-cache checkpoints changed the output"
+
+
+@pytest.mark.slow
+def test_llm_speculation_restores_the_state_of_the_last_accepted_token(tiny_qwen3_5):
+    """ngram drafts on prompts that repeat themselves: most drafts are rejected, and the Gated DeltaNet state of
+    each rejected one is already absorbed: the tokens are those without speculation."""
+    prompts = [prompt(12, seed=s) * 3 for s in (21, 22, 23)]
+    with make_llm(tiny_qwen3_5) as llm:
+        want = generate(llm, prompts, max_tokens=24)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with make_llm(tiny_qwen3_5, speculative_config=spec) as llm:
+        assert generate(llm, prompts, max_tokens=24) == want
+
+
+@pytest.mark.slow
+def test_llm_gguf_twins_match_transformers(tiny_qwen3_5, hf_qwen3_5, tmp_path):
+    """The f32 twin gives transformers' tokens from the safetensors; the Q8_0 one, at dtype float32 (the file's
+    values as floats), transformers' tokens from its own load of that file; at the default configuration (the
+    file's codes through kvflow's kernels) it is batch invariant."""
+    from transformers import AutoModelForCausalLM
+
+    from transformers_greedy import assert_greedy_matches
+
+    prompts = llm_prompts()[:3]
+    f32 = write_gguf_from_hf(tiny_qwen3_5, tmp_path / "qwen3_5-f32.gguf")
+    with make_llm(f32) as llm:
+        for p, got in zip(prompts, generate(llm, prompts)):
+            assert_greedy_matches(hf_qwen3_5, p, got, "qwen3_5 f32 GGUF, ", MAX_TOKENS)
+    q8 = write_gguf_from_hf(tiny_qwen3_5, tmp_path / "qwen3_5-q8_0.gguf", ftype="q8_0")
+    hf_q8 = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=q8.name, dtype=torch.float32).eval()
+    with make_llm(q8) as llm:
+        for p, got in zip(prompts, generate(llm, prompts)):
+            assert_greedy_matches(hf_q8, p, got, "qwen3_5 Q8_0 GGUF, ", MAX_TOKENS)
+    from kvflow import LLM
+
+    with LLM(str(q8), max_model_len=256, kv_cache_memory="32MiB", max_num_batched_tokens=64) as llm:
+        assert llm.engine.runner.quantization == "gguf"
+        batched = generate(llm, prompts)
+        assert [generate(llm, [p])[0] for p in prompts] == batched
+
+
+@pytest.mark.slow
+def test_llm_serves_a_conditional_generation_folder_and_chats(tiny_qwen3_5, tmp_path):
+    """A Qwen3_5ForConditionalGeneration folder (text_config, a vision tower's tensors) gives the text model's tokens;
+    chat renders the folder's template (SmolLM2's here) and generates."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((tiny_qwen3_5 / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": cfg,
+        "vision_config": {"model_type": "qwen3_5_vision", "depth": 1}, "tie_word_embeddings": False}))
+    tensors = {("model.language_model." + n.removeprefix("model.")) if n.startswith("model.") else n: t
+               for n, t in load_file(tiny_qwen3_5 / "model.safetensors").items()}
+    tensors["model.visual.blocks.0.mlp.linear_fc1.weight"] = torch.randn(8, 4)
+    save_file(tensors, tmp_path / "model.safetensors")
+    for f in tiny_qwen3_5.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    prompts = llm_prompts()[:2]
+    with make_llm(tiny_qwen3_5) as llm:
+        want = generate(llm, prompts)
+    with make_llm(tmp_path) as llm:
+        assert generate(llm, prompts) == want
+        from kvflow import SamplingParams
+
+        out = llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}],
+                       SamplingParams(**GREEDY))[0]
+        assert len(out.outputs[0].token_ids) == MAX_TOKENS and out.prompt_token_ids

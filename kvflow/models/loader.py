@@ -116,28 +116,33 @@ def _iter_gguf(g: GGUFFile, config: ModelConfig, keep_quantized: bool) -> Iterat
         if config.family == "gemma3" and name.endswith("norm.weight"):
             w = w - 1       # llama.cpp stores Gemma's norms as 1 + w; the checkpoint's w (as transformers undoes it)
         if config.family == "qwen3_5":
-            w = _qwen3_5_from_gguf(name, w, config)
-        yield name, w
+            yield from _qwen3_5_from_gguf(name, w, config)
+        else:
+            yield name, w
 
 
-def _qwen3_5_from_gguf(name: str, w, config: ModelConfig):
+def _qwen3_5_from_gguf(name: str, w, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """A Qwen3.5 GGUF tensor as the checkpoint holds it, undoing llama.cpp's converter (conversion/qwen.py; as
     transformers' GGUF load does): norms stored as 1 + w (all but the Gated DeltaNet's gated norm), ssm_a as
     -exp(A_log), the convolution's taps squeezed to [channels, kernel], and, with fewer key than value heads, the
     value heads in tiled order (value head m of key head g at m * Hk + g) instead of grouped (g * Hv / Hk + m) on
-    every tensor with a row or column per value head. Row picks keep GGUF codes as they are; out_proj's columns cross
-    the codes' blocks, so a quantized out_proj comes out as floats."""
+    every tensor with a row or column per value head. Row picks keep GGUF codes as they are. out_proj's columns cross
+    the codes' blocks: kept as codes, it stays in the file's order and comes with `out_proj.input_order`, the
+    columns of its input to take (models/qwen3_5.py applies it), as transformers' GGUF load does."""
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-        return w - 1
+        yield name, w - 1
+        return
     if ".linear_attn." not in name:
-        return w
+        yield name, w
+        return
     if name.endswith(".A_log"):
         w = torch.log(-w)
     elif name.endswith(".conv1d.weight"):
         w = w.unsqueeze(1)
     rc = config.recurrent
     if rc.num_key_heads == rc.num_value_heads:
-        return w
+        yield name, w
+        return
     key_rows = 2 * rc.num_key_heads * rc.key_head_dim
     per_head = _grouped_from_tiled(rc.num_key_heads, rc.num_value_heads, 1)
     per_value = _grouped_from_tiled(rc.num_key_heads, rc.num_value_heads, rc.value_head_dim)
@@ -146,14 +151,14 @@ def _qwen3_5_from_gguf(name: str, w, config: ModelConfig):
             ".in_proj_a.weight": per_head, ".in_proj_b.weight": per_head, ".A_log": per_head, ".dt_bias": per_head}
     index = next((r for suffix, r in rows.items() if name.endswith(suffix)), None)
     if index is not None:
-        return w.take_rows(index) if isinstance(w, CODES) else w[index]
-    if name.endswith(".out_proj.weight"):
-        if isinstance(w, CODES):
-            logger.info("%s: its columns are value heads in llama.cpp's tiled order; kept as floats in the "
-                        "checkpoint's order", name)
-            w = w.dequantize()
-        return w[:, per_value]
-    return w
+        yield name, w.take_rows(index) if isinstance(w, CODES) else w[index]
+    elif name.endswith(".out_proj.weight") and isinstance(w, CODES):
+        yield name, w
+        yield name.removesuffix(".weight") + ".input_order", torch.argsort(per_value)
+    elif name.endswith(".out_proj.weight"):
+        yield name, w[:, per_value]
+    else:
+        yield name, w
 
 
 def _grouped_from_tiled(key_heads: int, value_heads: int, size: int) -> torch.Tensor:

@@ -88,6 +88,9 @@ class GatedDeltaNet(RecurrentLayer):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        # which columns of the value heads' output out_proj takes, in its order: None, the checkpoint's; a GGUF's
+        # codes of a model with fewer key than value heads keep llama.cpp's order (models/loader.py)
+        self.register_buffer("out_proj_input_order", None)
 
     def state_shapes(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"conv": ((self.conv_kernel - 1, self.conv_dim), dtype),
@@ -109,8 +112,10 @@ class GatedDeltaNet(RecurrentLayer):
                              k.reshape(T, self.num_k_heads, self.head_k_dim),
                              v.reshape(T, self.num_v_heads, self.head_v_dim), g, beta, self.states["recurrent"],
                              meta.state)
-        o = self.norm(o, z.reshape(T, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(o.reshape(T, self.value_dim))
+        o = self.norm(o, z.reshape(T, self.num_v_heads, self.head_v_dim)).reshape(T, self.value_dim)
+        if self.out_proj_input_order is not None:
+            o = o.index_select(1, self.out_proj_input_order)
+        return self.out_proj(o)
 
 
 class GatedAttention(Attention):
@@ -220,6 +225,10 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         def text_model():
             for name, tensor in weights:
                 name = name.replace("model.language_model.", "model.", 1)
+                if name.endswith(".linear_attn.out_proj.input_order"):    # a GGUF's out_proj codes (loader.py)
+                    layer = self.layers[int(name.split(".")[2])].linear_attn
+                    layer.out_proj_input_order = tensor.to(layer.out_proj.weight.device)
+                    continue
                 what = next((w for prefix, w in _SKIPPED.items() if name.startswith(prefix)), None)
                 if what is None and name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
                     what = "multi-token prediction"     # a GGUF's MTP block: layers past the trunk's
