@@ -281,6 +281,42 @@ def test_gguf_matches_transformers_gguf_load(tiny_qwen3_5, tmp_path, ftype):
         torch.testing.assert_close(logits_of(loaded(tiny_qwen3_5), ids), want, rtol=TOL, atol=TOL)
 
 
+def test_gguf_with_an_mtp_block_serves_the_trunk(tiny_qwen3_5, tmp_path, caplog):
+    """llama.cpp writes Qwen3.5's MTP block as a block after the trunk's (block_count counts it,
+    nextn_predict_layers says how many) with its fc and norms as nextn.* tensors: kvflow reads the trunk's layer
+    count, skips the block (saying so) and gives transformers' logits from its own load of the file."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from kvflow.models.gguf_reader import read_gguf
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for f in tiny_qwen3_5.iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tiny_qwen3_5 / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    tensors = load_file(tiny_qwen3_5 / "model.safetensors")
+    tensors.update({n.replace("model.layers.3.", "mtp.layers.0."): t.clone() for n, t in tensors.items()
+                    if n.startswith("model.layers.3.")})
+    tensors.update({"mtp.fc.weight": torch.randn(64, 128), "mtp.pre_fc_norm_embedding.weight": torch.zeros(64),
+                    "mtp.pre_fc_norm_hidden.weight": torch.zeros(64), "mtp.norm.weight": torch.zeros(64)})
+    save_file(tensors, folder / "model.safetensors")
+    gguf_path = write_gguf_from_hf(folder, tmp_path / "qwen3_5-mtp.gguf")
+    g = read_gguf(gguf_path)
+    assert g.metadata["qwen35.block_count"] == 9 and "blk.8.nextn.eh_proj.weight" in g.tensors
+    assert resolve_model_files(gguf_path).config.num_hidden_layers == 8
+    with caplog.at_level(logging.INFO, logger="kvflow.models.qwen3_5"):
+        model = loaded(gguf_path)
+    assert "multi-token prediction tensor(s)" in caplog.text
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    ids = prompt(20, seed=5)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits_of(model, ids), want, rtol=TOL, atol=TOL)
+
+
 def test_gguf_codes_come_out_in_the_checkpoints_order(tiny_qwen3_5, tmp_path):
     """Kept as codes (the default configuration's load), the tiled value heads' rows are picked back exactly (the
     codes' values are the float load's, bit for bit); out_proj, whose columns cross the codes' blocks, keeps the

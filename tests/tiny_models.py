@@ -317,7 +317,11 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
 
     w = gguf.GGUFWriter(str(out_path), arch)
     w.add_name(hf_dir.name)
-    w.add_block_count(cfg["num_hidden_layers"])
+    # Qwen3.5's multi-token-prediction layers (`mtp.*` in the folder) follow the trunk's, counted in block_count
+    mtp = cfg.get("mtp_num_hidden_layers", 0) if arch == "qwen35" else 0
+    w.add_block_count(cfg["num_hidden_layers"] + mtp)
+    if mtp:
+        w.add_nextn_predict_layers(mtp)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
@@ -429,10 +433,15 @@ def _qwen35_tensors(tensors: dict[str, np.ndarray], cfg: dict) -> dict[str, np.n
     _LinearAttentionVReorderBase), named by gguf-py's own tensor map: the zero-centred norms as 1 + w (not the Gated
     DeltaNet's gated norm), A_log as ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, the convolution's taps squeezed to
     [channels, kernel]; with fewer key than value heads, every tensor with a row (column: out_proj) per value head
-    reordered from grouped by key head to tiled. MTP tensors (`mtp.*`) are left out, as llama.cpp's --no-mtp."""
+    reordered from grouped by key head to tiled. MTP tensors (`mtp.*`) as llama.cpp's _Qwen35MtpMixin writes them
+    when the config counts them (`mtp_num_hidden_layers`; else left out, as --no-mtp): its decoder layers as blocks
+    after the trunk's, fc and its norms as that first block's nextn.* tensors."""
     import gguf
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, cfg["num_hidden_layers"])
+    layers, mtp = cfg["num_hidden_layers"], cfg.get("mtp_num_hidden_layers", 0)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, layers + mtp)
+    nextn = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+             "norm": "shared_head_norm"}
     hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
 
@@ -444,9 +453,16 @@ def _qwen35_tensors(tensors: dict[str, np.ndarray], cfg: dict) -> dict[str, np.n
 
     out = {}
     for name, data in tensors.items():
-        if name.startswith("mtp."):
-            continue
         data = np.asarray(data, dtype=np.float32)
+        if name.startswith("mtp.") and not mtp:
+            continue
+        if name.startswith("mtp.layers."):
+            i, rest = name.removeprefix("mtp.layers.").split(".", 1)
+            name = f"model.layers.{layers + int(i)}.{rest}"
+        elif name.startswith("mtp."):
+            piece, suffix = name.removeprefix("mtp.").rsplit(".", 1)
+            out[f"blk.{layers}.nextn.{nextn[piece]}.{suffix}"] = data + 1.0 if "norm" in piece else data
+            continue
         if name.endswith(".A_log"):
             data, name = -np.exp(data), name.removesuffix(".A_log") + ".A_log.weight"
         elif name.endswith(".dt_bias"):
