@@ -217,6 +217,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(10, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_model_logits_match_transformers(tiny_qwen3_5):
     from transformers import AutoModelForCausalLM
@@ -261,6 +262,7 @@ def test_conditional_generation_folder_serves_the_text_model(tiny_qwen3_5, tmp_p
     torch.testing.assert_close(logits_of(model, ids), logits_of(loaded(tiny_qwen3_5), ids), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ftype", ["f32", "q8_0"])
 def test_gguf_matches_transformers_gguf_load(tiny_qwen3_5, tmp_path, ftype):
     """llama.cpp's layout (norms as 1 + w, ssm_a = -exp(A_log), squeezed taps, value heads tiled since Hk < Hv):
@@ -281,6 +283,7 @@ def test_gguf_matches_transformers_gguf_load(tiny_qwen3_5, tmp_path, ftype):
         torch.testing.assert_close(logits_of(loaded(tiny_qwen3_5), ids), want, rtol=TOL, atol=TOL)
 
 
+@pytest.mark.slow
 def test_gguf_with_an_mtp_block_serves_the_trunk(tiny_qwen3_5, tmp_path, caplog):
     """llama.cpp writes Qwen3.5's MTP block as a block after the trunk's (block_count counts it,
     nextn_predict_layers says how many) with its fc and norms as nextn.* tensors: kvflow reads the trunk's layer
@@ -408,16 +411,42 @@ def test_llm_greedy_matches_transformers_alone_batched_and_from_checkpoints(tiny
     assert first == batched and again == batched, "prefix-cache checkpoints changed the output"
 
 
+class ScriptedDrafter:
+    """A drafter (kvflow/spec_decode's `Proposer`) that knows each prompt's greedy continuation and drafts its next
+    `right` tokens then wrong ones, `right` cycling over 0..k from one draft to the next: drafts rejected at every
+    position, and all accepted."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]):
+        self.continuations = continuations
+        self.drafts = 0
+
+    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+        prompt = next(p for p in self.continuations if tuple(token_ids[:len(p)]) == p)
+        done = len(token_ids) - len(prompt)
+        true = self.continuations[prompt][done:done + k]
+        right = self.drafts % (k + 1)
+        self.drafts += 1
+        return true[:right] + [t - 1 if t > 10 else t + 1 for t in true[right:]]
+
+    def finished(self, request_id: str, token_ids: list[int], num_prompt_tokens: int) -> None:
+        pass
+
+
 @pytest.mark.slow
 def test_llm_speculation_restores_the_state_of_the_last_accepted_token(tiny_qwen3_5):
-    """ngram drafts on prompts that repeat themselves: most drafts are rejected, and the Gated DeltaNet state of
-    each rejected one is already absorbed: the tokens are those without speculation."""
-    prompts = [prompt(12, seed=s) * 3 for s in (21, 22, 23)]
+    """Drafts accepted in part (0 to k of them): the Gated DeltaNet state has absorbed the rejected ones, so the state
+    after the last accepted token is restored from its snapshot. The tokens are those without speculation, batched
+    and alone."""
+    prompts = llm_prompts()[:4]
     with make_llm(tiny_qwen3_5) as llm:
         want = generate(llm, prompts, max_tokens=24)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
     with make_llm(tiny_qwen3_5, speculative_config=spec) as llm:
+        sched = llm.engine.scheduler
+        sched.proposer = ScriptedDrafter({tuple(p): w for p, w in zip(prompts, want)})
         assert generate(llm, prompts, max_tokens=24) == want
+        assert [generate(llm, [p], max_tokens=24)[0] for p in prompts] == want
+        assert 0 < sched.spec_num_accepted_tokens < sched.spec_num_draft_tokens
 
 
 @pytest.mark.slow
