@@ -5,14 +5,17 @@ attention at layers 2 and 5, Granite's multipliers, the dense shared MLP.
 The Mamba2 layer alone: its output and both states (convolution window, SSM matrix) against transformers' layer
 with its cache, over a prompt then decode tokens; a prompt split in chunks and several requests in one step give the
 same as each alone. The config: the released checkpoints' layer spelling and transformers 5's, its infinite
-time_step_limit, the GGUF metadata. End to end through kvflow.LLM (tests below, once the engine runs hybrids)."""
+time_step_limit, the GGUF metadata. End to end through kvflow.LLM: greedy tokens equal to transformers', prompts
+chunked or not, alone or batched (bit for bit), again from prefix-cache checkpoints; the GGUF twin, float and Q8_0."""
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from torch import nn
 
+from kvflow import LLM, SamplingParams
 from kvflow.kernels.recurrent import StateBatch
 from kvflow.layers.attention_metadata import AttentionMetadata
 from kvflow.models.granite_hybrid import GraniteHybridForCausalLM
@@ -20,6 +23,7 @@ from kvflow.models.loader import iter_weights
 from kvflow.models.model_config import MAMBA2, ModelConfig
 from kvflow.models.model_files import resolve_model_files
 from tiny_models import make_tiny_hf_model, write_gguf_from_hf
+from transformers_greedy import assert_greedy_matches
 
 HIDDEN = 64
 MAMBA_LAYERS = (0, 1, 3, 4)
@@ -213,3 +217,115 @@ def test_gguf_twin_loads_the_same_weights(granite_dir, model, tmp_path):
             torch.testing.assert_close(p, mine[name], atol=1e-6, rtol=1e-6)
         else:
             assert torch.equal(p, mine[name]), name
+
+
+# ---- end to end through kvflow.LLM ------------------------------------------------------------------------------
+
+MAX_TOKENS = 16
+
+
+def prompts() -> list[list[int]]:
+    """Short ones, one of 64 tokens (four chunks at max_num_batched_tokens=16), two sharing a 40-token prefix (a
+    prefix-cache checkpoint at their junction), one token."""
+    g = torch.Generator().manual_seed(11)
+    rand = lambda n: torch.randint(10, 40000, (n,), generator=g).tolist()     # noqa: E731
+    shared = rand(40)
+    return [rand(5), rand(64), shared + rand(4), shared + rand(9), rand(20), [42]]
+
+
+def greedy(llm, batch: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+
+
+def serve(path, **engine):
+    settings = dict(dtype="float32", max_model_len=256, kv_cache_memory="32MiB")
+    return LLM(str(path), **{**settings, **engine})
+
+
+def check_batch_and_cache(llm, batch: list[list[int]]) -> list[list[int]]:
+    """The batch's greedy tokens; then again (prefix-cache hits restore checkpointed states) and each prompt alone:
+    bit for bit the same tokens."""
+    first = greedy(llm, batch)
+    hits = llm.engine.kv_cache_manager.prefix_cache_hits
+    assert greedy(llm, batch) == first, "prefix-cache hits (checkpointed states) changed the output"
+    assert llm.engine.kv_cache_manager.prefix_cache_hits > hits
+    llm.engine.kv_cache_manager.check()
+    alone = [greedy(llm, [p])[0] for p in batch]
+    assert alone == first, "a request's tokens depend on what shares its step"
+    return first
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 16}], ids=["default", "chunked"])
+def test_llm_matches_transformers(granite_dir, hf_model, engine):
+    llm = serve(granite_dir, **engine)
+    assert len(llm.engine.runner.state_layers) == 4 and llm.engine.runner.state_slots.live >= 1
+    batch = prompts()
+    got = check_batch_and_cache(llm, batch)
+    for p, tokens in zip(batch, got):
+        assert_greedy_matches(hf_model, p, tokens, f"granite 4.0 h ({'chunked' if engine else 'default'}), ",
+                              MAX_TOKENS)
+
+
+def rounded_hf_twin(gguf_path, hf_dir, out_dir):
+    """An HF folder holding a GGUF's own values (dequantized), in transformers' names and shapes: what transformers
+    would compute from the file."""
+    from safetensors.torch import save_file
+
+    model = kvflow_model(gguf_path)
+    cfg = model.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    tensors = {}
+    for name, p in model.named_parameters():
+        name = "lm_head.weight" if name == "lm_head.weight" else f"model.{name}"
+        p = p.detach()
+        if ".qkv_proj." in name:
+            for piece, part in zip(("q_proj", "k_proj", "v_proj"), p.split([q, kv, kv])):
+                tensors[name.replace("qkv_proj", piece)] = part
+            continue
+        name = name.replace("mlp.gate_up_proj", "shared_mlp.input_linear").replace("mlp.down_proj",
+                                                                                    "shared_mlp.output_linear")
+        if name.endswith("conv1d.weight"):
+            p = p.unsqueeze(1)
+        tensors[name] = p
+    out_dir.mkdir()
+    for f in hf_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (out_dir / f.name).write_bytes(f.read_bytes())
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out_dir / "model.safetensors"))
+    return out_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ftype", ["f32", "q8_0"])
+def test_gguf_twin_matches_transformers(granite_dir, hf_model, tmp_path, ftype):
+    """The GGUF twin at dtype float32 (the file's values as floats): f32 gives transformers' tokens on the folder;
+    Q8_0 transformers' tokens on the folder rounded as the file holds it."""
+    from transformers import AutoModelForCausalLM
+
+    gguf_path = write_gguf_from_hf(granite_dir, tmp_path / f"granite-{ftype}.gguf", ftype)
+    reference = hf_model
+    if ftype != "f32":
+        twin = rounded_hf_twin(gguf_path, granite_dir, tmp_path / "rounded")
+        reference = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    batch = prompts()
+    got = greedy(serve(gguf_path, max_num_batched_tokens=16), batch)
+    for p, tokens in zip(batch, got):
+        assert_greedy_matches(reference, p, tokens, f"granite 4.0 h GGUF {ftype}, ", MAX_TOKENS)
+
+
+@pytest.mark.slow
+def test_quantized_gguf_serves_its_codes_batch_invariant(granite_dir, tmp_path):
+    """A Q8_0 twin at the default dtype keeps its codes: the Mamba2 projections too are quantized modules (the conv
+    taps, A, D and norms stay float, as the file holds them); its first tokens follow the float run's, and a request's
+    tokens are the same alone and batched."""
+    gguf_path = write_gguf_from_hf(granite_dir, tmp_path / "granite-q8_0.gguf", "q8_0")
+    llm = LLM(str(gguf_path), max_model_len=256, kv_cache_memory="32MiB")
+    assert llm.engine.runner.quantization == "gguf"
+    mixer = llm.engine.runner.model.state_layers[0]
+    assert type(mixer.in_proj) is not nn.Linear and type(mixer.out_proj) is not nn.Linear
+    batch = prompts()
+    together = check_batch_and_cache(llm, batch)
+    floats = greedy(serve(gguf_path), batch)
+    assert sum(a[:4] == b[:4] for a, b in zip(together, floats)) >= len(batch) - 1
