@@ -64,7 +64,8 @@ class EngineCore:
 
     def _log_boot(self) -> None:
         r = self.runner
-        tokens, max_concurrency = kv_cache_capacity(r.num_blocks, self.config.block_size, self.max_model_len)
+        tokens, max_concurrency = kv_cache_capacity(r.num_blocks, self.config.block_size, self.max_model_len,
+                                                    r.state_slots.live if r.state_slots is not None else None)
         log.info("model %s (%s) on %s, %s", self.model_path, self.model_config.family, r.device,
                  str(r.dtype).removeprefix("torch."))
         log.info("weights loaded in %.1f s (%.0f MiB, %s)", r.load_seconds, r.weights_bytes / 2**20,
