@@ -155,11 +155,30 @@ def _check_gguf_experts(g: GGUFFile, arch: str) -> None:
                                  f"experts may be {', '.join(EXPERT_TYPES)}")
 
 
-def _recurrent_gguf_config(g: GGUFFile, arch: str) -> dict:
-    """A hybrid's recurrent layers as config.json states them, from the `{arch}.ssm.*` keys (their meaning is the
-    architecture's: llama.cpp reuses Mamba's names)."""
-    if arch != "qwen35":
-        return {}
+def _granite_hybrid_config(g: GGUFFile, arch: str, cfg: dict) -> None:
+    """Granite 4.0 H's config.json keys from llama.cpp's metadata (conversion/granite.py GraniteHybridModel): the
+    KV head count per layer, 0 for a Mamba2 layer; the Mamba2 sizes under ssm.* (time_step_rank holds the heads);
+    rope.scaling.finetuned false for NoPE attention; the dense MLP's width as the shared expert's."""
+    md = g.metadata
+    kv = cfg.get("num_key_value_heads")
+    if isinstance(kv, (list, tuple)):
+        cfg["num_key_value_heads"] = max(kv)
+        cfg["layer_types"] = ["attention" if n else "mamba" for n in kv]
+    heads = md[f"{arch}.ssm.time_step_rank"]
+    cfg.update(mamba_n_heads=heads, mamba_d_head=md[f"{arch}.ssm.inner_size"] // heads,
+               mamba_d_state=md[f"{arch}.ssm.state_size"], mamba_n_groups=md.get(f"{arch}.ssm.group_count", 1),
+               mamba_d_conv=md[f"{arch}.ssm.conv_kernel"],
+               mamba_conv_bias=any(n.endswith(".ssm_conv1d.bias") for n in g.tensors),
+               mamba_proj_bias=any(n.endswith(".ssm_in.bias") for n in g.tensors),
+               position_embedding_type="rope" if md.get(f"{arch}.rope.scaling.finetuned") else "nope")
+    if f"{arch}.expert_shared_feed_forward_length" in md:
+        cfg["shared_intermediate_size"] = md[f"{arch}.expert_shared_feed_forward_length"]
+
+
+def _qwen3_5_config(g: GGUFFile, arch: str, cfg: dict) -> None:
+    """Qwen3.5's config.json keys from llama.cpp's metadata (conversion/qwen.py Qwen3NextModel, Qwen3_5TextModel):
+    the Gated DeltaNet's sizes under ssm.* (group_count: key heads, time_step_rank: value heads, state_size: the key
+    head dim, inner_size: all value heads' dims); the trunk's layer count (block_count counts the MTP block's)."""
     md = g.metadata
 
     def key(name: str):
@@ -167,18 +186,17 @@ def _recurrent_gguf_config(g: GGUFFile, arch: str) -> dict:
             raise ValueError(f"{g.path}: GGUF metadata lacks {arch}.{name}")
         return md[f"{arch}.{name}"]
     value_heads = key("ssm.time_step_rank")
-    cfg = {"linear_conv_kernel_dim": key("ssm.conv_kernel"), "linear_key_head_dim": key("ssm.state_size"),
-           "linear_num_key_heads": key("ssm.group_count"), "linear_num_value_heads": value_heads,
-           "linear_value_head_dim": key("ssm.inner_size") // value_heads,
-           # the file counts the multi-token-prediction block's layers in block_count (they follow the trunk's)
-           "num_hidden_layers": key("block_count") - md.get(f"{arch}.nextn_predict_layers", 0)}
+    cfg.update(linear_conv_kernel_dim=key("ssm.conv_kernel"), linear_key_head_dim=key("ssm.state_size"),
+               linear_num_key_heads=key("ssm.group_count"), linear_num_value_heads=value_heads,
+               linear_value_head_dim=key("ssm.inner_size") // value_heads,
+               # the file counts the multi-token-prediction block's layers in block_count (they follow the trunk's)
+               num_hidden_layers=key("block_count") - md.get(f"{arch}.nextn_predict_layers", 0))
     recurrent = md.get(f"{arch}.attention.recurrent_layers")
     if isinstance(recurrent, (list, tuple)):
         layers = recurrent[:cfg["num_hidden_layers"]]
         cfg["layer_types"] = ["linear_attention" if r else "full_attention" for r in layers]
     else:
         cfg["full_attention_interval"] = md.get(f"{arch}.full_attention_interval", 4)
-    return cfg
 
 
 def gguf_model_config(g: GGUFFile) -> ModelConfig:
@@ -190,7 +208,10 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
     if row.moe_router:
         cfg["norm_topk_prob"] = bool(md.get(f"{arch}.expert_weights_norm", row.gguf_norm_topk_prob))
         _check_gguf_experts(g, arch)
-    cfg.update(_recurrent_gguf_config(g, arch))
+    if arch == "granitehybrid":
+        _granite_hybrid_config(g, arch, cfg)
+    elif arch == "qwen35":
+        _qwen3_5_config(g, arch, cfg)
     for key in ("rms_norm_eps", "rope_theta", "clip_qkv", "embedding_multiplier", "residual_multiplier",
                 "attention_multiplier", "logits_scaling"):
         if key in cfg:
