@@ -26,6 +26,7 @@ FAMILIES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
 }
 # each mixture of experts' small shape: 8 experts, 2 or 3 per token (overrides change them)
 MOE_SHAPES = {
@@ -57,6 +58,11 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
     if family in ("qwen2", "qwen3"):
         kwargs.update(head_dim=16, use_sliding_window=False)
     kwargs.update(MOE_SHAPES.get(family, {}))
+    if family == "lfm2":        # LFM2-350M's layout, small: convolutions, attention at 2 and 5; tied; MLP width 96
+        kwargs.update(num_hidden_layers=6, layer_types=["conv", "conv", "full_attention", "conv", "conv",
+                                                        "full_attention"],
+                      conv_L_cache=3, block_multiple_of=32, norm_eps=kwargs.pop("rms_norm_eps"),
+                      rope_theta=1_000_000.0, tie_word_embeddings=True)
     if family == "gemma3":      # Gemma 3 270M's shape, small: head_dim 256, 1 KV head, 5 local : 1 global
         kwargs.update(num_hidden_layers=6, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
                       sliding_window=16, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rms_norm_eps=1e-6,
@@ -103,7 +109,7 @@ _HF_TO_GGUF_BLOCK = {
     "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
 }
-_PERMUTED = ("llama", "granitemoe")      # llama.cpp's converters that permute Q/K rows
+_PERMUTED = ("llama", "granitemoe")      # llama.cpp's converters that permute Q/K rows (LFM2's does not)
 
 
 # llama.cpp's names where an architecture's differ from the llama table
@@ -111,12 +117,17 @@ _ARCH_GGUF_BLOCK = {
     "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
     "gemma3": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"},
+    "lfm2": {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.out_proj": "attn_output",
+             "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
+             "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+             "conv.conv": "shortconv.conv", "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj"},
 }
 
 
 def hf_name_to_gguf(name: str, arch: str = "llama") -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+           "lm_head.weight": "output.weight",
+           "model.embedding_norm.weight": "token_embd_norm.weight"}      # LFM2's final norm, as llama.cpp names it
     if name in top:
         return top[name]
     parts = name.split(".")  # model.layers.N.<module...>.<weight|bias>
@@ -292,7 +303,7 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
     arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
             "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe",
             "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
-            "MixtralForCausalLM": "llama"}[cfg["architectures"][0]]
+            "MixtralForCausalLM": "llama", "Lfm2ForCausalLM": "lfm2"}[cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
@@ -306,11 +317,18 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    if arch == "lfm2":      # llama.cpp's LFM2 converter: KV heads per layer (0: a convolution), the real MLP width
+        from kvflow.models.model_config import ModelConfig
+
+        w.add_feed_forward_length(ModelConfig.from_hf_dict(cfg).intermediate_size)
+        w.add_head_count_kv([0 if t == "conv" else kv_heads for t in cfg["layer_types"]])
+        w.add_shortconv_l_cache(cfg["conv_L_cache"])
+    else:
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(float(rope_theta))
-    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps") or cfg["norm_eps"]))
     w.add_rope_dimension_count(rotary_dim)
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
@@ -381,8 +399,10 @@ def _write_tensors(w, tensors, arch: str, cfg: dict, ftype: str, qtype, heads: i
             data = llama_permute(data, kv_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data + 1.0       # llama.cpp's Gemma converter stores the norms as 1 + w
+        if name.endswith("conv.conv.weight"):
+            data = data.squeeze(1)  # LFM2's depthwise convolution [hidden, 1, L] as [hidden, L], always F32
         gname = hf_name_to_gguf(name, arch)
-        if data.ndim < 2 or qtype == T.F32:  # norms and biases stay F32, as llama.cpp keeps them
+        if data.ndim < 2 or qtype == T.F32 or ".shortconv.conv." in gname:  # norms, biases stay F32, as llama.cpp
             w.add_tensor(gname, np.ascontiguousarray(data))
         elif qtype == T.F16:
             w.add_tensor(gname, data.astype(np.float16))

@@ -1,0 +1,187 @@
+"""LFM2 (models/lfm2.py) against transformers 5.24 in float32: its short convolution layer and state against
+transformers' Lfm2ShortConv and its cache (prompt, chunked continuation, decode, several requests in one step,
+snapshots), the config and GGUF metadata it reads, and the refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.kernels.recurrent import StateBatch
+from kvflow.layers.attention_metadata import AttentionMetadata
+from kvflow.models.lfm2 import ShortConv
+from kvflow.models.model_config import SHORT_CONV, ModelConfig
+
+HIDDEN, L_CACHE = 64, 3
+
+
+def _hf_config(**overrides):
+    from transformers import Lfm2Config
+
+    kwargs = dict(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
+                  conv_L_cache=L_CACHE)
+    kwargs.update(overrides)
+    config = Lfm2Config(**kwargs)
+    config.architectures = ["Lfm2ForCausalLM"]
+    return config
+
+
+def _meta(runs: list[tuple[int, int]], snapshots: list[tuple[int, int]] = ()) -> AttentionMetadata:
+    """A step's metadata with only the state runs set: `runs` (rows, slot) in flat-batch order; `snapshots`
+    (row, slot)."""
+    starts = [0]
+    for rows, _ in runs:
+        starts.append(starts[-1] + rows)
+    rows, slots = zip(*snapshots) if snapshots else ((), ())
+    state = StateBatch(torch.tensor(starts), torch.tensor([s for _, s in runs]), torch.tensor(rows, dtype=torch.long),
+                       torch.tensor(slots, dtype=torch.long))
+    return AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=0, state=state)
+
+
+class _Reference:
+    """transformers' Lfm2ShortConv with one cache per request (batch 1 each)."""
+
+    def __init__(self, config, seed: int = 0):
+        from transformers.cache_utils import DynamicCache
+        from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+
+        self.config, self.DynamicCache = config, DynamicCache
+        torch.manual_seed(seed)
+        self.module = Lfm2ShortConv(config, layer_idx=0).eval()
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.module.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        self.caches: dict[str, object] = {}
+
+    @torch.no_grad()
+    def __call__(self, request: str, x: torch.Tensor) -> torch.Tensor:
+        cache = self.caches.setdefault(request, self.DynamicCache(config=self.config))
+        return self.module(x[None], cache=cache)[0]
+
+    def state(self, request: str) -> torch.Tensor:
+        """The cache's window as kvflow keeps it: its last L - 1 inputs, [L - 1, hidden]."""
+        conv = self.caches[request].get_conv_state(0)           # [1, hidden, L]
+        return conv[0, :, -(L_CACHE - 1):].T
+
+    def kvflow_layer(self) -> ShortConv:
+        cfg = ModelConfig.from_hf_dict(self.config.to_dict())
+        assert cfg.recurrent.kind == SHORT_CONV and cfg.recurrent.layers == (0,)
+        layer = ShortConv(cfg).eval()
+        with torch.no_grad():
+            layer.in_proj.weight.copy_(self.module.in_proj.weight)
+            layer.out_proj.weight.copy_(self.module.out_proj.weight)
+            layer.conv_weight.copy_(self.module.conv.weight.squeeze(1))
+        return layer
+
+
+def test_short_conv_matches_transformers_with_its_cache_over_chunks_decodes_and_runs():
+    """Two requests in each step, each in its own slot (a spare slot between them stays untouched): prompts, a
+    chunked continuation beside a decode, then decodes; every row's output equals transformers' module with its
+    cache, and every slot's state the last L - 1 inputs of transformers' cache (to float rounding: in_proj's matmul
+    over the step's rows is not bit-equal to transformers' over one request's)."""
+    ref = _Reference(_hf_config())
+    layer = ref.kvflow_layer()
+    ((shape, dtype),) = layer.state_shapes(torch.float32).values()
+    assert shape == (L_CACHE - 1, HIDDEN) and dtype == torch.float32
+    state = torch.zeros(3, *shape)
+    state[1] = 7.0                      # a slot no run names keeps whatever it holds
+    layer.bind_state({"conv": state})
+    slots = {"a": 2, "b": 0}
+    gen = torch.Generator().manual_seed(1)
+    # per step: (request, rows) in flat-batch order (decode rows first, as the runner orders them)
+    steps = [[("a", 7), ("b", 1)], [("b", 5), ("a", 4)], [("a", 1), ("b", 1)], [("a", 1), ("b", 2)],
+             [("b", 1), ("a", 1)]]
+    for step in steps:
+        xs = [torch.randn(n, HIDDEN, generator=gen) for _, n in step]
+        got = layer(torch.cat(xs), _meta([(n, slots[r]) for r, n in step]))
+        want = torch.cat([ref(r, x) for (r, _), x in zip(step, xs)])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        for r in {r for r, _ in step}:
+            torch.testing.assert_close(state[slots[r]], ref.state(r), rtol=1e-4, atol=1e-5)
+        assert torch.equal(state[1], torch.full(shape, 7.0))
+
+
+def test_short_conv_snapshots_are_the_state_after_their_row():
+    """A snapshot row's copy is the state a request has after that token: continuing from it gives what continuing
+    the request does (prefix-cache checkpoints, speculative decoding's per-draft states)."""
+    ref = _Reference(_hf_config(), seed=3)
+    layer = ref.kvflow_layer()
+    state = torch.zeros(4, L_CACHE - 1, HIDDEN)
+    layer.bind_state({"conv": state})
+    gen = torch.Generator().manual_seed(2)
+    prompt, rest = torch.randn(9, HIDDEN, generator=gen), torch.randn(3, HIDDEN, generator=gen)
+    layer(prompt, _meta([(9, 0)], snapshots=[(4, 2), (8, 3)]))
+    assert torch.equal(state[3], state[0])              # after the last row: the slot's own state
+    ref("a", prompt[:5])
+    assert torch.equal(state[2], ref.state("a"))        # after row 4: the state of the first 5 tokens
+    got = layer(rest, _meta([(3, 2)]))                  # continue from the snapshot as from a checkpoint
+    torch.testing.assert_close(got, ref("a", rest), rtol=1e-5, atol=1e-6)
+
+
+def test_short_conv_state_keeps_the_compute_dtype():
+    layer = _Reference(_hf_config()).kvflow_layer()
+    assert layer.state_shapes(torch.bfloat16) == {"conv": ((L_CACHE - 1, HIDDEN), torch.bfloat16)}
+    assert layer.state_bytes_per_slot(torch.bfloat16) == 2 * (L_CACHE - 1) * HIDDEN
+
+
+# ---- config.json and GGUF metadata --------------------------------------------------------------------------------
+
+def test_config_reads_lfm2s_mlp_width_layers_and_aliases():
+    """LiquidAI's config.json: block_ff_dim, tie_embedding, full_attn_idxs, no rope_theta (transformers' 1M); the
+    MLP's width adjusted as Lfm2MLP adjusts it (LFM2-350M: 6656 -> 4608)."""
+    cfg = ModelConfig.from_hf_dict({
+        "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "vocab_size": 65536, "hidden_size": 1024,
+        "block_ff_dim": 6656, "intermediate_size": 6656, "num_hidden_layers": 16, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "norm_eps": 1e-5, "conv_L_cache": 3, "block_multiple_of": 256,
+        "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True, "tie_embedding": True,
+        "full_attn_idxs": [2, 5, 8, 10, 12, 14], "max_position_embeddings": 128000})
+    assert cfg.intermediate_size == 4608 and cfg.tie_word_embeddings and cfg.rope_theta == 1_000_000.0
+    assert cfg.recurrent.layers == (0, 1, 3, 4, 6, 7, 9, 11, 13, 15) and cfg.recurrent.conv_kernel == 3
+    assert cfg.rms_norm_eps == 1e-5 and cfg.qk_norm and cfg.head_dim == 64
+
+
+@pytest.mark.slow
+def test_gguf_twin_has_the_same_config_and_tensor_names(tmp_path):
+    """llama.cpp's LFM2 metadata (per-layer KV heads, 0 for a convolution; shortconv.l_cache; the adjusted MLP
+    width, not adjusted again) gives the config.json's ModelConfig, and its tensors the checkpoint's names (the
+    convolution squeezed to [hidden, L], as llama.cpp stores it)."""
+    from kvflow.models.loader import iter_weights
+    from kvflow.models.model_files import resolve_model_files
+    from tiny_models import make_tiny_hf_model, write_gguf_from_hf
+
+    path = make_tiny_hf_model(tmp_path / "hf", family="lfm2", seed=1)
+    gguf_path = write_gguf_from_hf(path, tmp_path / "lfm2.gguf")
+    a, b = resolve_model_files(path), resolve_model_files(gguf_path)
+    assert a.config == b.config and a.config.intermediate_size == 96 and a.config.recurrent.layers == (0, 1, 3, 4)
+    ours = {n: tuple(t.shape) for n, t in iter_weights(a)}
+    theirs = {n: tuple(t.shape) for n, t in iter_weights(b)}
+    assert set(ours) == set(theirs) and "model.embedding_norm.weight" in theirs
+    assert {n for n in ours if ours[n] != theirs[n]} == {f"model.layers.{i}.conv.conv.weight" for i in (0, 1, 3, 4)}
+    assert theirs["model.layers.0.conv.conv.weight"] == (64, 3)
+
+
+# ---- what the model refuses ------------------------------------------------------------------------------------
+
+def _tiny_config() -> ModelConfig:
+    return ModelConfig.from_hf_dict(_hf_config().to_dict())
+
+
+def test_lora_and_tensor_parallelism_are_refused_by_name():
+    from kvflow.models.lfm2 import Lfm2ForCausalLM
+    from kvflow.layers.native_layers import NotNative
+
+    cfg = _tiny_config()
+    model = Lfm2ForCausalLM(cfg, 64)
+    assert len(model.attention_layers) == 1 and [type(m) for m in model.state_layers] == [ShortConv]
+    assert model.compiled_decode is False
+    with pytest.raises(ValueError, match="LoRA is not supported"):
+        model.enable_lora(1, 8)
+    with pytest.raises(NotNative, match="recurrent"):
+        model.native_decoder()
+
+    class TwoRanks:
+        size = 2
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        Lfm2ForCausalLM(cfg, 64, TwoRanks())
