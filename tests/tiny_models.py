@@ -38,6 +38,9 @@ MOE_SHAPES = {
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
 }
 SMOLLM2_VOCAB = 49152
+# the random matrices' scale (the embedding's stays 0.05) where 0.05 leaves a family's layers too weak to move greedy
+# tokens off the prompt's last one (tied embeddings): LFM2's gated convolutions multiply three small projections
+MATRIX_STD = {"lfm2": 0.1}
 
 
 def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
@@ -82,7 +85,8 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
                 # routers wide apart enough that a routing mistake changes the tokens
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             else:
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+                std = 0.05 if "embed" in name else MATRIX_STD.get(family, 0.05)
+                p.copy_(std * torch.randn(p.shape, generator=gen))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.torch_dtype = hf_dtype
     model.save_pretrained(out_dir)
