@@ -1,17 +1,23 @@
 """LFM2 (models/lfm2.py) against transformers 5.24 in float32: its short convolution layer and state against
 transformers' Lfm2ShortConv and its cache (prompt, chunked continuation, decode, several requests in one step,
-snapshots), the config and GGUF metadata it reads, and the refusals."""
+snapshots); the whole model through kvflow.LLM, greedy token for token (chunked prompts, batched and alone, prefix-cache
+hits restoring the convolution states), from the HF folder and from its GGUF twins as transformers loads the same
+files; batch and chunking invariance on the file's Q8_0 codes; the config and GGUF metadata it reads; the refusals."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvflow import LLM, SamplingParams
+from kvflow.kernels import build
 from kvflow.kernels.recurrent import StateBatch
 from kvflow.layers.attention_metadata import AttentionMetadata
 from kvflow.models.lfm2 import ShortConv
 from kvflow.models.model_config import SHORT_CONV, ModelConfig
 
 HIDDEN, L_CACHE = 64, 3
+MAX_TOKENS = 20
+BATCHED_TOKENS = 64         # max_num_batched_tokens: the 150-token prompt takes three chunks
 
 
 def _hf_config(**overrides):
@@ -185,3 +191,103 @@ def test_lora_and_tensor_parallelism_are_refused_by_name():
 
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         Lfm2ForCausalLM(cfg, 64, TwoRanks())
+
+
+# ---- the whole model through kvflow.LLM ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lfm2_files(tmp_path_factory):
+    """The tiny LFM2 (tests/tiny_models.py: attention at layers 2 and 5) and its GGUF twins, f32 and Q8_0."""
+    from tiny_models import make_tiny_hf_model, write_gguf_from_hf
+
+    folder = tmp_path_factory.mktemp("lfm2")
+    path = make_tiny_hf_model(folder / "hf", family="lfm2", seed=2)
+    ggufs = {}
+    for ftype in ("f32", "q8_0"):       # one folder each: transformers loads a GGUF by folder and file name
+        (folder / ftype).mkdir()
+        ggufs[ftype] = write_gguf_from_hf(path, folder / ftype / f"lfm2-{ftype}.gguf", ftype=ftype)
+    return path, ggufs
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    # one longer than max_num_batched_tokens (chunked), one of a single token, two sharing a 40-token prefix
+    shared = torch.randint(10, 40000, (40,), generator=g).tolist()
+    return [torch.randint(10, 40000, (n,), generator=g).tolist() for n in (5, 19, 150, 1)] + [
+        shared + [11, 12, 13], shared + [21, 22, 23, 24, 25]]
+
+
+def _generate(llm: LLM, prompts, logprobs: bool = False):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0 if logprobs else None)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    if not logprobs:
+        return [o.token_ids for o in outs]
+    return [(o.token_ids, [next(iter(d.values())) for d in o.logprobs]) for o in outs]
+
+
+def _hf(path, gguf=None):
+    from transformers import AutoModelForCausalLM
+
+    if gguf is None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+def test_greedy_tokens_match_transformers_chunked_batched_alone_and_from_the_prefix_cache(lfm2_files):
+    from transformers_greedy import assert_greedy_matches
+
+    path, _ = lfm2_files
+    hf = _hf(path)
+    llm = LLM(str(path), dtype="float32", max_model_len=256, kv_cache_memory="32MiB",
+              max_num_batched_tokens=BATCHED_TOKENS)
+    assert len(llm.engine.runner.state_layers) == 4
+    prompts = _prompts()
+    batched = _generate(llm, prompts)
+    for p, got in zip(prompts, batched):
+        assert_greedy_matches(hf, p, got, "LFM2 (batched), ", MAX_TOKENS)
+    assert len({t for got in batched for t in got}) > 4 * MAX_TOKENS      # tokens that move: a test that can fail
+    # alone (the chunked prompt, the one-token prompt, one of the pair): the same tokens (transformers' too)
+    assert [_generate(llm, [prompts[i]])[0] for i in (2, 3, 5)] == [batched[i] for i in (2, 3, 5)]
+    # again: the prompts' full blocks are prefix-cache hits, their convolution states restored from checkpoints
+    hits = llm.engine.kv_cache_manager.prefix_cache_hits
+    assert _generate(llm, prompts) == batched
+    assert llm.engine.kv_cache_manager.prefix_cache_hits > hits
+    llm.engine.kv_cache_manager.check()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ftype", ["f32", "q8_0"])
+def test_gguf_twin_matches_transformers_loading_the_same_file(lfm2_files, ftype):
+    """llama.cpp's LFM2 GGUF (f32, and Q8_0 read as floats under dtype=float32) against transformers' own load of
+    the same file, token for token."""
+    from transformers_greedy import assert_greedy_matches
+
+    _, ggufs = lfm2_files
+    hf = _hf(None, ggufs[ftype])
+    llm = LLM(str(ggufs[ftype]), dtype="float32", max_model_len=256, kv_cache_memory="32MiB",
+              max_num_batched_tokens=BATCHED_TOKENS)
+    assert llm.engine.runner.quantization is None
+    prompts = _prompts()[:4]
+    for p, got in zip(prompts, _generate(llm, prompts)):
+        assert_greedy_matches(hf, p, got, f"LFM2 GGUF {ftype}, ", MAX_TOKENS)
+
+
+@pytest.mark.slow
+def test_q8_0_codes_are_batch_and_chunking_invariant(lfm2_files):
+    """Served from the file's Q8_0 codes (the default for a quantized GGUF): each prompt's tokens, and with kvflow's
+    kernels their logprobs bit for bit, are the same alone as among the others, and whatever the prompt's chunks."""
+    _, ggufs = lfm2_files
+    prompts = _prompts()
+    llm = LLM(str(ggufs["q8_0"]), max_model_len=256, kv_cache_memory="32MiB", max_num_batched_tokens=BATCHED_TOKENS)
+    assert llm.engine.runner.quantization == "gguf"
+    batched = _generate(llm, prompts, logprobs=True)
+    alone = [_generate(llm, [p], logprobs=True)[0] for p in prompts]
+    small_chunks = LLM(str(ggufs["q8_0"]), max_model_len=256, kv_cache_memory="32MiB", max_num_batched_tokens=13,
+                       enable_prefix_caching=False)
+    chunked = _generate(small_chunks, prompts, logprobs=True)
+    if build.usable():      # kvflow's kernels: every row's arithmetic is its own
+        assert alone == batched and chunked == batched
+    else:
+        tokens = [t for t, _ in batched]
+        assert [t for t, _ in alone] == tokens and [t for t, _ in chunked] == tokens
