@@ -274,6 +274,28 @@ def test_gguf_twin_matches_transformers_loading_the_same_file(lfm2_files, ftype)
 
 
 @pytest.mark.slow
+def test_speculative_decoding_gives_transformers_tokens_after_rejected_drafts(tmp_path):
+    """n-gram drafts, some rejected: a rejected draft has already gone through the convolutions, so the state after
+    the last accepted token comes back from its snapshot; the tokens stay transformers' greedy ones. (Matrices of
+    scale 0.07: the tiny model's greedy output repeats itself enough for the drafts to find matches, and still
+    depends on the states: without the snapshots, 4 of the 6 prompts leave transformers' tokens.)"""
+    from tiny_models import make_tiny_hf_model
+    from transformers_greedy import assert_greedy_matches
+
+    path = make_tiny_hf_model(tmp_path, family="lfm2", seed=2, matrix_std=0.07)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(str(path), dtype="float32", max_model_len=256, kv_cache_memory="32MiB", speculative_config=ngram)
+    prompts = _prompts()
+    got = _generate(llm, prompts)
+    sched = llm.engine.scheduler
+    assert 0 < sched.spec_num_accepted_tokens < sched.spec_num_draft_tokens      # accepted ones and rejected ones
+    hf = _hf(path)
+    for p, tokens in zip(prompts, got):
+        assert_greedy_matches(hf, p, tokens, "LFM2 (speculating), ", MAX_TOKENS)
+    llm.engine.kv_cache_manager.check()
+
+
+@pytest.mark.slow
 def test_q8_0_codes_are_batch_and_chunking_invariant(lfm2_files):
     """Served from the file's Q8_0 codes (the default for a quantized GGUF): each prompt's tokens, and with kvflow's
     kernels their logprobs bit for bit, are the same alone as among the others, and whatever the prompt's chunks."""

@@ -44,7 +44,8 @@ MATRIX_STD = {"lfm2": 0.1}
 
 
 def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A complete HF model folder (config.json, model.safetensors float32, tokenizer, chat template)."""
+    """A complete HF model folder (config.json, model.safetensors float32, tokenizer, chat template). `matrix_std`
+    (an override): the random matrices' scale instead of the family's (MATRIX_STD)."""
     import transformers
 
     from kvflow.models.loader import default_model_path
@@ -70,6 +71,7 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
         kwargs.update(num_hidden_layers=6, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
                       sliding_window=16, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rms_norm_eps=1e-6,
                       tie_word_embeddings=True)
+    matrix_std = overrides.pop("matrix_std", MATRIX_STD.get(family, 0.05))
     kwargs.update(overrides)
     hf_dtype = kwargs.pop("torch_dtype")
     config = cfg_cls(**kwargs)
@@ -85,7 +87,7 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
                 # routers wide apart enough that a routing mistake changes the tokens
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             else:
-                std = 0.05 if "embed" in name else MATRIX_STD.get(family, 0.05)
+                std = 0.05 if "embed" in name else matrix_std
                 p.copy_(std * torch.randn(p.shape, generator=gen))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.torch_dtype = hf_dtype
