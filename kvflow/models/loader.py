@@ -53,13 +53,15 @@ _GGUF_BLOCK_TO_HF = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)")      # a piece may hold dots: shortconv.conv
+# a piece may hold dots (LFM2's shortconv.conv); a tensor may have no suffix (Mamba2's ssm_a)
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?")
 
 
 def gguf_name_to_hf(name: str, renames: dict[str, str] | None = None) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors we don't use.
     `renames`: the architecture's names that differ from the llama table (`Architecture.gguf_tensor_names`): block
-    pieces, or whole names outside the blocks (LFM2's final norm, `token_embd_norm`)."""
+    pieces; whole block tensors, their suffix included or a tensor without one (Mamba2's `ssm_dt.bias`, `ssm_a`);
+    or whole names outside the blocks (LFM2's final norm, `token_embd_norm`)."""
     top, _, suffix = name.rpartition(".")
     if renames and top in renames and not name.startswith("blk."):
         return f"model.{renames[top]}.{suffix}"
@@ -67,9 +69,14 @@ def gguf_name_to_hf(name: str, renames: dict[str, str] | None = None) -> str | N
         return _GGUF_TO_HF[name]
     m = _BLOCK_RE.fullmatch(name)
     if m:
-        piece = (renames or {}).get(m.group(2)) or _GGUF_BLOCK_TO_HF.get(m.group(2))
-        if piece:
-            return f"model.layers.{m.group(1)}.{piece}.{m.group(3)}"
+        layer, piece, suffix = m.groups()
+        renames = renames or {}
+        tensor = piece if suffix is None else f"{piece}.{suffix}"
+        if tensor in renames:
+            return f"model.layers.{layer}.{renames[tensor]}"
+        piece = renames.get(piece) or _GGUF_BLOCK_TO_HF.get(piece)
+        if piece and suffix:
+            return f"model.layers.{layer}.{piece}.{suffix}"
     return None
 
 

@@ -4,8 +4,10 @@ tool_choice "required" and a named function are enforced by the grammar (`ToolRe
 model writes `[{"name": ..., "arguments": {...}}, ...]`, or just the named function's arguments, so the
 arguments always validate against the function's parameter schema. "auto" leaves the model free and
 parses its own tool-call syntax with a parser chosen by name, as vLLM's `--tool-call-parser`:
-  hermes  <tool_call>{"name": ..., "arguments": {...}}</tool_call>  (Hermes, Qwen2.5, Qwen3 templates)
-  json    a bare JSON object {"name", "arguments"} or a list of them (optionally in a ``` fence)
+  hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call>  (Hermes, Qwen2.5, Qwen3 templates)
+  json         a bare JSON object {"name", "arguments"} or a list of them (optionally in a ``` fence)
+  qwen3_coder  <tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>
+  qwen3_xml      (Qwen3-Coder, Qwen3.5; one format, vLLM's two names: qwen3_xml_tool_calls.py)
 Every mode yields OpenAI `tool_calls` entries, whole (`extract_tool_calls`) or as stream deltas
 (`ToolCallStreamer`: a first chunk with index, id, type, name and arguments "", then argument fragments).
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from kvflow.errors import InvalidRequestError
+from kvflow.server.serving.qwen3_xml_tool_calls import NAMES as QWEN3_XML_NAMES, ScanMemo, scan_calls
 from kvflow.structured_output.spec import StructuredSpec, json_schema_spec
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")   # OpenAI's rule for function names
@@ -186,7 +189,7 @@ class HermesToolParser:
         joined = "".join(content).strip()
         return ExtractedToolCalls(joined or None, calls)
 
-    def partial(self, text: str) -> tuple[str, list[PartialCall]]:
+    def partial(self, text: str, final: bool = False) -> tuple[str, list[PartialCall]]:
         content, calls, pos = [], [], 0
         for m in self._BLOCK.finditer(text):
             content.append(text[pos: m.start()])
@@ -215,7 +218,7 @@ class JsonToolParser:
             return ExtractedToolCalls(text or None)
         return ExtractedToolCalls(None, calls)
 
-    def partial(self, text: str) -> tuple[str, list[PartialCall]]:
+    def partial(self, text: str, final: bool = False) -> tuple[str, list[PartialCall]]:
         start = text.lstrip()
         if "```".startswith(start) or (start.startswith("```") and "\n" not in start):
             return "", []            # nothing yet, or a fence whose first line is still coming
@@ -240,12 +243,36 @@ class JsonToolParser:
             pos = end
 
 
-TOOL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "json": JsonToolParser}   # keys: config.TOOL_PARSERS
+class Qwen3XmlToolParser:
+    """<tool_call><function=f><parameter=p>value</parameter></function></tool_call>, any number of them; the text
+    before the first is the content. The request's schemas type the values (qwen3_xml_tool_calls.py)."""
+
+    def __init__(self, functions: Mapping[str, dict]):
+        self.functions = functions
+        self._memo = ScanMemo()            # partial() reads one growing text: each scan goes on from the last
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        scan = scan_calls(text, self.functions, final=True)
+        if not scan.calls:
+            return ExtractedToolCalls(text or None)
+        return ExtractedToolCalls(scan.content.strip() or None, [tool_call(c.name, c.arguments) for c in scan.calls])
+
+    def partial(self, text: str, final: bool = False) -> tuple[str, list[PartialCall]]:
+        scan = scan_calls(text, self.functions, final, self._memo)
+        return scan.content, [PartialCall(c.name, c.arguments, c.closed) for c in scan.calls]
 
 
-def get_tool_parser(name: str):
+# name -> the parser for a request's functions (keys: config.TOOL_PARSERS)
+TOOL_PARSERS: dict[str, Callable[[Mapping[str, dict]], Any]] = {
+    "hermes": lambda functions: HermesToolParser(),
+    "json": lambda functions: JsonToolParser(),
+    **dict.fromkeys(QWEN3_XML_NAMES, Qwen3XmlToolParser),
+}
+
+
+def get_tool_parser(name: str, functions: Mapping[str, dict] | None = None):
     try:
-        return TOOL_PARSERS[name]()
+        return TOOL_PARSERS[name](functions or {})
     except KeyError:
         raise InvalidRequestError(f"unknown tool call parser {name!r}; known: {', '.join(TOOL_PARSERS)}",
                                   param="tool_call_parser") from None
@@ -258,7 +285,7 @@ def extract_tool_calls(request: ToolRequest, text: str) -> ExtractedToolCalls:
     if request.mode == "required":
         return JsonToolParser().extract(text)
     if request.mode == "auto":
-        return get_tool_parser(request.parser).extract(text)
+        return get_tool_parser(request.parser, request.functions).extract(text)
     return ExtractedToolCalls(text)
 
 
@@ -268,19 +295,21 @@ class ToolCallStreamer:
 
     push(new_text) returns the deltas to send now, in order: {"content": ...} or {"tool_calls": [...]}.
     A call is announced (index, id, type, name, arguments "") once its name is complete; its arguments then
-    follow as fragments of the raw JSON text the model writes. finish() flushes held-back text.
+    follow as fragments of the arguments' JSON text (the model's own, or the parser's as the text grows).
+    finish() reads the text once more as the whole output (a parser may end an unclosed call there) and flushes
+    held-back text.
     """
 
     def __init__(self, request: ToolRequest):
-        self._partial: Callable[[str], tuple[str, list[PartialCall]]]
+        self._partial: Callable[[str, bool], tuple[str, list[PartialCall]]]
         if request.mode == "function":
-            self._partial = lambda text: ("", [PartialCall(request.name, text, False)])
+            self._partial = lambda text, final=False: ("", [PartialCall(request.name, text, False)])
         elif request.mode == "required":
             self._partial = JsonToolParser().partial
         elif request.mode == "auto":
-            self._partial = get_tool_parser(request.parser).partial
+            self._partial = get_tool_parser(request.parser, request.functions).partial
         else:
-            self._partial = lambda text: (text, [])
+            self._partial = lambda text, final=False: (text, [])
         self.text = ""
         self._content_sent = 0
         self._args_sent: list[int] = []   # per announced call: characters of arguments sent
@@ -293,7 +322,19 @@ class ToolCallStreamer:
 
     def push(self, new_text: str) -> list[dict]:
         self.text += new_text
-        content, calls = self._partial(self.text)
+        return self._deltas(final=False)
+
+    def finish(self) -> list[dict]:
+        """At the end of generation: what the whole output adds (an unclosed call's end), then prose that was held
+        back (a partial tag, JSON that was no call)."""
+        deltas = self._deltas(final=True)
+        if not self.ids and len(self.text) > self._content_sent:
+            deltas.append({"content": self.text[self._content_sent:]})
+            self._content_sent = len(self.text)
+        return deltas
+
+    def _deltas(self, final: bool) -> list[dict]:
+        content, calls = self._partial(self.text, final)
         deltas = []
         if len(content) > self._content_sent and not self.ids:   # no prose between or after calls
             deltas.append({"content": content[self._content_sent:]})
@@ -312,11 +353,3 @@ class ToolCallStreamer:
                     "arguments": call.arguments[self._args_sent[i]:]}}]})
                 self._args_sent[i] = len(call.arguments)
         return deltas
-
-    def finish(self) -> list[dict]:
-        """At the end of generation: prose that was held back (a partial tag, JSON that was no call)."""
-        if self.ids or len(self.text) <= self._content_sent:
-            return []
-        rest = self.text[self._content_sent:]
-        self._content_sent = len(self.text)
-        return [{"content": rest}]

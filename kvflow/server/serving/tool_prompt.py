@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from kvflow.server.common.errors import APIError
+from kvflow.server.serving.qwen3_xml_tool_calls import NAMES as QWEN3_XML_NAMES, xml_tool_call
 from kvflow.server.serving.tool_calls import ToolRequest, template_supports_tools
 
 
@@ -23,7 +24,7 @@ def chat_messages(messages: list, tools: ToolRequest | None, chat_template: str 
                   ) -> tuple[list[dict], dict[str, Any]]:
     """OpenAI messages (protocol.ChatMessage) -> the template's messages and extra template arguments."""
     native = template_supports_tools(chat_template)
-    hermes = tools is not None and tools.parser == "hermes"
+    parser = tools.parser if tools is not None else None
     out = []
     for m in messages:
         msg: dict[str, Any] = {"role": m.role, "content": m.text()}
@@ -43,8 +44,12 @@ def chat_messages(messages: list, tools: ToolRequest | None, chat_template: str 
                 msg["tool_calls"] = [{"id": c.id, "type": "function", "function": call}
                                      for c, call in zip(m.tool_calls, calls)]
             else:
-                written = (" ".join(f"<tool_call>{_dumps(c)}</tool_call>" for c in calls) if hermes
-                           else _dumps(calls))
+                if parser == "hermes":
+                    written = " ".join(f"<tool_call>{_dumps(c)}</tool_call>" for c in calls)
+                elif parser in QWEN3_XML_NAMES:
+                    written = "\n".join(xml_tool_call(c["name"], c["arguments"]) for c in calls)
+                else:
+                    written = _dumps(calls)
                 msg["content"] = f"{msg['content']}\n{written}" if msg["content"] else written
         out.append(msg)
     if tools is None or tools.mode == "none":
@@ -70,6 +75,10 @@ def tools_system_prompt(tools: ToolRequest) -> str:
     elif tools.parser == "hermes":
         how = ('To call one, write <tool_call>{"name": <function name>, "arguments": <arguments object>}'
                '</tool_call>; otherwise answer normally.')
+    elif tools.parser in QWEN3_XML_NAMES:
+        how = ("To call one, write <tool_call>\n<function=NAME>\n<parameter=PARAMETER>\nVALUE\n</parameter>\n"
+               "</function>\n</tool_call>, a <parameter=...> block for each argument (a string as it is, other values "
+               "as JSON); otherwise answer normally.")
     else:
         how = ('To call one, answer with only {"name": <function name>, "arguments": <arguments object>}; '
                'otherwise answer normally.')
