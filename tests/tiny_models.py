@@ -28,6 +28,7 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
 }
 # each mixture of experts' small shape: 8 experts, 2 or 3 per token (overrides change them)
 MOE_SHAPES = {
@@ -50,12 +51,20 @@ HYBRID_SHAPES = {
                              position_embedding_type="nope", embedding_multiplier=12.0, residual_multiplier=0.22,
                              attention_multiplier=0.0625, logits_scaling=6.0,
                              layer_types=["mamba", "mamba", "attention", "mamba", "mamba", "attention"]),
+    # LFM2-350M's layout, small: gated short convolutions (L 3) with attention at 2 and 5; tied; MLP width 96
+    # (128 adjusted: int(2 * 128 / 3) = 85, rounded up to a multiple of 32)
+    "lfm2": dict(num_hidden_layers=6, layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"],
+                 conv_L_cache=3, block_multiple_of=32, rope_theta=1_000_000.0, tie_word_embeddings=True),
 }
 SMOLLM2_VOCAB = 49152
+# the random matrices' scale (the embedding's stays 0.05) where 0.05 leaves a family's layers too weak to move greedy
+# tokens off the prompt's last one (tied embeddings): LFM2's gated convolutions multiply three small projections
+MATRIX_STD = {"lfm2": 0.1}
 
 
 def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A complete HF model folder (config.json, model.safetensors float32, tokenizer, chat template)."""
+    """A complete HF model folder (config.json, model.safetensors float32, tokenizer, chat template). `matrix_std`
+    (an override): the random matrices' scale instead of the family's (MATRIX_STD)."""
     import transformers
 
     from kvflow.models.loader import default_model_path
@@ -73,6 +82,8 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
         kwargs.update(head_dim=16, use_sliding_window=False)
     kwargs.update(MOE_SHAPES.get(family, {}))
     kwargs.update(HYBRID_SHAPES.get(family, {}))
+    if family == "lfm2":        # Lfm2Config names it norm_eps
+        kwargs["norm_eps"] = kwargs.pop("rms_norm_eps")
     if family == "gemma3":      # Gemma 3 270M's shape, small: head_dim 256, 1 KV head, 5 local : 1 global
         kwargs.update(num_hidden_layers=6, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
                       sliding_window=16, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rms_norm_eps=1e-6,
@@ -82,6 +93,7 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
         kwargs.update(num_hidden_layers=8, head_dim=32, partial_rotary_factor=0.25, full_attention_interval=4,
                       linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
                       linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
+    matrix_std = overrides.pop("matrix_std", MATRIX_STD.get(family, 0.05))
     kwargs.update(overrides)
     hf_dtype = kwargs.pop("torch_dtype")
     config = cfg_cls(**kwargs)
@@ -95,11 +107,11 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))      # zero-centred: the norm multiplies by 1 + w
             elif name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(".A_log"):       # decay rates from ~0.02 (long memory) to ~4 per unit of dt
+            elif name.endswith("linear_attn.A_log"):    # decay rates from ~0.02 (long memory) to ~4 per unit of dt
                 p.copy_(torch.empty(p.shape).uniform_(-4.0, 1.4, generator=gen))
-            elif name.endswith(".dt_bias"):
+            elif name.endswith("linear_attn.dt_bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) - 1.0)
-            elif name.endswith(".conv1d.weight"):
+            elif name.endswith("linear_attn.conv1d.weight"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
             elif name.endswith(("mlp.gate.weight", "router.weight", "gate.weight")):
                 # routers wide apart enough that a routing mistake changes the tokens
@@ -111,7 +123,8 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
             elif name.endswith("mamba.A_log"):
                 p.copy_(torch.log(1.0 + 7.0 * torch.rand(p.shape, generator=gen)))      # A in -8 .. -1
             else:
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+                std = 0.05 if "embed" in name else matrix_std
+                p.copy_(std * torch.randn(p.shape, generator=gen))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.torch_dtype = hf_dtype
     model.save_pretrained(out_dir)
@@ -144,7 +157,7 @@ _HF_TO_GGUF_BLOCK = {
     "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
 }
-_PERMUTED = ("llama", "granitemoe", "granitehybrid")      # llama.cpp's converters that permute Q/K rows
+_PERMUTED = ("llama", "granitemoe", "granitehybrid")      # llama.cpp's converters that permute Q/K rows (not LFM2's)
 
 
 # llama.cpp's names where an architecture's differ from the llama table
@@ -155,21 +168,27 @@ _ARCH_GGUF_BLOCK = {
     "granitehybrid": {"mamba.in_proj": "ssm_in", "mamba.conv1d": "ssm_conv1d", "mamba.norm": "ssm_norm",
                       "mamba.out_proj": "ssm_out", "shared_mlp.gate_proj": "ffn_gate", "shared_mlp.up_proj": "ffn_up",
                       "shared_mlp.output_linear": "ffn_down"},
+    "lfm2": {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.out_proj": "attn_output",
+             "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
+             "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+             "conv.conv": "shortconv.conv", "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj"},
 }
 # tensors named whole (no .weight / .bias of their own): Mamba2's, as llama.cpp's conversion/mamba.py writes them
 _WHOLE_GGUF_NAMES = {"mamba.A_log": "ssm_a", "mamba.D": "ssm_d", "mamba.dt_bias": "ssm_dt.bias"}
-# kept float32 in a quantized file, as llama.cpp's converter keeps them (the conv taps are 4 wide: no blocks)
-_F32_ALWAYS = ("ssm_conv1d", "ssm_norm", "ssm_a", "ssm_d")
+# kept float32 in a quantized file, as llama.cpp's converter keeps them (the conv taps are 3 or 4 wide: no blocks)
+_F32_ALWAYS = ("ssm_conv1d", "ssm_norm", "ssm_a", "ssm_d", "shortconv.conv")
 
 
 def _kept_f32(gname: str) -> bool:
-    """A block tensor llama.cpp never quantizes (by its piece after blk.N.: Qwen3.5's ssm_alpha is quantized)."""
-    return gname.startswith("blk.") and gname.split(".")[2] in _F32_ALWAYS
+    """A block tensor llama.cpp never quantizes, by its name after blk.N. (Qwen3.5's ssm_alpha is quantized)."""
+    rest = gname.split(".", 2)[2] if gname.startswith("blk.") else ""
+    return any(rest == p or rest.startswith(p + ".") for p in _F32_ALWAYS)
 
 
 def hf_name_to_gguf(name: str, arch: str = "llama") -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+           "lm_head.weight": "output.weight",
+           "model.embedding_norm.weight": "token_embd_norm.weight"}      # LFM2's final norm, as llama.cpp names it
     if name in top:
         return top[name]
     parts = name.split(".")  # model.layers.N.<module...>.<weight|bias>
@@ -348,7 +367,7 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
             "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe",
             "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
             "MixtralForCausalLM": "llama", "Qwen3_5ForCausalLM": "qwen35",
-            "GraniteMoeHybridForCausalLM": "granitehybrid"}[cfg["architectures"][0]]
+            "GraniteMoeHybridForCausalLM": "granitehybrid", "Lfm2ForCausalLM": "lfm2"}[cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
@@ -366,14 +385,21 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
         w.add_nextn_predict_layers(mtp)
     w.add_context_length(cfg["max_position_embeddings"] if arch != "granitehybrid" else 2 ** 20)
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     if arch == "granitehybrid":
+        w.add_feed_forward_length(cfg["intermediate_size"])
         _granite_hybrid_metadata(w, cfg, kv_heads)
+    elif arch == "lfm2":      # llama.cpp's LFM2 converter: the real MLP width, KV heads per layer (0: a convolution)
+        from kvflow.models.model_config import ModelConfig
+
+        w.add_feed_forward_length(ModelConfig.from_hf_dict(cfg).intermediate_size)
+        w.add_head_count_kv([0 if t == "conv" else kv_heads for t in cfg["layer_types"]])
+        w.add_shortconv_l_cache(cfg["conv_L_cache"])
     else:
+        w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(float(rope_theta))
-    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps") or cfg["norm_eps"]))
     w.add_rope_dimension_count(rotary_dim)
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
@@ -500,6 +526,8 @@ def _write_tensors(w, tensors, arch: str, cfg: dict, ftype: str, qtype, heads: i
             data = llama_permute(data, kv_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data + 1.0       # llama.cpp's Gemma converter stores the norms as 1 + w
+        if name.endswith("conv.conv.weight"):
+            data = data.squeeze(1)  # LFM2's depthwise convolution [hidden, 1, L] as [hidden, L], always F32
         gname = name if arch == "qwen35" else hf_name_to_gguf(name, arch)     # (qwen35: named already)
         if data.ndim < 2 or qtype == T.F32 or _kept_f32(gname):
             # norms, biases and the recurrent layers' small tensors stay F32, as llama.cpp keeps them

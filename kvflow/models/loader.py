@@ -53,13 +53,18 @@ _GGUF_BLOCK_TO_HF = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")
+# a piece may hold dots (LFM2's shortconv.conv); a tensor may have no suffix (Mamba2's ssm_a)
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?")
 
 
 def gguf_name_to_hf(name: str, renames: dict[str, str] | None = None) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors we don't use.
-    `renames`: the architecture's block names that differ from the llama table (`Architecture.gguf_tensor_names`);
-    one may name a whole tensor, its suffix included or a tensor without one (Mamba2's `ssm_dt.bias`, `ssm_a`)."""
+    `renames`: the architecture's names that differ from the llama table (`Architecture.gguf_tensor_names`): block
+    pieces; whole block tensors, their suffix included or a tensor without one (Mamba2's `ssm_dt.bias`, `ssm_a`);
+    or whole names outside the blocks (LFM2's final norm, `token_embd_norm`)."""
+    top, _, suffix = name.rpartition(".")
+    if renames and top in renames and not name.startswith("blk."):
+        return f"model.{renames[top]}.{suffix}"
     if name in _GGUF_TO_HF:
         return _GGUF_TO_HF[name]
     m = _BLOCK_RE.fullmatch(name)

@@ -124,7 +124,14 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  sliding_window_everywhere=True, moe_router="softmax_topk_renormalized", gguf_experts=("llama",),
                  gguf_norm_topk_prob=True),
     # hybrids: recurrent layers (a state per request: layers/recurrent_state.py) between attention layers
-    Architecture("Lfm2ForCausalLM", "lfm2", ("lfm2",), ("lfm2",), "lfm2:Lfm2ForCausalLM", qk_norm=True),
+    Architecture("Lfm2ForCausalLM", "lfm2", ("lfm2",), ("lfm2",), "lfm2:Lfm2ForCausalLM", qk_norm=True,
+                 gguf_tensor_names=(("token_embd_norm", "embedding_norm"),     # the final norm, after the last layer
+                                    ("attn_norm", "operator_norm"), ("ffn_norm", "ffn_norm"),
+                                    ("attn_output", "self_attn.out_proj"), ("attn_q_norm", "self_attn.q_layernorm"),
+                                    ("attn_k_norm", "self_attn.k_layernorm"), ("ffn_gate", "feed_forward.w1"),
+                                    ("ffn_up", "feed_forward.w3"), ("ffn_down", "feed_forward.w2"),
+                                    ("shortconv.conv", "conv.conv"), ("shortconv.in_proj", "conv.in_proj"),
+                                    ("shortconv.out_proj", "conv.out_proj"))),
     Architecture("Qwen3_5ForCausalLM", "qwen3_5", ("qwen3_5_text", "qwen3_5"), ("qwen35",),
                  "qwen3_5:Qwen3_5ForCausalLM", qk_norm=True, gguf_tensor_names=QWEN3_5_GGUF_NAMES),
     # the released Qwen3.5 checkpoints: the text model beside a vision tower, which kvflow skips (text only)
@@ -407,10 +414,10 @@ class ModelConfig:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-6)),
-            rope_theta=float(rope_theta or (1_000_000.0 if gemma else 10000.0)),
+            rope_theta=float(rope_theta or (1_000_000.0 if gemma or family == "lfm2" else 10000.0)),
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            tie_word_embeddings=bool(hybrid.pop("tie_word_embeddings", cfg.get("tie_word_embeddings", gemma))),
             attention_bias=bool(cfg.get("attention_bias", arch.attention_bias)),
             qk_norm=arch.qk_norm,
             bos_token_id=cfg.get("bos_token_id"),
@@ -433,14 +440,17 @@ def _hybrid_fields(cfg: dict, family: str, layers: int) -> dict:
     """The hybrid families' other differences from a Llama: LFM2's real MLP width, Qwen3.5's gated attention output,
     Granite 4.0 H's attention without RoPE and its dense MLP's width (its MoE variants are refused)."""
     if family == "lfm2":
-        width = cfg["intermediate_size"]
+        # transformers reads block_ff_dim over intermediate_size, tie_embedding over tie_word_embeddings (True
+        # when neither is there: LiquidAI's config.json files)
+        width = cfg.get("block_ff_dim") or cfg["intermediate_size"]
         if cfg.get("block_auto_adjust_ff_dim", True):       # transformers' Lfm2MLP: the config's width is not the MLP's
             width = int(2 * width / 3)
             if cfg.get("block_ffn_dim_multiplier") is not None:     # (rounded up only then, as transformers)
                 width = int(cfg["block_ffn_dim_multiplier"] * width)
                 multiple = cfg.get("block_multiple_of", 256)
                 width = multiple * ((width + multiple - 1) // multiple)
-        return {"intermediate_size": width}
+        return {"intermediate_size": width,
+                "tie_word_embeddings": bool(cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True)))}
     if family == "qwen3_5":
         return {"attn_output_gate": bool(cfg.get("attn_output_gate", True))}
     if family == "granitemoehybrid":

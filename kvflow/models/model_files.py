@@ -199,6 +199,23 @@ def _qwen3_5_config(g: GGUFFile, arch: str, cfg: dict) -> None:
         cfg["full_attention_interval"] = md.get(f"{arch}.full_attention_interval", 4)
 
 
+def _lfm2_config(g: GGUFFile, cfg: dict) -> dict:
+    """LFM2's config.json keys from llama.cpp's metadata: which layers are convolutions (`attention.head_count_kv`
+    per layer, 0 for a convolution layer), the convolution's width, and the MLP's width as it is (the file holds the
+    adjusted one: ModelConfig must not adjust it again)."""
+    md = g.metadata
+    if "lfm2.attention.sliding_window" in md:
+        raise ValueError(f"{g.path}: LFM2 with sliding-window attention (lfm2.attention.sliding_window) is not "
+                         "supported; kvflow serves LFM2 with full attention layers (transformers' Lfm2ForCausalLM)")
+    kv = cfg.get("num_key_value_heads")
+    if not isinstance(kv, list):
+        raise ValueError(f"{g.path}: lfm2.attention.head_count_kv is not a per-layer array, so it does not say "
+                         "which layers are convolutions")
+    return {"layer_types": ["conv" if n == 0 else "full_attention" for n in kv],
+            "num_key_value_heads": max(kv), "conv_L_cache": int(md.get("lfm2.shortconv.l_cache", 3)),
+            "block_auto_adjust_ff_dim": False}
+
+
 def gguf_model_config(g: GGUFFile) -> ModelConfig:
     """The GGUF metadata as the config.json it stands for, read by the one ModelConfig builder."""
     md = g.metadata
@@ -255,6 +272,8 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
                                "long_factor": factors["long"], "original_max_position_embeddings": int(original)}
         if f"{arch}.rope.scaling.attn_factor" in md:
             cfg["rope_scaling"]["attention_factor"] = float(md[f"{arch}.rope.scaling.attn_factor"])
+    if arch == "lfm2":
+        cfg.update(_lfm2_config(g, cfg))
     cfg.update(architectures=[row.name], tie_word_embeddings="output.weight" not in g.tensors,
                attention_bias=row.attention_bias or "blk.0.attn_q.bias" in g.tensors,
                bos_token_id=md.get("tokenizer.ggml.bos_token_id"), eos_token_id=list(dict.fromkeys(eos)))

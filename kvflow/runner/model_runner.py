@@ -139,6 +139,10 @@ class ModelRunner:
         tensor parallelism the all-reduces stay outside any graph."""
         if self.config.enforce_eager or self.device.type != "cpu" or self.tp.size > 1:
             return False
+        if self.state_layers:
+            log.info("compiled decode steps: off for %s (recurrent layers: the compiled graphs take no state slots)",
+                     self.model_config.architecture)
+            return False
         if not getattr(self.model, "compiled_decode", True):
             log.info("compiled decode steps: off for %s (its experts are not all on kvflow's kernels: grouping rows "
                      "by expert in Python depends on the step's data, which a whole-graph compile cannot trace)",

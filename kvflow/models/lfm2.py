@@ -1,0 +1,155 @@
+"""LFM2 (Liquid AI's LFM2-350M / 700M / 1.2B / 2.6B): short gated convolutions between attention layers, as
+transformers' Lfm2ForCausalLM computes it.
+
+Every layer is pre-norm: `operator_norm`, then its mixer (a short convolution or attention), a residual add,
+`ffn_norm`, a SwiGLU MLP (`w1` gate, `w3` up, `w2` down, its width already the adjusted one: ModelConfig), a residual
+add. The final norm (`embedding_norm`, despite its name) comes after the last layer; the embeddings are tied.
+
+- A convolution layer (`ShortConv`, a RecurrentLayer): in_proj gives B, C and x (in that order, each `hidden` wide);
+  B * x goes through a causal depthwise convolution of width `conv_L_cache` (3), no bias, no activation, whose state
+  per request is the last `conv_L_cache - 1` values of B * x per channel (kept in the compute dtype: see
+  kernels/recurrent.py); C times the result, then out_proj. The convolution runs token after token in
+  kernels/recurrent.causal_conv1d for prefill and decode alike, so a prompt's tokens do not depend on how the
+  scheduler chunked it or on what shares the step.
+- An attention layer: llama.py's Attention (fused q/k/v, per-head RMSNorm on q and k before RoPE, its
+  `out_proj` as o_proj) on the paged KV cache.
+
+Modules carry llama.py's names (input_layernorm, self_attn.o_proj, mlp.gate_up_proj, ...); `load_weights` maps the
+checkpoint's LFM2 names onto them (a GGUF comes out with the same LFM2 names: loader.py). Not here: tensor
+parallelism, LoRA, the native decoder step and compiled decode steps (each refused or off, with the reason).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.kernels.group_quant import CODES
+from kvflow.kernels.plan import KernelPlan
+from kvflow.kernels.recurrent import causal_conv1d
+from kvflow.layers.attention import PagedAttention
+from kvflow.layers.attention_metadata import AttentionMetadata
+from kvflow.layers.native_layers import NativeDecoder, NotNative
+from kvflow.layers.norm import RMSNorm
+from kvflow.layers.recurrent_state import RecurrentLayer
+from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.models.llama import MLP, Attention, LlamaForCausalLM, TensorParallelSizes
+from kvflow.models.model_config import ModelConfig
+
+
+class ShortConv(RecurrentLayer):
+    """LFM2's gated short convolution: out_proj(C * conv(B * x)), the convolution causal and depthwise over time.
+    State per request: `conv` [conv_L_cache - 1, hidden], the last inputs of the convolution (B * x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden, rec = cfg.hidden_size, cfg.recurrent
+        self.hidden_size, self.kernel = hidden, rec.conv_kernel
+        self.in_proj = nn.Linear(hidden, 3 * hidden, bias=rec.conv_bias)
+        # the checkpoint's Conv1d weight [hidden, 1, L] as the kernel takes it: [hidden, L], tap j = 0..L-1 oldest first
+        self.conv_weight = nn.Parameter(torch.empty(hidden, rec.conv_kernel))
+        self.conv_bias = nn.Parameter(torch.empty(hidden)) if rec.conv_bias else None
+        self.out_proj = nn.Linear(hidden, hidden, bias=rec.conv_bias)
+
+    def state_shapes(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        # the window in the step's dtype: what transformers' cache keeps, so the next token reads the same values
+        return {"conv": ((self.kernel - 1, self.hidden_size), dtype)}
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.state is None:
+            raise RuntimeError("a short-convolution layer needs the step's state slots (AttentionMetadata.state)")
+        b, c, v = self.in_proj(x).chunk(3, dim=-1)
+        y = causal_conv1d(b * v, self.conv_weight, self.conv_bias, self.states["conv"], meta.state, silu=False)
+        return self.out_proj(c * y)
+
+
+class Lfm2DecoderLayer(nn.Module):
+    """operator_norm -> (ShortConv | attention) -> residual; ffn_norm -> SwiGLU MLP -> residual."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
+                 layer: int = 0, kernels: KernelPlan | None = None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)         # operator_norm
+        if cfg.is_recurrent(layer):
+            self.conv = ShortConv(cfg)
+        else:
+            self.self_attn = Attention(cfg, rotary, tp, sizes, layer, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)   # ffn_norm
+        self.mlp = MLP(cfg, tp, sizes)
+
+    @property
+    def is_recurrent(self) -> bool:
+        return hasattr(self, "conv")
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        h = h + (self.conv(x, meta) if self.is_recurrent else self.self_attn(rope, x, meta))
+        return h + self.mlp(self.post_attention_layernorm(h), meta)
+
+
+# the checkpoint's LFM2 names -> the modules' (llama.py's) names, applied in order to the name after "model."
+_RENAMES = (
+    (".operator_norm.", ".input_layernorm."),
+    (".ffn_norm.", ".post_attention_layernorm."),
+    (".feed_forward.w1.", ".mlp.gate_proj."),
+    (".feed_forward.w3.", ".mlp.up_proj."),
+    (".feed_forward.w2.", ".mlp.down_proj."),
+    (".self_attn.out_proj.", ".self_attn.o_proj."),
+    (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+    (".conv.conv.weight", ".conv.conv_weight"),
+    (".conv.conv.bias", ".conv.conv_bias"),
+)
+
+
+class Lfm2ForCausalLM(LlamaForCausalLM):
+    decoder_layer = Lfm2DecoderLayer
+    # the runner compiles no decode graphs of a hybrid (its recurrent layers walk the step's runs in Python)
+    compiled_decode = False
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None,
+                 kernels: KernelPlan | None = None):
+        if tp is not None and tp.size > 1:
+            raise ValueError(f"tensor_parallel_size={tp.size}: tensor parallelism is not supported for hybrid models "
+                             f"({cfg.architecture}: its convolution layers' states are not split over ranks); use "
+                             "tensor_parallel_size=1")
+        if cfg.recurrent is None:
+            raise ValueError(f"{cfg.architecture} without convolution layers (every layer attention) is not an "
+                             "LFM2; kvflow expects some `conv` entries in layer_types")
+        super().__init__(cfg, max_positions, tp, kernels)
+
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers if not layer.is_recurrent]
+
+    @property
+    def state_layers(self) -> list[RecurrentLayer]:
+        return [layer.conv for layer in self.layers if layer.is_recurrent]
+
+    def native_decoder(self) -> NativeDecoder:
+        raise NotNative("recurrent layers (LFM2's short convolutions)")
+
+    def enable_lora(self, *args, **kwargs) -> None:
+        raise ValueError(f"LoRA is not supported for {self.config.architecture} (LFM2) yet; serve it without "
+                         "enable_lora")
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The checkpoint's (or GGUF's, loader.py) LFM2 names as llama.py's; the convolution's [hidden, 1, L]
+        (a GGUF: [hidden, L]) as [hidden, L]."""
+        super().load_weights(self._renamed(weights))
+
+    def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name.startswith("embedding_norm."):          # the final norm, after the last layer
+                name = "norm." + name.removeprefix("embedding_norm.")
+            for old, new in _RENAMES:
+                name = name.replace(old, new)
+            if name.endswith(".conv.conv_weight"):
+                if isinstance(tensor, CODES):
+                    tensor = tensor.dequantize()
+                tensor = tensor.reshape(self.config.hidden_size, self.config.recurrent.conv_kernel)
+            yield name, tensor
