@@ -1,7 +1,9 @@
 """Qwen3.5 (kvflow/models/qwen3_5.py) against transformers 5.24's Qwen3_5ForCausalLM in float32: the Gated DeltaNet
 layer (a prompt through transformers' chunked path, a second chunk, then decode tokens through its recurrent path;
-outputs and the states after them) and the gated attention layer; the whole model loaded from an HF folder, a
-Qwen3_5ForConditionalGeneration folder and llama.cpp's GGUF layout."""
+outputs and the states after them) and the gated attention layer; the whole model's logits loaded from an HF folder,
+a Qwen3_5ForConditionalGeneration folder and llama.cpp's GGUF layout (against transformers' own GGUF load); then
+through kvflow.LLM: greedy tokens (chunked prefill, batched and alone bit for bit, prefix-cache checkpoints,
+speculation rolled back), the GGUF twins and the default configuration's batch invariance, chat."""
 from __future__ import annotations
 
 import json
