@@ -155,8 +155,21 @@ def test_budget_split():
     counts = plan_state_slots(budget=1000, slot_bytes=10, block_bytes=1, blocks_for_one_request=100, max_num_seqs=8,
                               num_speculative_tokens=2, prefix_caching=True)
     assert (counts.live, counts.snapshots) == (8, 16)
-    assert counts.checkpoints == 1000 // 8 // 10
+    assert counts.checkpoints == 1000 // 8 // 10      # (room left after the live slots: 500 - 80)
     # states take at most half: fewer live slots than max_num_seqs
     assert plan_state_slots(1000, 100, 1, 10, 64, 0, False).live == 5
     with pytest.raises(ValueError, match="recurrent state"):
         plan_state_slots(1000, 600, 1, 10, 64, 0, False)
+
+
+def test_a_step_wanting_more_checkpoints_than_slots_keeps_what_fits():
+    sched, kv, state = make(checkpoints=1, max_num_batched_tokens=64)
+    for rid in "ab":
+        add(sched, rid, range(10 * ord(rid), 10 * ord(rid) + 9))     # each wants a checkpoint at 8
+    out = sched.schedule()
+    assert len(out.step.batch.state_snapshots) == 1
+    rows = len(out.step.sampling)
+    sched.update(out, SampledTokens([7] * rows, [None] * rows))
+    finish(sched)
+    assert len(state.checkpoints) == 1
+    kv.check()

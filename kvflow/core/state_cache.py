@@ -89,15 +89,19 @@ class StateCache:
         for blocks in sorted(wanted):
             end = blocks * block_size
             if start < end <= start + num_new:
+                wanted.discard(blocks)
                 slot = self._take_checkpoint_slot()
+                if slot is None:
+                    continue                                   # every slot is being written this step: none kept
                 self.writing.setdefault(request.request_id, []).append((blocks, slot))
                 out.append((end - 1 - start, slot))
-                wanted.discard(blocks)
         return out
 
-    def _take_checkpoint_slot(self) -> int:
+    def _take_checkpoint_slot(self) -> int | None:
         if self.free_checkpoints:
             return self.free_checkpoints.pop()
+        if not self.checkpoints:
+            return None
         key, slot = self.checkpoints.popitem(last=False)      # the least recently used: its copy out (if any
         del self.checkpoint_key[slot]                          # this step) runs before the forward writes it
         self.num_checkpoint_evictions += 1

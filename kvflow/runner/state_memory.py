@@ -53,12 +53,13 @@ def plan_state_slots(budget: int, slot_bytes: int, block_bytes: int, blocks_for_
             f"({blocks_for_one_request} blocks of {block_bytes / 2**20:.3f} MiB); raise kv_cache_memory or lower "
             "max_model_len")
     room -= live * slot_bytes
+    checkpoints = 0
+    if prefix_caching:       # at most half of what is left: speculation's snapshots get the rest
+        checkpoints = max(0, min(room // 2 if num_speculative_tokens else room, budget // CHECKPOINT_SHARE)
+                          // slot_bytes)
+        room -= checkpoints * slot_bytes
     snapshots = 0
     if num_speculative_tokens:
         speculating = min(live, room // (slot_bytes * num_speculative_tokens))
         snapshots = speculating * num_speculative_tokens
-        room -= snapshots * slot_bytes
-    checkpoints = 0
-    if prefix_caching:
-        checkpoints = max(0, min(room, budget // CHECKPOINT_SHARE) // slot_bytes)
     return StateSlotCounts(live, snapshots, checkpoints, slot_bytes)
