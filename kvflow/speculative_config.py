@@ -9,6 +9,9 @@ Methods that need no second model:
   bound on its memory); the longest match of the sequence's end (up to `suffix_decoding_max_tree_depth` tokens)
   proposes the continuation seen most often, token by token, while its frequency stays above
   `suffix_decoding_min_token_prob` and for at most `suffix_decoding_max_spec_factor` times the matched length.
+- `mtp` (multi-token prediction): the model's own MTP head (Qwen3.5's `mtp.*` block) drafts
+  `num_speculative_tokens` tokens right after each step, from the step's final hidden states
+  (runner/mtp_drafter.py); a model without one is refused at load.
 
 `disable_by_batch_size` (vLLM's name): no request speculates in a step while more than this many are running (a
 verification costs k + 1 rows; on a CPU a decode step of many rows is compute bound and speculation stops paying).
@@ -18,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -37,7 +40,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r} "
-                             "(draft models and EAGLE are not built)")
+                             "(separate draft models and EAGLE are not built)")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "

@@ -64,7 +64,9 @@ MATRIX_STD = {"lfm2": 0.1}
 
 def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
     """A complete HF model folder (config.json, model.safetensors float32, tokenizer, chat template). `matrix_std`
-    (an override): the random matrices' scale instead of the family's (MATRIX_STD)."""
+    (an override): the random matrices' scale instead of the family's (MATRIX_STD). Qwen3.5 with
+    `mtp_num_hidden_layers=1`: a random multi-token-prediction block too (`mtp.*`, as the released checkpoints hold
+    it; transformers ignores it)."""
     import transformers
 
     from kvflow.models.loader import default_model_path
@@ -94,6 +96,7 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
                       linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
                       linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
     matrix_std = overrides.pop("matrix_std", MATRIX_STD.get(family, 0.05))
+    mtp_layers = overrides.pop("mtp_num_hidden_layers", 0) if family == "qwen3_5" else 0
     kwargs.update(overrides)
     hf_dtype = kwargs.pop("torch_dtype")
     config = cfg_cls(**kwargs)
@@ -134,8 +137,33 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
         legacy = {"linear_attention": "mamba", "full_attention": "attention"}
         cfg["layer_types"] = [legacy.get(t, t) for t in cfg["layer_types"]]
         cfg_file.write_text(json.dumps(cfg, indent=2))
+    if mtp_layers:
+        _add_qwen3_5_mtp(out_dir, mtp_layers, matrix_std, gen)
     Tokenizer.from_model(default_model_path()).hf.save_pretrained(out_dir)
     return out_dir
+
+
+def _add_qwen3_5_mtp(out_dir: Path, layers: int, matrix_std: float, gen: torch.Generator) -> None:
+    """Qwen3.5's MTP block as the checkpoints hold it, random: fc [hidden, 2 hidden], its three zero-centred norms,
+    and `layers` full-attention decoder layers shaped as the trunk's (its first full-attention layer's names)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg_file = out_dir / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["mtp_num_hidden_layers"] = layers
+    cfg_file.write_text(json.dumps(cfg, indent=2))
+    tensors = load_file(out_dir / "model.safetensors")
+    full = cfg["layer_types"].index("full_attention")
+    hidden = cfg["hidden_size"]
+    shapes = {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": (hidden,),
+              "mtp.pre_fc_norm_hidden.weight": (hidden,), "mtp.norm.weight": (hidden,)}
+    for i in range(layers):
+        shapes.update({name.replace(f"model.layers.{full}.", f"mtp.layers.{i}."): tuple(t.shape)
+                       for name, t in tensors.items() if name.startswith(f"model.layers.{full}.")})
+    for name, shape in shapes.items():
+        std = 0.1 if name.endswith("norm.weight") else matrix_std      # norms zero-centred: 1 + w
+        tensors[name] = std * torch.randn(shape, generator=gen)
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
 
 
 # --------------------------------------------------------------------------- GGUF

@@ -90,6 +90,10 @@ class Scheduler:
         spec = config.speculative_config
         self.proposer = make_proposer(spec) if spec is not None else None
         self.spec_k = spec.num_speculative_tokens if spec is not None else 0
+        # the model's own MTP head drafts, in the runner after each step (runner/mtp_drafter.py): the steps carry what
+        # its pass needs, a request that samples gets lookahead blocks for the chain, the drafts come back with the
+        # sampled tokens and wait in the proposer (spec_decode/mtp.py)
+        self.mtp = spec is not None and spec.method == "mtp"
         self.spec_max_running = (spec.disable_by_batch_size if spec is not None else None) or config.max_num_seqs
         # a step's rows stay within the largest compiled decode bucket (a speculating request is 1 + k decode
         # rows): drafts beyond it would make the step run eagerly
@@ -118,10 +122,23 @@ class Scheduler:
         if not out_of_blocks and self.waiting.admits(self.running):
             self._schedule_waiting(budget, out)
         if out.scheduled:
+            if self.mtp and self.spec_k > 1:
+                self._allocate_lookahead(out.scheduled)
             # decodes first (stable), speculating requests among them: their rows are decode rows
             out.rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1 and not s.draft_token_ids)
             out.step = self._model_step(out.rows)
         return out
+
+    def _allocate_lookahead(self, scheduled: list[ScheduledRequest]) -> None:
+        """MTP drafting's chain writes the head's KV at up to k - 1 positions past a sampling request's last computed
+        one: blocks for them where free blocks remain once the step is scheduled (never a preemption; a request
+        without them gets fewer drafts). They are the blocks its next step would take anyway."""
+        for s in scheduled:
+            if s.samples:
+                req = self.requests[s.request_id]
+                extra = min(self.spec_k - 1, self.max_model_len - (s.num_computed_tokens + s.num_new_tokens))
+                if extra > 0:
+                    self.kv.allocate_slots(req, s.num_new_tokens + extra)
 
     def _prefill_tokens(self) -> int:
         """The step's prompt tokens: `max_prefill_tokens_while_decoding` while a running request is generating (a
@@ -328,9 +345,18 @@ class Scheduler:
         lora_slots, any_lora = [], False
         state = self.kv.state
         state_slots, snapshots = [], []
+        next_token_ids, draft_rows = [], []        # the MTP drafter's (empty otherwise)
         for s in scheduled:
             req = self.requests[s.request_id]
             table = self.kv.block_tables[s.request_id]
+            if self.mtp and s.draft_token_ids:      # every row samples the token after it
+                k = len(s.draft_token_ids)
+                draft_rows += [k] + [0] * k
+                next_token_ids += [-1] * (1 + k)
+            elif self.mtp:                          # a chunk short of the known tokens: the next one follows it
+                end = s.num_computed_tokens + s.num_new_tokens
+                draft_rows.append(0)
+                next_token_ids.append(req.token_ids[end] if not s.samples and end < req.num_tokens else -1)
             if state is not None:
                 slot, entry = state.slot(s.request_id), len(num_new)
                 if s.draft_token_ids:       # the state after the last token and each draft but the last
@@ -379,7 +405,8 @@ class Scheduler:
                           pooling_spans=tuple(pooling_spans) if pools else (),
                           lora_slots=tuple(lora_slots) if any_lora else (),
                           state_slots=tuple(state_slots), state_copies=state.take_copies() if state else (),
-                          state_snapshots=tuple(snapshots))
+                          state_snapshots=tuple(snapshots), next_token_ids=tuple(next_token_ids),
+                          draft_rows=tuple(draft_rows))
         return ModelStep(batch, sampling, prompt_rows)
 
     def _pooling_span(self, req: Request, s: ScheduledRequest) -> tuple[int, int]:
@@ -451,8 +478,10 @@ class Scheduler:
                 n = 1 + len(s.draft_token_ids)
                 tokens, logprobs = sampled.token_ids[k:k + n], sampled.logprobs[k:k + n]
                 error = next((sampled.errors[j] for j in range(k, k + n) if j in sampled.errors), None)
+                output = self._accept(req, s, tokens, logprobs, error, finished)
+                outputs.append(output)
+                self._keep_drafts(req, k + len(output.new_token_ids) - 1, sampled)    # its last accepted row's
                 k += n
-                outputs.append(self._accept(req, s, tokens, logprobs, error, finished))
                 continue
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(req)
@@ -481,8 +510,9 @@ class Scheduler:
                                                 first_scheduled_time=req.first_scheduled_time))
                 continue
             token, logprobs, error = sampled.token_ids[k], sampled.logprobs[k], sampled.errors.get(k)
-            k += 1
             new_tokens = self._append(req, [token], error)
+            self._keep_drafts(req, k, sampled)
+            k += 1
             if req.status.finished:
                 finished.append(req)
             outputs.append(self._output(req, new_tokens, [logprobs] if logprobs is not None else None,
@@ -494,7 +524,15 @@ class Scheduler:
                 del self.requests[req.request_id]
                 if self.proposer is not None and req.status != RequestStatus.FINISHED_ERROR:
                     self.proposer.finished(req.request_id, req.token_ids, req.num_prompt_tokens)
+                if self.mtp:
+                    self.proposer.forget(req.request_id)
         return outputs
+
+    def _keep_drafts(self, req: Request, row: int, sampled: SampledTokens) -> None:
+        """MTP: the drafts the runner made after sampling row `row` (the request's last token) wait in the proposer
+        for the request's next step."""
+        if self.mtp and not req.status.finished:
+            self.proposer.drafted(req.request_id, req.num_tokens, sampled.draft_token_ids.get(row, ()))
 
     def _accept(self, req: Request, s: ScheduledRequest, targets: list[int], logprobs: list, error: str | None,
                 finished: list[Request]) -> EngineOutput:
@@ -583,6 +621,8 @@ class Scheduler:
             elif req in self.waiting:
                 self.waiting.remove(req)
             self.kv.free(req)
+            if self.mtp:
+                self.proposer.forget(rid)
             req.status = RequestStatus.FINISHED_ABORTED
             outputs.append(EngineOutput(rid, [], finish_reason="abort", num_prompt_tokens=req.num_prompt_tokens,
                                         num_cached_tokens=req.num_cached_tokens,

@@ -22,7 +22,7 @@ import torch
 from kvflow.kernels.group_quant import CODES, DeferredCodes, GroupQuantized
 from kvflow.models.gguf_codes import group_quantized, keeps_codes
 from kvflow.models.gguf_reader import GGUFFile, GGUFTensorInfo, dequantize
-from kvflow.models.model_config import ModelConfig
+from kvflow.models.model_config import ModelConfig, qwen3_5_zero_centred
 from kvflow.models.model_files import ModelFiles, default_model_path, resolve_model_files  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def _qwen3_5_from_gguf(name: str, w, config: ModelConfig) -> Iterator[tuple[str,
     every tensor with a row or column per value head. Row picks keep GGUF codes as they are. out_proj's columns cross
     the codes' blocks: kept as codes, it stays in the file's order and comes with `out_proj.input_order`, the
     columns of its input to take (models/qwen3_5.py applies it), as transformers' GGUF load does."""
-    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+    if qwen3_5_zero_centred(name):
         yield name, w - 1
         return
     if ".linear_attn." not in name:

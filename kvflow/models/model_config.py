@@ -90,13 +90,24 @@ GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
 {%- endif -%}
 """
 
-# llama.cpp's Qwen3.5 (`qwen35`) tensor names, after blk.N.: the Gated DeltaNet's, and whole names for the tensors
-# without a .weight suffix (ssm_a) or whose HF name is no piece + suffix (ssm_dt.bias)
+# llama.cpp's Qwen3.5 (`qwen35`) tensor names, after blk.N.: the Gated DeltaNet's, whole names for the tensors
+# without a .weight suffix (ssm_a) or whose HF name is no piece + suffix (ssm_dt.bias), and the MTP block's own
+# tensors on the block after the trunk's (its decoder layer has the usual names there: models/qwen3_5.py moves both)
 QWEN3_5_GGUF_NAMES = (("post_attention_norm", "post_attention_layernorm"), ("attn_qkv", "linear_attn.in_proj_qkv"),
                       ("attn_gate", "linear_attn.in_proj_z"), ("ssm_beta", "linear_attn.in_proj_b"),
                       ("ssm_alpha", "linear_attn.in_proj_a"), ("ssm_conv1d", "linear_attn.conv1d"),
                       ("ssm_norm", "linear_attn.norm"), ("ssm_out", "linear_attn.out_proj"),
-                      ("ssm_a", "linear_attn.A_log"), ("ssm_dt.bias", "linear_attn.dt_bias"))
+                      ("ssm_a", "linear_attn.A_log"), ("ssm_dt.bias", "linear_attn.dt_bias"),
+                      ("nextn.eh_proj", "mtp.fc"), ("nextn.enorm", "mtp.pre_fc_norm_embedding"),
+                      ("nextn.hnorm", "mtp.pre_fc_norm_hidden"), ("nextn.shared_head_norm", "mtp.norm"))
+
+
+
+def qwen3_5_zero_centred(name: str) -> bool:
+    """Whether a Qwen3.5 checkpoint tensor is a zero-centred norm's weight (the norm multiplies by 1 + w; llama.cpp's
+    files hold 1 + w): every norm's but the Gated DeltaNet's gated norm, the MTP block's pre-fc norms among them."""
+    return (name.endswith("norm.weight") or ".pre_fc_norm_" in name) and not name.endswith("linear_attn.norm.weight")
+
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("LlamaForCausalLM", "llama", ("llama",), ("llama",), "llama:LlamaForCausalLM", permuted_qk=True),
@@ -320,6 +331,9 @@ class ModelConfig:
     recurrent: RecurrentConfig | None = None
     attn_output_gate: bool = False    # q_proj also gives a per-head gate on the attention's output (Qwen3.5)
     nope_layers: tuple[int, ...] = ()  # attention layers that rotate nothing (Granite 4.0 H: all of them)
+    # the checkpoint's multi-token-prediction layers (Qwen3.5's mtp.* block, config.json's mtp_num_hidden_layers, a
+    # GGUF's nextn_predict_layers): a drafter for speculative decoding's "mtp" method; 0: none
+    mtp_layers: int = 0
 
     @property
     def arch(self) -> Architecture:
@@ -452,7 +466,8 @@ def _hybrid_fields(cfg: dict, family: str, layers: int) -> dict:
         return {"intermediate_size": width,
                 "tie_word_embeddings": bool(cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True)))}
     if family == "qwen3_5":
-        return {"attn_output_gate": bool(cfg.get("attn_output_gate", True))}
+        return {"attn_output_gate": bool(cfg.get("attn_output_gate", True)),
+                "mtp_layers": int(cfg.get("mtp_num_hidden_layers") or 0)}
     if family == "granitemoehybrid":
         if cfg.get("num_local_experts"):
             raise ValueError("GraniteMoeHybridForCausalLM with experts (num_local_experts="

@@ -178,7 +178,8 @@ def _granite_hybrid_config(g: GGUFFile, arch: str, cfg: dict) -> None:
 def _qwen3_5_config(g: GGUFFile, arch: str, cfg: dict) -> None:
     """Qwen3.5's config.json keys from llama.cpp's metadata (conversion/qwen.py Qwen3NextModel, Qwen3_5TextModel):
     the Gated DeltaNet's sizes under ssm.* (group_count: key heads, time_step_rank: value heads, state_size: the key
-    head dim, inner_size: all value heads' dims); the trunk's layer count (block_count counts the MTP block's)."""
+    head dim, inner_size: all value heads' dims); the trunk's layer count (block_count counts the MTP block's) and
+    the MTP block's (nextn_predict_layers)."""
     md = g.metadata
 
     def key(name: str):
@@ -190,7 +191,8 @@ def _qwen3_5_config(g: GGUFFile, arch: str, cfg: dict) -> None:
                linear_num_key_heads=key("ssm.group_count"), linear_num_value_heads=value_heads,
                linear_value_head_dim=key("ssm.inner_size") // value_heads,
                # the file counts the multi-token-prediction block's layers in block_count (they follow the trunk's)
-               num_hidden_layers=key("block_count") - md.get(f"{arch}.nextn_predict_layers", 0))
+               num_hidden_layers=key("block_count") - md.get(f"{arch}.nextn_predict_layers", 0),
+               mtp_num_hidden_layers=md.get(f"{arch}.nextn_predict_layers", 0))
     recurrent = md.get(f"{arch}.attention.recurrent_layers")
     if isinstance(recurrent, (list, tuple)):
         layers = recurrent[:cfg["num_hidden_layers"]]

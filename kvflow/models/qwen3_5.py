@@ -12,7 +12,8 @@ decoder's pieces (llama.py: fused projections, MLP, rotary tables, loading).
   turns a GGUF's stored 1 + w back into w). The Gated DeltaNet's own norm multiplies by w as it is.
 
 The released checkpoints are Qwen3_5ForConditionalGeneration (a vision tower beside the text model): the text model
-is served, the tower's weights (`model.visual.*`) skipped, and so are the multi-token-prediction block's (`mtp.*`).
+is served, the tower's weights (`model.visual.*`) skipped, and so are the multi-token-prediction block's (`mtp.*`)
+unless speculative decoding drafts with it (`MultiTokenPredictor`, `enable_mtp`: the "mtp" method).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from kvflow.layers.norm import RMSNorm
 from kvflow.layers.recurrent_state import RecurrentLayer
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.llama import MLP, Attention, LlamaForCausalLM, TensorParallelSizes
-from kvflow.models.model_config import ModelConfig
+from kvflow.models.model_config import ModelConfig, qwen3_5_zero_centred
 
 logger = logging.getLogger(__name__)
 
@@ -161,12 +162,42 @@ class Qwen3_5DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h), meta)
 
 
+class MultiTokenPredictor(nn.Module):
+    """Qwen3.5's multi-token-prediction block (the checkpoint's `mtp.*`; vLLM's Qwen3_5MultiTokenPredictor). At
+    position p it reads the token at p + 1 and the target's final hidden state at p (after the model's final norm)
+    and gives the hidden state whose logits (the model's LM head) predict the token at p + 2:
+
+        x = fc([pre_fc_norm_embedding(embed(t[p + 1])); pre_fc_norm_hidden(h[p])])      (2 hidden -> hidden)
+        x = layers[0](x)      a full-attention Qwen3.5 decoder layer at position p, over its own KV cache
+        out = norm(x)
+
+    `out` is also the h of the next draft's step (vLLM feeds the tensor it takes the logits of). Its norms are
+    zero-centred like the model's (1 + w, added at load)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
+                 kernels: KernelPlan | None = None):
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(hidden, cfg.rms_norm_eps, kernels)
+        self.pre_fc_norm_hidden = RMSNorm(hidden, cfg.rms_norm_eps, kernels)
+        # numbered after the trunk's layers (a GGUF's block index): a full-attention layer there
+        self.layers = nn.ModuleList([Qwen3_5DecoderLayer(cfg, rotary, tp, sizes, cfg.num_hidden_layers, kernels)])
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps, kernels)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        return self.norm(self.layers[0](rope, x, meta))
+
+
 # the checkpoint's Gated DeltaNet projections in the fused ones, beside Llama's
 _QWEN3_5_FUSED = {**LlamaForCausalLM.fused_pieces, "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1),
                   "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
 # checkpoint prefixes that are not the text model: Qwen3_5ForConditionalGeneration's vision tower, the
-# multi-token-prediction block (a drafter: not used yet)
+# multi-token-prediction block (loaded only when it drafts: `enable_mtp`)
 _SKIPPED = {"model.visual.": "vision tower", "mtp.": "multi-token prediction"}
+MTP = "multi-token prediction"
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
@@ -184,10 +215,33 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         if not cfg.attn_output_gate:
             raise ValueError("Qwen3.5 without attn_output_gate is not supported")
         super().__init__(cfg, max_positions, tp, kernels)
+        self.mtp: MultiTokenPredictor | None = None
+
+    def enable_mtp(self) -> None:
+        """Build the multi-token-prediction block, before `load_weights` (which then loads its tensors instead of
+        skipping them): speculative decoding's "mtp" method drafts with it (runner/mtp_drafter.py). Its attention layer
+        joins `attention_layers`, so its KV cache comes from the same budget."""
+        layers = self.config.mtp_layers
+        if layers == 0:
+            raise ValueError('speculative_config.method "mtp" drafts with the model\'s multi-token-prediction block, '
+                             "and this Qwen3.5 checkpoint has none (config.json's mtp_num_hidden_layers, a GGUF's "
+                             "nextn_predict_layers: absent or 0); use the ngram or suffix method")
+        if layers != 1:
+            raise ValueError(f'speculative_config.method "mtp": this checkpoint has {layers} multi-token-prediction '
+                             "layers; kvflow drafts with one (the released Qwen3.5 checkpoints' count)")
+        self.mtp = MultiTokenPredictor(self.config, self.rotary, self.tp, self.sizes, self.kernels)
+
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """The MTP block's output hidden states (`MultiTokenPredictor`): row i reads `input_ids[i]`, the token after
+        its position, and `hidden[i]`, the target's final hidden state at its position (or the previous draft step's
+        output); `compute_logits` of the result predicts the token after `input_ids[i]`."""
+        return self.mtp(self.embed(input_ids), hidden, self.rotary.lookup(positions), meta)
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.layers if not layer.recurrent]
+        layers = [layer.self_attn.attn for layer in self.layers if not layer.recurrent]
+        return layers + ([self.mtp.layers[0].self_attn.attn] if self.mtp is not None else [])
 
     @property
     def state_layers(self) -> list[GatedDeltaNet]:
@@ -217,32 +271,50 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A Qwen3_5ForCausalLM checkpoint, or a Qwen3_5ForConditionalGeneration one (the text model under
-        `model.language_model.`): the vision tower's and the MTP block's tensors are skipped (logged), norms get
-        their 1 added in float32 (not the Gated DeltaNet's gated norm), the convolution's taps are squeezed."""
+        `model.language_model.`): the vision tower's tensors are skipped (logged), and so are the MTP block's unless
+        it was built (`enable_mtp`: then a checkpoint without them is refused); norms get their 1 added in float32
+        (not the Gated DeltaNet's gated norm), the convolution's taps are squeezed. A GGUF holds the MTP block as the
+        block after the trunk's (loader.py names its own tensors model.layers.N.mtp.*, its decoder layer's as any
+        layer's): moved under mtp."""
         skipped: dict[str, int] = {}
         layers = self.config.num_hidden_layers
+        mtp_tensors = 0
 
         def text_model():
+            nonlocal mtp_tensors
             for name, tensor in weights:
                 name = name.replace("model.language_model.", "model.", 1)
                 if name.endswith(".linear_attn.out_proj.input_order"):    # a GGUF's out_proj codes (loader.py)
                     layer = self.layers[int(name.split(".")[2])].linear_attn
                     layer.out_proj_input_order = tensor.to(layer.out_proj.weight.device)
                     continue
+                if name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
+                    # a GGUF's MTP block: the blocks past the trunk's
+                    _, _, index, rest = name.split(".", 3)
+                    name = rest if rest.startswith("mtp.") else f"mtp.layers.{int(index) - layers}.{rest}"
                 what = next((w for prefix, w in _SKIPPED.items() if name.startswith(prefix)), None)
-                if what is None and name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
-                    what = "multi-token prediction"     # a GGUF's MTP block: layers past the trunk's
+                if what == MTP and self.mtp is not None:
+                    what = None
+                    mtp_tensors += 1
                 if what is not None:
                     skipped[what] = skipped.get(what, 0) + 1
                     continue
-                if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                if qwen3_5_zero_centred(name):
                     tensor = tensor.float() + 1.0
                 elif name.endswith("linear_attn.conv1d.weight"):
                     if isinstance(tensor, CODES):
                         tensor = tensor.dequantize()
                     tensor = tensor.reshape(tensor.shape[0], -1)
                 yield name, tensor
+            if self.mtp is not None and mtp_tensors == 0:
+                raise ValueError('speculative_config.method "mtp" drafts with the model\'s multi-token-prediction '
+                                 "block, and this checkpoint holds none of its tensors (mtp.*; a GGUF: the block "
+                                 "after the trunk's, blk.N.nextn.*); use a checkpoint with them, or the ngram or "
+                                 "suffix method")
 
         super().load_weights(text_model())
         for what, count in skipped.items():
             logger.info("Qwen3.5: serving the text model; skipped %d %s tensor(s)", count, what)
+        if self.mtp is not None:
+            logger.info("Qwen3.5: loaded the multi-token-prediction block (%d tensors) for speculative decoding",
+                        mtp_tensors)

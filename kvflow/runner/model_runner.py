@@ -30,6 +30,7 @@ from kvflow.layers.small_batch import SMALL_BATCH_ROWS, enable_small_batch_bf16
 from kvflow.models.loader import ModelFiles, iter_weights, resolve_model_files, weight_quantization, without_weight_init
 from kvflow.models.model_config import ModelConfig
 from kvflow.runner.compiled_decode import CompiledDecode, model_identity, plain_module_state
+from kvflow.runner.mtp_drafter import MtpDrafter
 from kvflow.runner.native_step import NativeDecoderStep
 from kvflow.runner.state_memory import StateSlotCounts, plan_state_slots
 from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
@@ -64,8 +65,12 @@ class ModelRunner:
                                  torch.get_num_threads(), config.small_step_threads, platform.frontend_shares_cores)
 
         t0 = time.perf_counter()
+        spec = config.speculative_config
+        mtp = spec is not None and spec.method == "mtp"
         with torch.device(self.device), without_weight_init():
             model = model_config.arch.load_class()(model_config, max_model_len, tp, plan)
+            if mtp:         # before the weights: the MTP block's tensors are loaded, not skipped
+                self._enable_mtp(model)
         model.load_weights(iter_weights(files, keep_quantized=self.quantization == "gguf"))
         # weights in the compute dtype; the rotary tables stay float32 (norms compute in float32 inside)
         self.model = model.to(self.dtype)
@@ -119,6 +124,24 @@ class ModelRunner:
         self.core_share = (CoreShare(frontend_pid=os.getppid() if platform.frontend_shares_cores else None)
                            if self.plan.yields_cores else None)
         self.compiled_decode = self._start_compiled_decode(files) if decode_step == "compiled" else None
+        # speculative decoding's drafts from the model's own MTP head, made after each step (runner/mtp_drafter.py)
+        self.mtp_drafter = (MtpDrafter(self.model, spec.num_speculative_tokens, max_model_len, self.block_size,
+                                       self.prepare_inputs) if mtp else None)
+        if mtp:
+            log.info("speculative decoding: up to %d draft(s) per step from the model's multi-token-prediction head",
+                     spec.num_speculative_tokens)
+
+    def _enable_mtp(self, model) -> None:
+        """speculative_config.method "mtp": the model builds its multi-token-prediction block (a model without one
+        refuses, saying why)."""
+        if not hasattr(model, "enable_mtp"):
+            raise ValueError(f'speculative_config.method "mtp" drafts with the model\'s own multi-token-prediction '
+                             f"head, which {self.model_config.architecture} does not have (Qwen3.5's checkpoints do); "
+                             "use the ngram or suffix method")
+        if self.tp.size > 1:
+            raise ValueError('speculative_config.method "mtp" does not run with tensor_parallel_size > 1 yet (the '
+                             "drafts are made on rank 0 after sampling)")
+        model.enable_mtp()
 
     @property
     def native_attention(self) -> bool:
@@ -405,6 +428,13 @@ class ModelRunner:
         vocabulary's; other ranks, and steps where no request samples, get None) and, on rank 0, the pooled hidden
         states of the pooling rows (None when none pools). A decode-only step whose padded size has a compiled graph
         ready runs that graph (eagerly if the graph fails)."""
+        logits, pooled, _ = self._forward(batch)
+        if self.kernel_pool:
+            ops.quiesce()        # no pool worker reads this step's memory after it (thread_pool.c)
+        return logits, pooled
+
+    def _forward(self, batch: StepBatch):
+        """`forward`'s work, and the step's flat rows as computed (ids, positions, metadata, final hidden states)."""
         bucket = self.compiled_decode.bucket_for(batch) if self.compiled_decode else None
         threads, kernel_threads = self.step_threads(bucket or len(batch.num_new_tokens))
         if bucket:
@@ -431,9 +461,7 @@ class ModelRunner:
         # rank 0 pools its own
         pooled = self.pool(hidden, batch) if batch.pooling_spans and self.tp.is_first else None
         logits = self.model.compute_logits(hidden[logits_indices]) if len(logits_indices) else None
-        if self.kernel_pool:
-            ops.quiesce()        # no pool worker reads this step's memory after it (thread_pool.c)
-        return logits, pooled
+        return logits, pooled, (ids, pos, meta, hidden)
 
     def pool(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """[rows with a pooling span, hidden size] float32: the sum of each span's final hidden states (the model's
@@ -452,9 +480,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: ModelStep) -> SampledTokens:
         """Rank 0: the forward, then one sampled token per sampling row (and the prompt logprobs asked for, the
-        pooled hidden states of the pooling rows)."""
-        logits, pooled = self.forward(step.batch)
+        pooled hidden states of the pooling rows); with an MTP drafter, its pass over the step and the drafts to
+        follow each sampled token."""
+        logits, pooled, rows = self._forward(step.batch)
         sampled = SampledTokens([], []) if logits is None else self._sample(logits, step)
+        if self.mtp_drafter is not None:
+            drafts = self.mtp_drafter.draft(step.batch, *rows, sampled.token_ids)
+            if drafts:
+                sampled = dataclasses.replace(sampled, draft_token_ids=drafts)
+        if self.kernel_pool:
+            ops.quiesce()        # no pool worker reads this step's memory after it (thread_pool.c)
         return sampled if pooled is None else dataclasses.replace(sampled, pooled=pooled.tolist())
 
     def _sample(self, logits: torch.Tensor, step: ModelStep) -> SampledTokens:

@@ -40,6 +40,12 @@ class StepBatch:
     state_slots: tuple[int, ...] = ()
     state_copies: tuple[tuple[int, int], ...] = ()
     state_snapshots: tuple[tuple[int, int, int], ...] = ()
+    # speculative decoding with the model's own MTP head (runner/mtp_drafter.py; empty otherwise). Per row: the token
+    # after its chunk's last position where the scheduler knows it (a prompt chunk short of the prompt's end), -1 where
+    # the row samples it (or nothing follows: an embedding request's last chunk); and how many of the rows after it
+    # are its request's drafts (a speculating request's first row: k; 0 elsewhere)
+    next_token_ids: tuple[int, ...] = ()
+    draft_rows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,3 +88,6 @@ class SampledTokens:
     prompt_logprobs: list[list[PromptLogprob]] = field(default_factory=list)   # per `ModelStep.prompt_logprobs` row
     # per row with a pooling span, in row order: the float32 sum of its span's final hidden states
     pooled: list[list[float]] = field(default_factory=list)
+    # speculative decoding with the model's MTP head: sampling row -> the drafts to follow the token it sampled (the
+    # row that ends its request's step: a decode, a prompt's last chunk, a speculating request's last accepted row)
+    draft_token_ids: dict[int, tuple[int, ...]] = field(default_factory=dict)

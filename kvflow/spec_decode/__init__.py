@@ -1,6 +1,7 @@
 """Speculative decoding's proposers (no second model): each proposes up to k tokens from the request's own
-sequence (and, for suffix decoding, recent outputs); the scheduler verifies them in the next step
-(core/scheduler.py, docs/architecture.md "Speculative decoding")."""
+sequence (and, for suffix decoding, recent outputs), or hands out the drafts the model's own MTP head made after the
+request's last step (`mtp`); the scheduler verifies them in the next step (core/scheduler.py, docs/architecture.md
+"Speculative decoding")."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -17,6 +18,9 @@ class Proposer(Protocol):
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "mtp":          # the model's own head drafts, in the runner: this keeps its drafts
+        from kvflow.spec_decode.mtp import MtpProposer
+        return MtpProposer(config.num_speculative_tokens)
     if config.method == "ngram":
         from kvflow.spec_decode.ngram import NgramProposer
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
