@@ -101,7 +101,8 @@ class EngineConfig:
     seed: int = _option(0, "seed of the engine's default random generator (requests without a seed)")
     speculative_config: SpeculativeConfig | None = _option(
         None, 'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-              '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "suffix", ...}; '
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 1}, {"method": "suffix", ...} or {"method": "mtp", '
+              '"num_speculative_tokens": 2} (Qwen3.5\'s own multi-token-prediction head); '
               '"disable_by_batch_size": N stops it above N running requests (kvflow/speculative_config.py)',
         type=str, metavar="JSON")
     pooling: str = _option("last", "how /v1/embeddings and LLM.embed pool a prompt's final hidden states (after the "

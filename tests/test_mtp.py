@@ -159,7 +159,6 @@ def test_the_block_computes_vllms_formula(mtp_model, hf):
     torch.testing.assert_close(got_next, want_next[-1], rtol=TOL, atol=TOL)
 
 
-@pytest.mark.slow
 def test_the_gguf_twin_holds_the_same_block(mtp_model, tmp_path):
     """llama.cpp's layout (the block after the trunk's: fc and its norms as blk.N.nextn.*, 1 + w norms, its decoder
     layer under the usual names) loads into the same block."""
@@ -203,6 +202,7 @@ def test_the_scheduler_sends_what_the_drafter_needs_and_keeps_its_drafts_for_the
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_output_is_the_same_with_and_without_mtp(mtp_model, hf, k):
     """Batched, a 90-token prompt in chunks of 32, then again from prefix-cache hits: the tokens without MTP, and
@@ -216,6 +216,22 @@ def test_greedy_output_is_the_same_with_and_without_mtp(mtp_model, hf, k):
     assert generate(spec, prompts) == plain, "from prefix-cache hits"
     for p, tokens in zip(prompts, got):
         assert_greedy_matches(hf, p, tokens, f"mtp k={k}: ", MAX_TOKENS)
+    spec.engine.kv_cache_manager.check()
+
+
+@pytest.mark.slow
+def test_a_q8_0_gguf_drafts_from_its_codes(mtp_model, tmp_path):
+    """The default configuration of a Q8_0 file (its codes kept, kvflow's kernels; the MTP block's matrices too):
+    the same greedy tokens with and without MTP."""
+    gguf_path = write_gguf_from_hf(mtp_model, tmp_path / "qwen3_5-mtp-q8_0.gguf", ftype="q8_0")
+    prompts = rand_prompts()[:3]
+
+    def run(**spec):
+        return LLM(str(gguf_path), tokenizer=str(mtp_model), max_model_len=256, kv_cache_memory="64MiB", **spec)
+    plain = generate(run(), prompts)
+    spec = run(speculative_config=mtp_config(2))
+    assert generate(spec, prompts) == plain
+    assert spec.engine.scheduler.spec_num_draft_tokens > 0
     spec.engine.kv_cache_manager.check()
 
 
