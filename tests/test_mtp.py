@@ -176,16 +176,17 @@ def test_the_scheduler_sends_what_the_drafter_needs_and_keeps_its_drafts_for_the
     req = Request("a", list(range(100, 110)), SamplingParams(max_tokens=20, ignore_eos=True), 20)
     sched.add_request(req)
     out = sched.schedule()                  # a chunk short of the prompt's end: the next prompt token follows it
-    assert out.step.batch.next_token_ids == (106,) and out.step.batch.draft_rows == (0,)
+    assert out.step.batch.next_token_ids == (106,) and out.step.batch.verified_drafts == (0,)
     assert len(kv.block_tables["a"]) == 2, "a step that samples nothing takes no lookahead blocks"
     sched.update(out, SampledTokens([], []))
     out = sched.schedule()                  # the prompt's last chunk samples: lookahead for 2 chain positions
     assert out.step.batch.next_token_ids == (-1,) and len(kv.block_tables["a"]) == 3      # positions 0..11
+    assert out.step.batch.drafts_wanted == (3,)
     sched.update(out, SampledTokens([5], [None], draft_token_ids={0: (6, 7, 8)}))
     out = sched.schedule()
     (s,) = out.scheduled
     assert s.draft_token_ids == (6, 7, 8) and out.step.batch.token_ids == [5, 6, 7, 8]
-    assert out.step.batch.draft_rows == (3, 0, 0, 0) and out.step.batch.next_token_ids == (-1,) * 4
+    assert out.step.batch.verified_drafts == (3, 0, 0, 0) and out.step.batch.next_token_ids == (-1,) * 4
     # 6 and 7 accepted, 9 instead of 8: the drafts made at the third row (the last accepted) follow 9
     (o,) = sched.update(out, SampledTokens([6, 7, 9, 4], [None] * 4, draft_token_ids={2: (1, 2, 3), 3: (0, 0, 0)}))
     assert o.new_token_ids == [6, 7, 9]
@@ -195,10 +196,27 @@ def test_the_scheduler_sends_what_the_drafter_needs_and_keeps_its_drafts_for_the
     (o,) = sched.update(out, SampledTokens([1, 5, 5, 5], [None] * 4))
     assert o.new_token_ids == [1, 5] and sched.proposer.propose("a", req.token_ids, 3) == []
     out = sched.schedule()
-    assert out.scheduled[0].draft_token_ids == () and out.step.batch.draft_rows == (0,)
+    assert out.scheduled[0].draft_token_ids == () and out.step.batch.verified_drafts == (0,)
     sched.abort(["a"])
     assert not sched.proposer._drafts
     kv.check()
+
+
+def test_drafts_are_wanted_only_where_the_next_step_could_verify_them():
+    """The scheduler asks for as many drafts as a request's next step could verify (max_tokens leaves room for 1, for
+    none, for 3) and none while more requests run than speculate; lookahead blocks for the chain alike."""
+    for disable, wanted, blocks in ((None, (1, 0, 3), [1, 1, 2]), (2, (0, 0, 0), [1, 1, 1])):
+        kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+        sched = Scheduler(EngineConfig(speculative_config={**mtp_config(3), "disable_by_batch_size": disable}), kv,
+                          max_model_len=256)
+        for rid, max_tokens in (("a", 3), ("b", 2), ("c", 20)):
+            sched.add_request(Request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                      max_tokens))
+        out = sched.schedule()
+        assert out.step.batch.drafts_wanted == wanted
+        assert [len(kv.block_tables[r]) for r in "abc"] == blocks       # 4 prompt tokens + (wanted - 1) ahead
+        sched.abort(["a", "b", "c"])
+        kv.check()
 
 
 # ---- the engine ------------------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ class Scheduler:
         if not out_of_blocks and self.waiting.admits(self.running):
             self._schedule_waiting(budget, out)
         if out.scheduled:
-            if self.mtp and self.spec_k > 1:
+            if self.mtp:
                 self._allocate_lookahead(out.scheduled)
             # decodes first (stable), speculating requests among them: their rows are decode rows
             out.rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1 and not s.draft_token_ids)
@@ -130,15 +130,25 @@ class Scheduler:
         return out
 
     def _allocate_lookahead(self, scheduled: list[ScheduledRequest]) -> None:
-        """MTP drafting's chain writes the head's KV at up to k - 1 positions past a sampling request's last computed
-        one: blocks for them where free blocks remain once the step is scheduled (never a preemption; a request
-        without them gets fewer drafts). They are the blocks its next step would take anyway."""
+        """MTP drafting's chain writes the head's KV at up to (drafts wanted - 1) positions past a sampling request's
+        last computed one: blocks for them where free blocks remain once the step is scheduled (never a preemption; a
+        request without them gets fewer drafts). They are the blocks its next step would take anyway."""
         for s in scheduled:
-            if s.samples:
-                req = self.requests[s.request_id]
-                extra = min(self.spec_k - 1, self.max_model_len - (s.num_computed_tokens + s.num_new_tokens))
-                if extra > 0:
-                    self.kv.allocate_slots(req, s.num_new_tokens + extra)
+            req = self.requests[s.request_id]
+            extra = min(self._mtp_drafts_wanted(req, s) - 1,
+                        self.max_model_len - (s.num_computed_tokens + s.num_new_tokens))
+            if extra > 0:
+                self.kv.allocate_slots(req, s.num_new_tokens + extra)
+
+    def _mtp_drafts_wanted(self, req: Request, s: ScheduledRequest) -> int:
+        """How many drafts the MTP head should make after the token this step samples for `req`: as many as its next
+        step could verify (`_drafts`' bounds, one token on); 0 where it will not speculate then (nothing sampled, a
+        grammar, no room, more requests running than speculate: the head's logits would be wasted)."""
+        if (not s.samples or req.matcher is not None or req.pooling is not None
+                or len(self.running) > self.spec_max_running):
+            return 0
+        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 2
+        return max(0, min(self.spec_k, room))
 
     def _prefill_tokens(self) -> int:
         """The step's prompt tokens: `max_prefill_tokens_while_decoding` while a running request is generating (a
@@ -345,18 +355,20 @@ class Scheduler:
         lora_slots, any_lora = [], False
         state = self.kv.state
         state_slots, snapshots = [], []
-        next_token_ids, draft_rows = [], []        # the MTP drafter's (empty otherwise)
+        next_token_ids, verified, wanted = [], [], []        # the MTP drafter's (empty otherwise)
         for s in scheduled:
             req = self.requests[s.request_id]
             table = self.kv.block_tables[s.request_id]
-            if self.mtp and s.draft_token_ids:      # every row samples the token after it
+            if self.mtp:
                 k = len(s.draft_token_ids)
-                draft_rows += [k] + [0] * k
-                next_token_ids += [-1] * (1 + k)
-            elif self.mtp:                          # a chunk short of the known tokens: the next one follows it
-                end = s.num_computed_tokens + s.num_new_tokens
-                draft_rows.append(0)
-                next_token_ids.append(req.token_ids[end] if not s.samples and end < req.num_tokens else -1)
+                wanted += [self._mtp_drafts_wanted(req, s)] * (1 + k)
+                if k:                       # every row samples the token after it
+                    verified += [k] + [0] * k
+                    next_token_ids += [-1] * (1 + k)
+                else:                       # a chunk short of the known tokens: the next one follows it
+                    end = s.num_computed_tokens + s.num_new_tokens
+                    verified.append(0)
+                    next_token_ids.append(req.token_ids[end] if not s.samples and end < req.num_tokens else -1)
             if state is not None:
                 slot, entry = state.slot(s.request_id), len(num_new)
                 if s.draft_token_ids:       # the state after the last token and each draft but the last
@@ -406,7 +418,7 @@ class Scheduler:
                           lora_slots=tuple(lora_slots) if any_lora else (),
                           state_slots=tuple(state_slots), state_copies=state.take_copies() if state else (),
                           state_snapshots=tuple(snapshots), next_token_ids=tuple(next_token_ids),
-                          draft_rows=tuple(draft_rows))
+                          verified_drafts=tuple(verified), drafts_wanted=tuple(wanted))
         return ModelStep(batch, sampling, prompt_rows)
 
     def _pooling_span(self, req: Request, s: ScheduledRequest) -> tuple[int, int]:

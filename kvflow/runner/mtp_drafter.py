@@ -11,9 +11,11 @@ K/V tensors in the blocks, from the same budget), so it runs over every position
   speculating request's row j thus takes its target j — the next draft where it was accepted, the corrected token at
   the first rejection; the rows after that write MTP KV at positions the next step computes again (overwritten
   before any row reads them, as the target's own KV is).
-- **The first draft** of each request that sampled: the argmax of the head's logits at its last valid row — its
-  only sampling row (a decode, a prompt's last chunk) or, speculating, the row of its last accepted draft (counted as
-  the scheduler counts it: the leading drafts equal to the targets).
+- **The first draft** of each request that sampled and may speculate in its next step (the scheduler says how many
+  drafts it could verify, `StepBatch.drafts_wanted`: none for a grammar, without room, or while more requests run
+  than speculate): the argmax of the head's logits at its last valid row — its only sampling row (a decode, a
+  prompt's last chunk) or, speculating, the row of its last accepted draft (counted as the scheduler counts it: the
+  leading drafts equal to the targets).
 - **Drafts 2..N**: one row per request at positions p + 1, p + 2, ..., each reading the previous draft and the
   head's own output hidden state (vLLM's chain). They write MTP KV past the request's tokens, into the lookahead
   blocks the scheduler allocates for it (core/scheduler.py); a request whose block table ends sooner, or that
@@ -28,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from kvflow.layers.attention_metadata import AttentionMetadata
 from kvflow.runner.step import StepBatch
 
 
@@ -42,15 +45,16 @@ class MtpDrafter:
         self.block_size = block_size
         self.prepare_inputs = prepare_inputs
 
-    def draft(self, batch: StepBatch, ids: torch.Tensor, positions: torch.Tensor, meta, hidden: torch.Tensor,
-              sampled: list[int]) -> dict[int, tuple[int, ...]]:
-        """The step's MTP pass (always: the head's KV must cover every computed position), then each sampling
-        request's drafts, by sampling row (`SampledTokens.draft_token_ids`). `ids` .. `hidden`: the step's flat rows
-        as the target computed them; `sampled`: the token of each sampling row."""
+    def draft(self, batch: StepBatch, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              hidden: torch.Tensor, sampled: list[int]) -> dict[int, tuple[int, ...]]:
+        """The step's MTP pass (always: the head's KV must cover every computed position), then the drafts of each
+        request the scheduler wants them for (`StepBatch.drafts_wanted`), by sampling row
+        (`SampledTokens.draft_token_ids`). `ids` .. `hidden`: the step's flat rows as the target computed them;
+        `sampled`: the token of each sampling row."""
         lens = batch.num_new_tokens
         ends, sampling_row, next_ids = [], [], []
         end, row = 0, 0
-        for n, samples, i in zip(lens, batch.samples, range(len(lens))):
+        for i, (n, samples) in enumerate(zip(lens, batch.samples)):
             end += n
             ends.append(end - 1)
             if samples:
@@ -64,45 +68,44 @@ class MtpDrafter:
         mtp_ids = torch.cat([ids[1:], ids[:1]])
         mtp_ids[torch.tensor(ends, device=ids.device)] = torch.tensor(next_ids, dtype=ids.dtype, device=ids.device)
         out = self.model.mtp_forward(mtp_ids, positions, hidden, meta)
-        chosen = self._last_valid_rows(batch, sampling_row, sampled)
+        wanted = batch.drafts_wanted or [self.k if r >= 0 else 0 for r in sampling_row]
+        chosen = [e for e in self._last_valid_rows(batch, sampling_row, sampled) if wanted[e] > 0]
         if not chosen:
             return {}
-        rows = torch.tensor([ends[e] for e in chosen], device=out.device)
-        h = out[rows]
+        h = out[torch.tensor([ends[e] for e in chosen], device=out.device)]
         drafts = [[t] for t in self.model.compute_logits(h).argmax(-1).tolist()]
-        # drafts 2..k: the chain, one row per request that still has room
+        # drafts 2..: the chain, one row per request that wants more and still has room
         last = [batch.num_computed_tokens[e] + lens[e] - 1 for e in chosen]     # each request's last valid position
         tables = [batch.block_tables[e] for e in chosen]
-        alive = list(range(len(chosen)))
-        for step in range(1, self.k):
-            keep = [j for j, a in enumerate(alive) if last[a] + step < self.max_model_len
+        alive = list(range(len(chosen)))            # the requests `h` holds a row of, in its order
+        for step in range(1, max(wanted[e] for e in chosen)):
+            keep = [j for j, a in enumerate(alive) if step < wanted[chosen[a]] and last[a] + step < self.max_model_len
                     and (last[a] + step) // self.block_size < len(tables[a])]
             if not keep:
                 break
-            alive_now = [alive[j] for j in keep]
-            chain = StepBatch(num_decodes=len(keep), token_ids=[drafts[a][-1] for a in alive_now],
-                              num_computed_tokens=[last[a] + step for a in alive_now], num_new_tokens=[1] * len(keep),
-                              block_tables=[tables[a] for a in alive_now], samples=[False] * len(keep))
+            alive = [alive[j] for j in keep]
+            chain = StepBatch(num_decodes=len(alive), token_ids=[drafts[a][-1] for a in alive],
+                              num_computed_tokens=[last[a] + step for a in alive], num_new_tokens=[1] * len(alive),
+                              block_tables=[tables[a] for a in alive], samples=[False] * len(alive))
             chain_ids, chain_pos, chain_meta, _ = self.prepare_inputs(chain)
-            if len(keep) < len(alive):
+            if len(keep) < len(h):
                 h = h[torch.tensor(keep, device=h.device)]
             h = self.model.mtp_forward(chain_ids, chain_pos, h, chain_meta)
-            for a, t in zip(alive_now, self.model.compute_logits(h).argmax(-1).tolist()):
+            for a, t in zip(alive, self.model.compute_logits(h).argmax(-1).tolist()):
                 drafts[a].append(t)
-            alive = alive_now
         return {sampling_row[e]: tuple(d) for e, d in zip(chosen, drafts)}
 
     @staticmethod
     def _last_valid_rows(batch: StepBatch, sampling_row: list[int], sampled: list[int]) -> list[int]:
         """The row (entry of `batch`) that ends each sampling request's step: its only row, or for a speculating
-        request (its first row followed by `draft_rows` draft rows) the row of its last accepted draft."""
+        request (its first row followed by `verified_drafts` draft rows) the row of its last accepted draft."""
         chosen, e = [], 0
         while e < len(batch.num_new_tokens):
-            k = batch.draft_rows[e] if batch.draft_rows else 0
+            k = batch.verified_drafts[e] if batch.verified_drafts else 0
             if k:
                 first = sampling_row[e]
                 accepted = 0
-                # row e + j + 1 holds draft j + 1 (decode rows: one token each, at index e + j + 1 of the flat ids)
+                # row e + j + 1 holds draft j + 1 (decode rows, first in the batch: its index in the flat ids too)
                 while accepted < k and sampled[first + accepted] == batch.token_ids[e + accepted + 1]:
                     accepted += 1
                 chosen.append(e + accepted)

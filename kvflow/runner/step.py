@@ -42,10 +42,13 @@ class StepBatch:
     state_snapshots: tuple[tuple[int, int, int], ...] = ()
     # speculative decoding with the model's own MTP head (runner/mtp_drafter.py; empty otherwise). Per row: the token
     # after its chunk's last position where the scheduler knows it (a prompt chunk short of the prompt's end), -1 where
-    # the row samples it (or nothing follows: an embedding request's last chunk); and how many of the rows after it
-    # are its request's drafts (a speculating request's first row: k; 0 elsewhere)
+    # the row samples it (or nothing follows: an embedding request's last chunk); how many of the rows after it are
+    # its request's drafts under verification (a speculating request's first row: k; 0 elsewhere); and how many
+    # drafts to make after the token it samples should it end its request's step (0: the request will not speculate
+    # next step: a grammar, no room, more requests running than speculate)
     next_token_ids: tuple[int, ...] = ()
-    draft_rows: tuple[int, ...] = ()
+    verified_drafts: tuple[int, ...] = ()
+    drafts_wanted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
