@@ -196,8 +196,8 @@ _QWEN3_5_FUSED = {**LlamaForCausalLM.fused_pieces, "in_proj_qkv": ("in_proj_qkvz
                   "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
 # checkpoint prefixes that are not the text model: Qwen3_5ForConditionalGeneration's vision tower, the
 # multi-token-prediction block (loaded only when it drafts: `enable_mtp`)
-_SKIPPED = {"model.visual.": "vision tower", "mtp.": "multi-token prediction"}
 MTP = "multi-token prediction"
+_SKIPPED = {"model.visual.": "vision tower", "mtp.": MTP}
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
@@ -284,6 +284,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             nonlocal mtp_tensors
             for name, tensor in weights:
                 name = name.replace("model.language_model.", "model.", 1)
+                if name.startswith("model.mtp."):       # some exports keep the MTP block under model.
+                    name = name.removeprefix("model.")
                 if name.endswith(".linear_attn.out_proj.input_order"):    # a GGUF's out_proj codes (loader.py)
                     layer = self.layers[int(name.split(".")[2])].linear_attn
                     layer.out_proj_input_order = tensor.to(layer.out_proj.weight.device)
