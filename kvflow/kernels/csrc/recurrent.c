@@ -3,24 +3,26 @@
 // over the step's runs (state_runs_t: consecutive rows continuing one state slot), token after token.
 //
 // Batch invariance: a run's tokens go through the same arithmetic whatever else shares the call and wherever the
-// scheduler split its prompt. Threads split the (run, head) pairs (the convolution: (run, block of channels)), never
+// scheduler split its prompt. Threads split the (run, head) pairs (the convolution: blocks of channels), never
 // a reduction; inside a pair, tokens run in order and every sum has one fixed order per (token, head): the dk-long
 // sums of GDN run row after row (i = 0 .. dk - 1) with the dv columns in vector lanes; the N-long dot of Mamba2 and
 // the l2norm's sum of squares run in 8 lane-wise partial sums, added by hsum, then the tail in order; the taps run
 // j = 0 .. K - 1, then the bias. The columns past the last full vector compute the same arithmetic as the lanes
-// (fmaf is the lanes' FMA), so a value's bits do not depend on where its column falls either.
+// (fmaf is the lanes' FMA; the convolution's last channels are masked lanes), so a value's bits do not depend on
+// where its column falls either.
 //
-// Every exponential (the decays exp(g) and exp(dt A), SiLU's exp(-x)) is libm's expf, once per value: one function
-// in every path. The pool (thread_pool.c) does not run these: its chunks may be computed twice (a late worker's,
-// taken back), which in-place state updates cannot allow; big calls run on OpenMP's threads, small ones on one.
+// The decays exp(g) and exp(dt A) are libm's expf, once per (token, head), in every path; SiLU's e^-x is one vector
+// function (exp8) for every channel. The pool (thread_pool.c) does not run these: its chunks may be computed twice
+// (a late worker's, taken back), which in-place state updates cannot allow; big calls run on OpenMP's threads,
+// small ones on one.
 #include <omp.h>
 
 #include "common.h"
 
 // multiply-adds per call from which it is split over threads (a call below this is a few microseconds of work)
 #define PARALLEL_WORK 65536
-#define CONV_CHANNELS 256       // channels per unit of the convolution's work
-#define CONV_MAX_TAPS 64
+#define CONV_CHANNELS 64        // channels per unit of the convolution's work
+#define CONV_MAX_TAPS 16
 #define GDN_COLUMNS 32          // state columns (dv) per pass: 4 vectors of u and 4 of o stay in registers
 
 // The runs' bounds, slots and snapshots, checked: 0 or 2 (not a batch of T rows over `slots` slots: a run out of
@@ -68,73 +70,103 @@ static inline float sum_squares(const float *x, int64_t n) {
     return s;
 }
 
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
-
 
 // ---- causal depthwise convolution ----
 
-// Channels [c0, c1) of run `run`: y_t = sum_j w[j] x_{t-K+1+j} (+ bias, SiLU), reading the run's window from the
-// state (the K - 1 inputs before its first row) and then x; wt is the weights transposed, [K, C].
-static void conv_unit(const float *x, int64_t C, const float *wt, int64_t K, const float *bias, float *state,
-                      const state_runs_t *r, int64_t run, int64_t c0, int64_t c1, int silu_after, float *out) {
-    const int64_t a = r->starts[run], n = r->starts[run + 1] - a, W = K - 1;
-    float *own = state + r->run_slots[run] * W * C;
-    // input i of the run's window (i = 0 .. W + n - 1): the state's row i, then x's row a + i - W
-#define INPUT(i) ((i) < W ? own + (i) * C : x + (a + (i) - W) * C)
-    const float *in[CONV_MAX_TAPS];
-    int64_t snap = first_snapshot(r, a);
-    for (int64_t t = 0; t < n; t++) {
-        for (int64_t j = 0; j < K; j++) in[j] = INPUT(t + j);
-        float *y = out + (a + t) * C;
-        int64_t c = c0;
-        for (; c + 8 <= c1; c += 8) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t j = 0; j < K; j++)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt + j * C + c), _mm256_loadu_ps(in[j] + c), acc);
-            if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + c));
-            _mm256_storeu_ps(y + c, acc);
-        }
-        for (; c < c1; c++) {
-            float acc = 0.0f;
-            for (int64_t j = 0; j < K; j++) acc = fmaf(wt[j * C + c], in[j][c], acc);
-            y[c] = bias ? acc + bias[c] : acc;
-        }
-        if (silu_after)
-            for (c = c0; c < c1; c++) y[c] = silu(y[c]);
-        // after row a + t: the window's inputs t + 1 .. t + W to each snapshot slot listed there
-        for (; snap < r->snapshots && r->snapshot_rows[snap] == a + t; snap++) {
-            float *dst = state + r->snapshot_slots[snap] * W * C;
-            for (int64_t i = 0; i < W; i++)
-                memcpy(dst + i * C + c0, INPUT(t + 1 + i) + c0, (size_t)(c1 - c0) * sizeof(float));
-        }
-    }
-    // the run's last W inputs, n .. n + W - 1: row i takes input n + i, which is x's or the state's row n + i > i
-    // (not yet overwritten, rows going up)
-    if (n > 0)
-        for (int64_t i = 0; i < W; i++)
-            memmove(own + i * C + c0, INPUT(n + i) + c0, (size_t)(c1 - c0) * sizeof(float));
-#undef INPUT
+// e^x, 8 lanes, x clamped to [-87.3, 88] (e^x then within float32's normal range): Cephes' expf polynomial, ~1 ulp
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// x [T, C], weight [C, K], bias [C] or NULL, state [slots, K - 1, C], out [T, C], all float32. 0, 1 (out of
-// memory) or 2 (the runs, check_runs; more than CONV_MAX_TAPS taps)
+// x / (1 + e^-x), 8 lanes (libm's expf per value took 60% of a one-row call)
+static inline __m256 silu8(__m256 x) {
+    const __m256 e = exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f)));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+// Channels [c0, c1) of every run: y_t = sum_j w[j] x_{t-K+1+j} (+ bias, SiLU), each run reading its window from
+// its slot (the K - 1 inputs before its first row) and then x. Every channel goes through the same vector
+// arithmetic: the last group of fewer than 8 channels is read and written with masks.
+static void conv_block(const float *x, int64_t C, const float *weight, int64_t K, const float *bias, float *state,
+                       const state_runs_t *r, int64_t c0, int64_t c1, int silu_after, float *out) {
+    const int64_t W = K - 1, width = c1 - c0;
+    float wt[CONV_MAX_TAPS * CONV_CHANNELS];           // the block's weights, [K, CONV_CHANNELS], 0 past c1
+    for (int64_t c = 0; c < width; c++)
+        for (int64_t j = 0; j < K; j++) wt[j * CONV_CHANNELS + c] = weight[(c0 + c) * K + j];
+    for (int64_t j = 0; j < K; j++)
+        for (int64_t c = width; c < CONV_CHANNELS; c++) wt[j * CONV_CHANNELS + c] = 0.0f;
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(width % 8)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const float *in[CONV_MAX_TAPS];
+    for (int64_t run = 0; run < r->runs; run++) {
+        const int64_t a = r->starts[run], n = r->starts[run + 1] - a;
+        float *own = state + r->run_slots[run] * W * C;
+        // input i of the run's window (i = 0 .. W + n - 1): the state's row i, then x's row a + i - W
+#define INPUT(i) ((i) < W ? own + (i) * C : x + (a + (i) - W) * C)
+        int64_t snap = first_snapshot(r, a);
+        for (int64_t t = 0; t < n; t++) {
+            for (int64_t j = 0; j < K; j++) in[j] = INPUT(t + j);
+            float *y = out + (a + t) * C;
+            for (int64_t c = 0; c < width; c += 8) {
+                const int full = c + 8 <= width;
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t j = 0; j < K; j++) {
+                    const float *p = in[j] + c0 + c;
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt + j * CONV_CHANNELS + c),
+                                          full ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail), acc);
+                }
+                if (bias) {
+                    const float *p = bias + c0 + c;
+                    acc = _mm256_add_ps(acc, full ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail));
+                }
+                if (silu_after) acc = silu8(acc);
+                if (full) _mm256_storeu_ps(y + c0 + c, acc);
+                else _mm256_maskstore_ps(y + c0 + c, tail, acc);
+            }
+            // after row a + t: the window's inputs t + 1 .. t + W to each snapshot slot listed there
+            for (; snap < r->snapshots && r->snapshot_rows[snap] == a + t; snap++) {
+                float *dst = state + r->snapshot_slots[snap] * W * C;
+                for (int64_t i = 0; i < W; i++)
+                    memcpy(dst + i * C + c0, INPUT(t + 1 + i) + c0, (size_t)width * sizeof(float));
+            }
+        }
+        // the run's last W inputs, n .. n + W - 1: row i takes input n + i, which is x's or the state's row n + i > i
+        // (not yet overwritten, rows going up)
+        if (n > 0)
+            for (int64_t i = 0; i < W; i++)
+                memmove(own + i * C + c0, INPUT(n + i) + c0, (size_t)width * sizeof(float));
+#undef INPUT
+    }
+}
+
+// x [T, C], weight [C, K], bias [C] or NULL, state [slots, K - 1, C], out [T, C], all float32. 0 or 2 (the runs,
+// check_runs; more than CONV_MAX_TAPS taps). Threads split the blocks of channels (each transposes its weights
+// once and runs every run).
 int kvflow_causal_conv1d(const float *x, int64_t T, int64_t C, const float *weight, int64_t K, const float *bias,
                          float *state, state_runs_t r, int silu_after, float *out, int threads) {
     if (K < 1 || K > CONV_MAX_TAPS || C < 0) return 2;
     const int bad = check_runs(&r, T);
     if (bad || r.runs == 0 || C == 0) return bad;
-    float *wt = malloc((size_t)(K * C) * sizeof(float));
-    if (!wt) return 1;
-    for (int64_t c = 0; c < C; c++)
-        for (int64_t j = 0; j < K; j++) wt[j * C + c] = weight[c * K + j];
-    const int64_t blocks = (C + CONV_CHANNELS - 1) / CONV_CHANNELS, units = r.runs * blocks;
-    const int parallel = threads > 1 && units > 1 && (r.starts[r.runs] - r.starts[0]) * C * K >= PARALLEL_WORK;
+    const int64_t blocks = (C + CONV_CHANNELS - 1) / CONV_CHANNELS;
+    const int parallel = threads > 1 && blocks > 1 && (r.starts[r.runs] - r.starts[0]) * C * K >= PARALLEL_WORK;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
-    for (int64_t u = 0; u < units; u++) {
-        const int64_t c0 = (u % blocks) * CONV_CHANNELS, c1 = c0 + CONV_CHANNELS < C ? c0 + CONV_CHANNELS : C;
-        conv_unit(x, C, wt, K, bias, state, &r, u / blocks, c0, c1, silu_after, out);
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t c0 = b * CONV_CHANNELS, c1 = c0 + CONV_CHANNELS < C ? c0 + CONV_CHANNELS : C;
+        conv_block(x, C, weight, K, bias, state, &r, c0, c1, silu_after, out);
     }
-    free(wt);
     return 0;
 }
 
