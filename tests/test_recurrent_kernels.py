@@ -188,6 +188,31 @@ def test_native_bits_do_not_depend_on_threads(name):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+@needs_native
+@pytest.mark.skipif(build.isa() != "avx512", reason="the CPU runs no AVX-512 kernels")
+def test_gated_delta_rule_avx512_gives_the_avx2_bits():
+    """The delta rule's AVX-512 passes (blocks of 64 and 16 columns) and its AVX2 ones (32, 8, then columns one by
+    one): dv = 91 takes every kind; outputs and state bit for bit."""
+    g = torch.Generator().manual_seed(21)
+    T, H, dk, dv = 9, 2, 24, 91
+    q, k = torch.randn(T, H, dk, generator=g), torch.randn(T, H, dk, generator=g)
+    v, gate, beta = torch.randn(T, H, dv, generator=g), -torch.rand(T, H, generator=g), torch.rand(T, H, generator=g)
+    start = torch.randn(4, H, dk, dv, generator=g)
+    batch = state_batch([6, 3], [0, 2], [(2, 3)])
+    lib = build.library()
+    results = []
+    try:
+        for avx512 in (1, 0):
+            lib.kvflow_recurrent_use_avx512(avx512)
+            state = start.clone()
+            results.append((recurrent.gated_delta_rule(q, k, v, gate, beta, state, batch), state))
+    finally:
+        lib.kvflow_recurrent_use_avx512(int(build.isa() == "avx512"))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    torch.testing.assert_close(results[0][0], recurrent.gated_delta_rule_reference(q, k, v, gate, beta, start.clone(),
+                                                                                  batch), **TOLERANCE)
+
+
 @pytest.mark.parametrize("name", KERNELS)
 def test_other_dtypes_run_the_definition(name):
     """bfloat16 inputs (the state float32; the convolution's window in bfloat16) go to the torch definition."""

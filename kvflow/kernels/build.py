@@ -64,6 +64,7 @@ SIGNATURES = {
                                        _ptr, _int]),
     "kvflow_ssm_scan": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, StateRuns,
                                _ptr, _int]),
+    "kvflow_recurrent_use_avx512": (None, [_int]),
     "kvflow_pool_quiesce": (None, []),
     "kvflow_pool_workers": (_int, []),
     "kvflow_pool_rows": (_int, []),
@@ -143,6 +144,7 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     lib.kvflow_x16_use_avx512(int(isa() == "avx512"))
+    lib.kvflow_recurrent_use_avx512(int(isa() == "avx512"))
     if not formats.register_and_check(lib):
         log.warning("native kernels: self-check against torch failed; torch's int4/int8 kernels instead")
         return None

@@ -45,6 +45,7 @@ int kvflow_causal_conv1d(const float *x, int64_t T, int64_t C, const float *weig
 int kvflow_gated_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta,
                             int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, float *state,
                             state_runs_t runs, float *out, int threads);
+void kvflow_recurrent_use_avx512(int yes);
 int kvflow_ssm_scan(const float *x, const float *dt, const float *A, const float *B, const float *C, const float *D,
                     int64_t T, int64_t H, int64_t P, int64_t G, int64_t N, float *state, state_runs_t runs,
                     float *out, int threads);

@@ -216,6 +216,50 @@ static inline void gdn_column(float *S, int64_t dk, int64_t dv, int64_t j, const
     o[j] = acc;
 }
 
+// The same for 16 lanes: columns [j0, j0 + 16 NV). Each column's arithmetic is the AVX2 lanes' (the sums run over
+// rows, not lanes), so the two instruction sets give the same bits.
+#define GDN_COLUMNS_512 64
+__attribute__((target("avx512f"), always_inline)) static inline void gdn_columns16(
+        float *S, int64_t dk, int64_t dv, int64_t j0, int NV, const float *kn, const float *qn, const float *v,
+        float decay, float beta, float *o) {
+    __m512 u[GDN_COLUMNS_512 / 16], acc[GDN_COLUMNS_512 / 16];
+    const __m512 dec = _mm512_set1_ps(decay);
+    for (int c = 0; c < NV; c++) u[c] = _mm512_setzero_ps(), acc[c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dk; i++) {
+        const float *row = S + i * dv + j0;
+        const __m512 ki = _mm512_set1_ps(kn[i]);
+        for (int c = 0; c < NV; c++)
+            u[c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(row + 16 * c), dec), ki, u[c]);
+    }
+    const __m512 b = _mm512_set1_ps(beta);
+    for (int c = 0; c < NV; c++) u[c] = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + j0 + 16 * c), u[c]), b);
+    for (int64_t i = 0; i < dk; i++) {
+        float *row = S + i * dv + j0;
+        const __m512 ki = _mm512_set1_ps(kn[i]), qi = _mm512_set1_ps(qn[i]);
+        for (int c = 0; c < NV; c++) {
+            const __m512 s = _mm512_fmadd_ps(ki, u[c], _mm512_mul_ps(_mm512_loadu_ps(row + 16 * c), dec));
+            _mm512_storeu_ps(row + 16 * c, s);
+            acc[c] = _mm512_fmadd_ps(s, qi, acc[c]);
+        }
+    }
+    for (int c = 0; c < NV; c++) _mm512_storeu_ps(o + j0 + 16 * c, acc[c]);
+}
+
+// the columns from 0 that the AVX-512 passes take: blocks of 64, then of 16; the AVX2 ones take the rest
+__attribute__((target("avx512f"))) static int64_t gdn_columns_avx512(float *S, int64_t dk, int64_t dv,
+                                                                     const float *kn, const float *qn, const float *v,
+                                                                     float decay, float beta, float *o) {
+    int64_t j = 0;
+    for (; j + GDN_COLUMNS_512 <= dv; j += GDN_COLUMNS_512)
+        gdn_columns16(S, dk, dv, j, GDN_COLUMNS_512 / 16, kn, qn, v, decay, beta, o);
+    for (; j + 16 <= dv; j += 16) gdn_columns16(S, dk, dv, j, 1, kn, qn, v, decay, beta, o);
+    return j;
+}
+
+// AVX-512's passes where the CPU has them (kvflow_recurrent_use_avx512): the same bits, fewer instructions
+static int gdn_avx512;
+void kvflow_recurrent_use_avx512(int yes) { gdn_avx512 = yes && __builtin_cpu_supports("avx512f"); }
+
 // x [dk] l2-normalised (eps 1e-6 inside the root), times `scale`: x / sqrt(sum x^2 + eps) * scale
 static inline void l2norm(const float *x, int64_t n, float scale, float *y) {
     const float inv = 1.0f / sqrtf(sum_squares(x, n) + 1e-6f);
@@ -240,7 +284,7 @@ static void gdn_unit(const gdn_job *J, const state_runs_t *r, int64_t run, int64
         const float *v = J->v + (t * Hv + h) * dv;
         float *o = J->out + (t * Hv + h) * dv;
         const float decay = expf(J->g[t * Hv + h]), beta = J->beta[t * Hv + h];
-        int64_t j = 0;
+        int64_t j = gdn_avx512 ? gdn_columns_avx512(S, dk, dv, kn, qn, v, decay, beta, o) : 0;
         for (; j + GDN_COLUMNS <= dv; j += GDN_COLUMNS)
             gdn_columns(S, dk, dv, j, GDN_COLUMNS / 8, kn, qn, v, decay, beta, o);
         for (; j + 8 <= dv; j += 8) gdn_columns(S, dk, dv, j, 1, kn, qn, v, decay, beta, o);
