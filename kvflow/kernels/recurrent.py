@@ -13,7 +13,9 @@ scheduler). Reductions run in one fixed order per (token, head).
 `causal_conv1d`, `gated_delta_rule` and `ssm_scan` run kvflow's C kernels (csrc/recurrent.c) where they run here
 (build.usable(); not with KVFLOW_NATIVE_KERNELS=0) on CPU float32 tensors, and otherwise their torch definitions
 (`*_reference`, any device and dtype), which say what they compute. The two give the same values within float32
-rounding, not the same bits (their sums run in other orders); each is batch invariant on its own.
+rounding, not the same bits (their sums run in other orders); each is batch invariant on its own. The C kernels run
+the (run, head) pairs on several threads, so they take a step whose runs and snapshots each have a slot of their
+own (a ValueError otherwise), as the scheduler gives them.
 """
 from __future__ import annotations
 
