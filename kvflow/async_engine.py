@@ -227,7 +227,8 @@ class AsyncEngine:
         self.metrics = EngineMetrics(
             self.served_model_name, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
             request_log=self.request_log, log_stats_interval=log_stats_interval)
-        self.metrics.record_cache_config(config, ready.num_blocks, num_engines=len(processes))
+        self.metrics.record_cache_config(config, ready.num_blocks, num_engines=len(processes),
+                                         num_state_slots=ready.num_state_slots)
         self.metrics.weights_bytes.set(ready.weights_bytes * len(processes))
         self.metrics.kv_cache_bytes.set(ready.kv_cache_bytes * len(processes))
         self.metrics.compiled_decode_buckets_ready.set(ready.stats.compiled_decode_buckets_ready)

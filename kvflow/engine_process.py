@@ -323,7 +323,8 @@ def main(fd: int) -> int:
         core = EngineCore(config, eos_token_ids, files)
         r = core.runner
         conn.send(EngineReady(os.getpid(), int(core.max_model_len), core.validator.vocab_size, r.weights_bytes,
-                              r.kv_cache_bytes, core.stats(), r.num_blocks))
+                              r.kv_cache_bytes, core.stats(), r.num_blocks,
+                              r.state_slots.live if r.state_slots is not None else None))
         loop = _EngineLoop(conn, core)
         threading.Thread(target=loop.read, name="kvflow-engine-inbox", daemon=True).start()
         loop.run()

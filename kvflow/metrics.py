@@ -251,12 +251,14 @@ class EngineMetrics:
         # the request log's writer (request_log.py), or None; a path: a log with the default rotation
         self.request_log = RequestLog(request_log) if isinstance(request_log, str) else request_log
 
-    def record_cache_config(self, config, num_gpu_blocks: int, num_engines: int = 1) -> None:
+    def record_cache_config(self, config, num_gpu_blocks: int, num_engines: int = 1,
+                            num_state_slots: int | None = None) -> None:
         """vllm:cache_config_info, once the engines are loaded: one series per engine, labelled with the fields of
         vLLM's CacheConfig that kvflow has, as vLLM writes them (str() of the value); no model_name label, as
         vLLM's. kv_cache_size_tokens and kv_cache_max_concurrency are one engine's, as vLLM computes them
         (core/kv_cache_capacity.py): the concurrency a float's str(), not rounded (only vLLM's log line rounds it)."""
-        size_tokens, max_concurrency = kv_cache_capacity(num_gpu_blocks, config.block_size, self.max_model_len)
+        size_tokens, max_concurrency = kv_cache_capacity(num_gpu_blocks, config.block_size, self.max_model_len,
+                                                         num_state_slots)
         labels = {
             "block_size": str(config.block_size),
             "cache_dtype": str(config.kv_cache_dtype),

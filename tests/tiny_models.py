@@ -26,6 +26,7 @@ FAMILIES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
 }
 # each mixture of experts' small shape: 8 experts, 2 or 3 per token (overrides change them)
 MOE_SHAPES = {
@@ -35,6 +36,19 @@ MOE_SHAPES = {
     "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=12.0,
                        residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=6.0),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+}
+# hybrids' small shapes (recurrent layers between attention layers)
+HYBRID_SHAPES = {
+    # Granite 4.0 H 350M / 1B, small: Mamba2 layers (8 heads x 16 = 2 x hidden, 2 groups of B/C so the grouping
+    # shows, conv 4 with bias) with NoPE attention at 2 and 5, the dense shared MLP (no experts; `intermediate_size`,
+    # which only the experts would read, differs so that a mix-up shows), Granite's multipliers; the real configs'
+    # layer spelling ("mamba" / "attention")
+    "granitemoehybrid": dict(num_hidden_layers=6, num_local_experts=0, shared_intermediate_size=128,
+                             intermediate_size=32, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                             mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+                             position_embedding_type="nope", embedding_multiplier=12.0, residual_multiplier=0.22,
+                             attention_multiplier=0.0625, logits_scaling=6.0,
+                             layer_types=["mamba", "mamba", "attention", "mamba", "mamba", "attention"]),
 }
 SMOLLM2_VOCAB = 49152
 
@@ -57,6 +71,7 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
     if family in ("qwen2", "qwen3"):
         kwargs.update(head_dim=16, use_sliding_window=False)
     kwargs.update(MOE_SHAPES.get(family, {}))
+    kwargs.update(HYBRID_SHAPES.get(family, {}))
     if family == "gemma3":      # Gemma 3 270M's shape, small: head_dim 256, 1 KV head, 5 local : 1 global
         kwargs.update(num_hidden_layers=6, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
                       sliding_window=16, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rms_norm_eps=1e-6,
@@ -75,11 +90,23 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
             elif name.endswith(("mlp.gate.weight", "router.weight", "gate.weight")):
                 # routers wide apart enough that a routing mistake changes the tokens
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mamba.dt_bias"):
+                # softplus(-4) ~ 0.02: each token's decay exp(dt A) stays near 1, so the state carries far (as
+                # trained Mamba2 layers' small steps do)
+                p.copy_(-4.0 + 0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mamba.A_log"):
+                p.copy_(torch.log(1.0 + 7.0 * torch.rand(p.shape, generator=gen)))      # A in -8 .. -1
             else:
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.torch_dtype = hf_dtype
     model.save_pretrained(out_dir)
+    if family == "granitemoehybrid":        # the released configs' spelling, which transformers 5 saves renamed
+        cfg_file = out_dir / "config.json"
+        cfg = json.loads(cfg_file.read_text())
+        legacy = {"linear_attention": "mamba", "full_attention": "attention"}
+        cfg["layer_types"] = [legacy.get(t, t) for t in cfg["layer_types"]]
+        cfg_file.write_text(json.dumps(cfg, indent=2))
     Tokenizer.from_model(default_model_path()).hf.save_pretrained(out_dir)
     return out_dir
 
@@ -103,7 +130,7 @@ _HF_TO_GGUF_BLOCK = {
     "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
 }
-_PERMUTED = ("llama", "granitemoe")      # llama.cpp's converters that permute Q/K rows
+_PERMUTED = ("llama", "granitemoe", "granitehybrid")      # llama.cpp's converters that permute Q/K rows
 
 
 # llama.cpp's names where an architecture's differ from the llama table
@@ -111,7 +138,14 @@ _ARCH_GGUF_BLOCK = {
     "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
     "gemma3": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"},
+    "granitehybrid": {"mamba.in_proj": "ssm_in", "mamba.conv1d": "ssm_conv1d", "mamba.norm": "ssm_norm",
+                      "mamba.out_proj": "ssm_out", "shared_mlp.gate_proj": "ffn_gate", "shared_mlp.up_proj": "ffn_up",
+                      "shared_mlp.output_linear": "ffn_down"},
 }
+# tensors named whole (no .weight / .bias of their own): Mamba2's, as llama.cpp's conversion/mamba.py writes them
+_WHOLE_GGUF_NAMES = {"mamba.A_log": "ssm_a", "mamba.D": "ssm_d", "mamba.dt_bias": "ssm_dt.bias"}
+# kept float32 in a quantized file, as llama.cpp's converter keeps them (the conv taps are 4 wide: no blocks)
+_F32_ALWAYS = (".ssm_conv1d.", ".ssm_norm.", ".ssm_a", ".ssm_d")
 
 
 def hf_name_to_gguf(name: str, arch: str = "llama") -> str:
@@ -121,6 +155,8 @@ def hf_name_to_gguf(name: str, arch: str = "llama") -> str:
         return top[name]
     parts = name.split(".")  # model.layers.N.<module...>.<weight|bias>
     assert parts[:2] == ["model", "layers"], name
+    if ".".join(parts[3:]) in _WHOLE_GGUF_NAMES:
+        return f"blk.{parts[2]}.{_WHOLE_GGUF_NAMES['.'.join(parts[3:])]}"
     module = ".".join(parts[3:-1])
     piece = _ARCH_GGUF_BLOCK.get(arch, {}).get(module) or _HF_TO_GGUF_BLOCK[module]
     return f"blk.{parts[2]}.{piece}.{parts[-1]}"
@@ -292,7 +328,7 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
     arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
             "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe",
             "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
-            "MixtralForCausalLM": "llama"}[cfg["architectures"][0]]
+            "MixtralForCausalLM": "llama", "GraniteMoeHybridForCausalLM": "granitehybrid"}[cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
@@ -304,11 +340,14 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
     w = gguf.GGUFWriter(str(out_path), arch)
     w.add_name(hf_dir.name)
     w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_context_length(cfg["max_position_embeddings"] if arch != "granitehybrid" else 2 ** 20)
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    if arch == "granitehybrid":
+        _granite_hybrid_metadata(w, cfg, kv_heads)
+    else:
+        w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(float(rope_theta))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_rope_dimension_count(rotary_dim)
@@ -365,8 +404,53 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
         tensors.pop("lm_head.weight", None)
     if experts:
         tensors = _stacked_experts(tensors)
+    if arch == "granitehybrid":
+        tensors = _granite_hybrid_tensors(tensors, cfg)
     _write_tensors(w, tensors.items(), arch, cfg, ftype, qtype, heads, kv_heads)
     return _finish(w, out_path, longrope)
+
+
+def _granite_hybrid_metadata(w, cfg: dict, kv_heads: int) -> None:
+    """llama.cpp's granitehybrid keys (conversion/granite.py GraniteHybridModel): KV heads per layer (0: a Mamba2
+    layer), the Mamba2 sizes (time_step_rank: the heads), the Granite multipliers, the dense MLP's width as the shared
+    expert's (feed_forward_length holds config.json's intermediate_size), RoPE off."""
+    types = cfg["layer_types"]
+    w.add_head_count_kv([kv_heads if t in ("attention", "full_attention") else 0 for t in types])
+    w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+    w.add_ssm_state_size(cfg["mamba_d_state"])
+    w.add_ssm_group_count(cfg["mamba_n_groups"])
+    w.add_ssm_inner_size(cfg["mamba_expand"] * cfg["hidden_size"])
+    w.add_ssm_time_step_rank(cfg["mamba_n_heads"])
+    w.add_embedding_scale(cfg["embedding_multiplier"])
+    w.add_residual_scale(cfg["residual_multiplier"])
+    w.add_attention_scale(cfg["attention_multiplier"])
+    w.add_logit_scale(cfg["logits_scaling"])
+    w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+    w.add_rope_scaling_finetuned(cfg.get("position_embedding_type") == "rope")
+
+
+def _granite_hybrid_tensors(tensors: dict[str, np.ndarray], cfg: dict) -> dict[str, np.ndarray]:
+    """The HF tensors as llama.cpp's converter reshapes them: the shared MLP's [gate; up] split, the conv taps
+    [channels, K], A stored as -exp(A_log) and A, D as (heads, 1), the gated norm as (groups, d_inner / groups)."""
+    groups = cfg["mamba_n_groups"]
+    out = {}
+    for name, data in tensors.items():
+        data = np.asarray(data, dtype=np.float32)
+        if name.endswith("shared_mlp.input_linear.weight"):
+            gate, up = np.split(data, 2, axis=0)
+            out[name.replace("input_linear", "gate_proj")] = gate
+            out[name.replace("input_linear", "up_proj")] = up
+            continue
+        if name.endswith("mamba.conv1d.weight"):
+            data = data.reshape(data.shape[0], -1)
+        elif name.endswith("mamba.A_log"):
+            data = (-torch.exp(torch.from_numpy(data))).numpy().reshape(-1, 1)
+        elif name.endswith("mamba.D"):
+            data = data.reshape(-1, 1)
+        elif name.endswith("mamba.norm.weight"):
+            data = data.reshape(groups, -1)
+        out[name] = data
+    return out
 
 
 def _write_tensors(w, tensors, arch: str, cfg: dict, ftype: str, qtype, heads: int, kv_heads: int) -> None:
@@ -382,7 +466,8 @@ def _write_tensors(w, tensors, arch: str, cfg: dict, ftype: str, qtype, heads: i
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data + 1.0       # llama.cpp's Gemma converter stores the norms as 1 + w
         gname = hf_name_to_gguf(name, arch)
-        if data.ndim < 2 or qtype == T.F32:  # norms and biases stay F32, as llama.cpp keeps them
+        if data.ndim < 2 or qtype == T.F32 or any(p in gname for p in _F32_ALWAYS):
+            # norms and biases stay F32, as llama.cpp keeps them
             w.add_tensor(gname, np.ascontiguousarray(data))
         elif qtype == T.F16:
             w.add_tensor(gname, data.astype(np.float16))

@@ -16,6 +16,7 @@ from kvflow.core.lora_slots import LoRASlots
 from kvflow.core.outputs import EngineOutput, ScheduledRequest, StepStats
 from kvflow.core.request_validator import RequestValidator
 from kvflow.core.scheduler import Scheduler
+from kvflow.core.state_cache import StateCache
 from kvflow.executor import create_executor
 from kvflow.models.model_files import ModelFiles, resolve_model_files
 from kvflow.lora_request import LoRARequest
@@ -46,8 +47,10 @@ class EngineCore:
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len)
         self.executor = create_executor(config, self.model_config, files, self.max_model_len)
         self.runner = self.executor.runner            # rank 0's: weights, KV cache sizes, dtype
+        state = (StateCache(self.runner.state_slots, self.runner.kv_cache_bytes)
+                 if self.runner.state_slots is not None else None)
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                               config.enable_prefix_caching)
+                                               config.enable_prefix_caching, state)
         self.lora_slots = LoRASlots(config.max_loras, config.lora_cpu_capacity, self._read_adapter) \
             if config.enable_lora else None
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, self.lora_slots)
@@ -61,7 +64,8 @@ class EngineCore:
 
     def _log_boot(self) -> None:
         r = self.runner
-        tokens, max_concurrency = kv_cache_capacity(r.num_blocks, self.config.block_size, self.max_model_len)
+        tokens, max_concurrency = kv_cache_capacity(r.num_blocks, self.config.block_size, self.max_model_len,
+                                                    r.state_slots.live if r.state_slots is not None else None)
         log.info("model %s (%s) on %s, %s", self.model_path, self.model_config.family, r.device,
                  str(r.dtype).removeprefix("torch."))
         log.info("weights loaded in %.1f s (%.0f MiB, %s)", r.load_seconds, r.weights_bytes / 2**20,
@@ -75,6 +79,12 @@ class EngineCore:
                  "for max_model_len=%s tokens per request: %.2fx", r.kv_cache_bytes / 2**30,
                  str(r.kv_dtype).removeprefix("torch."), r.num_blocks, self.config.block_size, f"{tokens:,}",
                  f"{self.max_model_len:,}", max_concurrency)
+        slots = r.state_slots
+        if slots is not None:
+            log.info("recurrent state %.2f GiB (%d layers, %.2f MiB per request) = %d live slots (at most %d requests "
+                     "run at once), %d speculative snapshots, %d prefix-cache checkpoints", slots.total * slots.slot_bytes
+                     / 2**30, len(r.state_layers), slots.slot_bytes / 2**20, slots.live, slots.live, slots.snapshots,
+                     slots.checkpoints)
 
     def _read_adapter(self, lora: LoRARequest):
         from kvflow.models.lora_adapter import load_adapter

@@ -10,8 +10,12 @@ full."""
 from __future__ import annotations
 
 
-def kv_cache_capacity(num_blocks: int, block_size: int, max_model_len: int) -> tuple[int, float]:
-    """(size in tokens, maximum concurrency at max_model_len tokens per request) of one engine's KV cache."""
+def kv_cache_capacity(num_blocks: int, block_size: int, max_model_len: int,
+                      num_state_slots: int | None = None) -> tuple[int, float]:
+    """(size in tokens, maximum concurrency at max_model_len tokens per request) of one engine's KV cache; a hybrid's
+    requests also each need one of `num_state_slots` live state slots, which may bound the concurrency first."""
     blocks_per_request = -(-max_model_len // block_size)
     max_concurrency = num_blocks / blocks_per_request
+    if num_state_slots is not None:
+        max_concurrency = min(max_concurrency, float(num_state_slots))
     return int(max_concurrency * max_model_len), max_concurrency

@@ -5,6 +5,9 @@ chained on its parent's: (parent_hash, its token ids). Equal keys mean equal KV,
 reuse the longest run of cached blocks at the start of its prompt. Freed blocks keep their key and stay
 in the free queue (least recently freed first); they are evicted only when a fresh block is needed.
 
+A hybrid model's state slots (`state`, core/state_cache.py) are taken, restored and freed here with the blocks: a
+prefix-cache hit stops at the last block with a state checkpoint.
+
 Whether a request takes part is decided per request (`caches`): every request when the engine's prefix caching is on,
 else only the requests that ask for it (`Request.cache_prefix`: beam search's one-token steps, whose beams share their
 prompt's blocks). With it off, only such requests' blocks ever get a key, so a block held by any other request has
@@ -14,14 +17,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from kvflow.core.state_cache import StateCache
 from kvflow.request import Request
 
 NO_PARENT = 0
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 state: StateCache | None = None):
         self.num_blocks = num_blocks
+        self.state = state
+        self._found: dict[str, int] = {}      # hybrids: request id -> cached blocks its last lookup found (uncut)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
@@ -42,8 +49,13 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests (cached-but-free blocks count as free, as in vLLM)."""
-        return 1.0 - len(self.free_queue) / self.num_blocks
+        """Fraction of blocks held by requests (cached-but-free blocks count as free, as in vLLM); for a hybrid, of the
+        bytes of blocks and live state slots held (checkpoints, like cached blocks, count as free)."""
+        blocks = 1.0 - len(self.free_queue) / self.num_blocks
+        if self.state is None:
+            return blocks
+        kv, slots = self.state.kv_bytes, self.state.counts.live * self.state.counts.slot_bytes
+        return (blocks * kv + self.state.usage_bytes) / (kv + slots)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -74,12 +86,18 @@ class KVCacheManager:
         if not self.caches(request):
             return [], 0
         num_full = (request.num_tokens - 1) // self.block_size
-        hits = []
+        hits, keys = [], []
         for key in self._keys(request.token_ids, num_full, self._root(request)):
             block = self.cached.get(key)   # dict equality compares the token ids: no false hits
             if block is None:
                 break
             hits.append(block)
+            keys.append(key)
+        if self.state is not None:
+            # recurrent layers between the attention layers: usable only up to a state checkpoint
+            self._found[request.request_id] = len(hits)
+            while hits and self.state.checkpoint_of(keys[len(hits) - 1]) is None:
+                hits.pop()
         return hits, len(hits) * self.block_size
 
     def record_prefix_query(self, request: Request, num_cached: int) -> None:
@@ -92,6 +110,12 @@ class KVCacheManager:
         """Give keys to the request's blocks that became full of computed KV during this step."""
         if not self.caches(request):
             return
+        self._cache_full_blocks(request)
+        if self.state is not None:
+            table = self.block_tables[request.request_id]
+            self.state.register_checkpoints(request, lambda i: self.block_key[table[i]] if i < len(table) else None)
+
+    def _cache_full_blocks(self, request: Request) -> None:
         table = self.block_tables[request.request_id]
         done = self.num_hashed_blocks.get(request.request_id, 0)
         num_full = request.num_computed_tokens // self.block_size
@@ -124,6 +148,9 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens. False (and nothing changed) when blocks run out."""
         table = self.block_tables.get(request.request_id, [])
         computed_blocks = computed_blocks or []
+        admits = self.state is not None and request.request_id not in self.state.live
+        if admits and not self.state.can_admit():
+            return False                                   # no live state slot free: it waits
         have = len(table) + len(computed_blocks)
         need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have
         # cached blocks we are about to reuse that sit in the free queue are not available for new ones
@@ -140,12 +167,25 @@ class KVCacheManager:
             self.num_hashed_blocks[request.request_id] = len(computed_blocks)
         for _ in range(max(need, 0)):
             table.append(self._take_free_block())
+        if admits:
+            self._admit_state(request, computed_blocks)
         return True
+
+    def _admit_state(self, request: Request, computed_blocks: list[int]) -> None:
+        """A hybrid's request takes a live state slot, from its hit's checkpoint or zero; a caching one will leave
+        checkpoints at its prompt's last block boundary and at the end of the cached blocks its lookup found."""
+        found = self._found.pop(request.request_id, 0)
+        self.state.admit(request, self.state.restore(self.block_key[computed_blocks[-1]]) if computed_blocks else None)
+        if self.caches(request):
+            self.state.want_checkpoints(request, {(request.num_tokens - 1) // self.block_size, found})
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first: the shared prefix stays cached the longest."""
         table = self.block_tables.pop(request.request_id, None)
         self.num_hashed_blocks.pop(request.request_id, None)
+        if self.state is not None:
+            self._found.pop(request.request_id, None)
+            self.state.free(request)
         if not table:
             return
         for b in reversed(table):
@@ -156,6 +196,8 @@ class KVCacheManager:
                     self.free_queue.move_to_end(b, last=False)  # reuse it first
 
     def reset_prefix_cache(self) -> None:
+        if self.state is not None:
+            self.state.reset()
         for key, b in list(self.cached.items()):
             if self.ref_cnt[b] == 0:
                 del self.cached[key]
@@ -174,3 +216,5 @@ class KVCacheManager:
         for key, b in self.cached.items():
             if self.block_key[b] != key:
                 raise AssertionError(f"prefix cache map and block {b} disagree")
+        if self.state is not None:
+            self.state.check()

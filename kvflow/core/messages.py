@@ -48,6 +48,7 @@ class EngineReady:
     kv_cache_bytes: int
     stats: StepStats                  # the gauges before the first step
     num_blocks: int = 0               # KV cache blocks the core hands out (vLLM's num_gpu_blocks)
+    num_state_slots: int | None = None   # a hybrid's live recurrent-state slots: requests that can run at once
 
 
 @dataclass(frozen=True)

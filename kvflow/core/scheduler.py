@@ -173,11 +173,13 @@ class Scheduler:
                     continue
             elif budget.draft_rows > 0 and room > 1:
                 drafts = self._drafts(req, min(room - 1, budget.draft_rows))
-                if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
+                if drafts and self._snapshot_drafts(req, drafts) and self.kv.allocate_slots(req, 1 + len(drafts)):
                     out.scheduled.append(self._scheduled(req, 1 + len(drafts), drafts))
                     budget.take(req, 1 + len(drafts), num_drafts=len(drafts))
                     i += 1
                     continue
+                if drafts and self.kv.state is not None:
+                    self.kv.state.accepted(req, len(drafts), len(drafts))     # not speculating: snapshots back
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -286,6 +288,11 @@ class Scheduler:
             self._foreground = fg = (lowest, now)
         return fg[0] if fg is not None and now - fg[1] <= FOREGROUND_GRACE_S else NO_PRIORITY
 
+    def _snapshot_drafts(self, req: Request, drafts: tuple[int, ...]) -> bool:
+        """A hybrid's speculating request needs a state snapshot per draft (core/state_cache.py); False when too few
+        are free this step (it decodes one token instead)."""
+        return self.kv.state is None or self.kv.state.take_snapshots(req, len(drafts)) is not None
+
     def _drafts(self, req: Request, budget: int) -> tuple[int, ...]:
         """Draft tokens for a decoding request, or () where it may not speculate: a grammar (drafts would need
         the matcher's state after each), or no room (every draft may become an output token: max_tokens and the
@@ -319,9 +326,20 @@ class Scheduler:
         pooling_spans, pools = [], False
         num_computed, num_new, tables, samples = [], [], [], []
         lora_slots, any_lora = [], False
+        state = self.kv.state
+        state_slots, snapshots = [], []
         for s in scheduled:
             req = self.requests[s.request_id]
             table = self.kv.block_tables[s.request_id]
+            if state is not None:
+                slot, entry = state.slot(s.request_id), len(num_new)
+                if s.draft_token_ids:       # the state after the last token and each draft but the last
+                    state_slots += [slot] * (1 + len(s.draft_token_ids))
+                    snapshots += [(entry + j, 0, snap) for j, snap in enumerate(state.snapshots[s.request_id])]
+                else:
+                    state_slots.append(slot)
+                    snapshots += [(entry, offset, ckpt) for offset, ckpt in state.plan_checkpoints(
+                        req, s.num_computed_tokens, s.num_new_tokens, self.kv.block_size)]
             if self.lora is not None:
                 slot = self.lora.slot(req.lora)
                 any_lora = any_lora or req.lora is not None
@@ -359,7 +377,9 @@ class Scheduler:
                           samples=samples,
                           prompt_logprob_spans=tuple(spans) if prompt_rows else (),
                           pooling_spans=tuple(pooling_spans) if pools else (),
-                          lora_slots=tuple(lora_slots) if any_lora else ())
+                          lora_slots=tuple(lora_slots) if any_lora else (),
+                          state_slots=tuple(state_slots), state_copies=state.take_copies() if state else (),
+                          state_snapshots=tuple(snapshots))
         return ModelStep(batch, sampling, prompt_rows)
 
     def _pooling_span(self, req: Request, s: ScheduledRequest) -> tuple[int, int]:
@@ -495,6 +515,8 @@ class Scheduler:
         self.spec_num_accepted_tokens += accepted
         for j in range(accepted):
             self.spec_accepted_per_pos[j] += 1
+        if self.kv.state is not None:     # a hybrid: the state after the last accepted token, for its next step
+            self.kv.state.accepted(req, accepted, len(drafts))
         new_tokens = self._append(req, targets[:accepted + 1], error)
         # the KV is right for the last token and the accepted drafts; the new tokens up to the last are known
         req.num_computed_tokens = min(s.num_computed_tokens + 1 + accepted, req.num_tokens - 1)

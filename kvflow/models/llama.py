@@ -83,8 +83,8 @@ def _lora_on(stack: LoRAStack | None, meta: AttentionMetadata | None) -> bool:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
-                 layer: int = 0, kernels: KernelPlan | None = None):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding | None, tp: TensorParallel,
+                 sizes: TensorParallelSizes, layer: int = 0, kernels: KernelPlan | None = None):
         super().__init__()
         self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = sizes.num_heads, sizes.num_kv_heads, cfg.head_dim
@@ -122,7 +122,9 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_whole:     # Qwen3, Gemma 3: per-head norms, with their own weights for q and k
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
-        q, k = self.rotary.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        # rotary None: a layer without position embedding (NoPE: Granite 4.0 H's attention layers)
+        qk = self.rotary.rotate(qk, rope) if self.rotary is not None else qk.contiguous()
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         attn = self.attn(q, k, v, meta)
         out = self.o_proj(attn)
         if _lora_on(self.o_lora, meta):

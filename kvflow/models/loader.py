@@ -53,19 +53,25 @@ _GGUF_BLOCK_TO_HF = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")
 
 
 def gguf_name_to_hf(name: str, renames: dict[str, str] | None = None) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors we don't use.
-    `renames`: the architecture's block names that differ from the llama table (`Architecture.gguf_tensor_names`)."""
+    `renames`: the architecture's block names that differ from the llama table (`Architecture.gguf_tensor_names`);
+    one may name a whole tensor, its suffix included or a tensor without one (Mamba2's `ssm_dt.bias`, `ssm_a`)."""
     if name in _GGUF_TO_HF:
         return _GGUF_TO_HF[name]
     m = _BLOCK_RE.fullmatch(name)
     if m:
-        piece = (renames or {}).get(m.group(2)) or _GGUF_BLOCK_TO_HF.get(m.group(2))
-        if piece:
-            return f"model.layers.{m.group(1)}.{piece}.{m.group(3)}"
+        layer, piece, suffix = m.groups()
+        renames = renames or {}
+        tensor = piece if suffix is None else f"{piece}.{suffix}"
+        if tensor in renames:
+            return f"model.layers.{layer}.{renames[tensor]}"
+        piece = renames.get(piece) or _GGUF_BLOCK_TO_HF.get(piece)
+        if piece and suffix:
+            return f"model.layers.{layer}.{piece}.{suffix}"
     return None
 
 

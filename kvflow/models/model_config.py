@@ -120,7 +120,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("Qwen3_5ForCausalLM", "qwen3_5", ("qwen3_5_text", "qwen3_5"), ("qwen35",),
                  "qwen3_5:Qwen3_5ForCausalLM", qk_norm=True),
     Architecture("GraniteMoeHybridForCausalLM", "granitemoehybrid", ("granitemoehybrid",), ("granitehybrid",),
-                 "granite_hybrid:GraniteHybridForCausalLM"),
+                 "granite_hybrid:GraniteHybridForCausalLM", permuted_qk=True,
+                 gguf_tensor_names=(("ssm_in", "mamba.in_proj"), ("ssm_conv1d", "mamba.conv1d"),
+                                    ("ssm_dt.bias", "mamba.dt_bias"), ("ssm_a", "mamba.A"), ("ssm_d", "mamba.D"),
+                                    ("ssm_norm", "mamba.norm"), ("ssm_out", "mamba.out_proj"))),
 )
 # known architectures refused on purpose: why, and what to use instead
 REFUSED = {
@@ -245,9 +248,14 @@ def _recurrent_layers(cfg: dict, family: str, layers: int) -> RecurrentConfig | 
                                int(cfg.get("mamba_d_conv", 4)), bool(cfg.get("mamba_conv_bias", True)),
                                num_heads=heads, head_dim=int(head_dim), state_size=int(cfg.get("mamba_d_state", 256)),
                                num_groups=int(cfg.get("mamba_n_groups", 1)),
-                               time_step_limit=(float(limit[0]), float(limit[1])),
+                               time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
                                proj_bias=bool(cfg.get("mamba_proj_bias", False)))
     return None
+
+
+def _json_float(value) -> float:
+    """A float from config.json, where transformers writes infinity and NaN as {"__float__": "Infinity"}."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,26 @@ def _check_gguf_experts(g: GGUFFile, arch: str) -> None:
                                  f"experts may be {', '.join(EXPERT_TYPES)}")
 
 
+def _granite_hybrid_config(g: GGUFFile, arch: str, cfg: dict) -> None:
+    """Granite 4.0 H's config.json keys from llama.cpp's metadata (conversion/granite.py GraniteHybridModel): the
+    KV head count per layer, 0 for a Mamba2 layer; the Mamba2 sizes under ssm.* (time_step_rank holds the heads);
+    rope.scaling.finetuned false for NoPE attention; the dense MLP's width as the shared expert's."""
+    md = g.metadata
+    kv = cfg.get("num_key_value_heads")
+    if isinstance(kv, (list, tuple)):
+        cfg["num_key_value_heads"] = max(kv)
+        cfg["layer_types"] = ["attention" if n else "mamba" for n in kv]
+    heads = md[f"{arch}.ssm.time_step_rank"]
+    cfg.update(mamba_n_heads=heads, mamba_d_head=md[f"{arch}.ssm.inner_size"] // heads,
+               mamba_d_state=md[f"{arch}.ssm.state_size"], mamba_n_groups=md.get(f"{arch}.ssm.group_count", 1),
+               mamba_d_conv=md[f"{arch}.ssm.conv_kernel"],
+               mamba_conv_bias=any(n.endswith(".ssm_conv1d.bias") for n in g.tensors),
+               mamba_proj_bias=any(n.endswith(".ssm_in.bias") for n in g.tensors),
+               position_embedding_type="rope" if md.get(f"{arch}.rope.scaling.finetuned") else "nope")
+    if f"{arch}.expert_shared_feed_forward_length" in md:
+        cfg["shared_intermediate_size"] = md[f"{arch}.expert_shared_feed_forward_length"]
+
+
 def gguf_model_config(g: GGUFFile) -> ModelConfig:
     """The GGUF metadata as the config.json it stands for, read by the one ModelConfig builder."""
     md = g.metadata
@@ -161,6 +181,8 @@ def gguf_model_config(g: GGUFFile) -> ModelConfig:
     if row.moe_router:
         cfg["norm_topk_prob"] = bool(md.get(f"{arch}.expert_weights_norm", row.gguf_norm_topk_prob))
         _check_gguf_experts(g, arch)
+    if arch == "granitehybrid":
+        _granite_hybrid_config(g, arch, cfg)
     for key in ("rms_norm_eps", "rope_theta", "clip_qkv", "embedding_multiplier", "residual_multiplier",
                 "attention_multiplier", "logits_scaling"):
         if key in cfg:

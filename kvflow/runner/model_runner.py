@@ -20,6 +20,7 @@ from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.kernels import build, ops
 from kvflow.kernels.plan import CoreShare, KernelPlan
 from kvflow.layers import kv_int8
+from kvflow.kernels.recurrent import StateBatch
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
 from kvflow.layers.lora import lora_mask
 from kvflow.layers.moe import SparseMoE
@@ -30,6 +31,7 @@ from kvflow.models.loader import ModelFiles, iter_weights, resolve_model_files, 
 from kvflow.models.model_config import ModelConfig
 from kvflow.runner.compiled_decode import CompiledDecode, model_identity, plain_module_state
 from kvflow.runner.native_step import NativeDecoderStep
+from kvflow.runner.state_memory import StateSlotCounts, plan_state_slots
 from kvflow.runner.step import ModelStep, SampledTokens, StepBatch
 from kvflow.runner.sampler import Sampler, prompt_logprobs
 
@@ -216,10 +218,15 @@ class ModelRunner:
         # a row: one token's K (or V) of one KV head; int8 rows carry their scale (layers/kv_int8.py)
         row = kv_int8.row_bytes(cfg.head_dim) if self.kv_dtype == torch.int8 else cfg.head_dim
         num_kv_heads = self.model.sizes.num_kv_heads          # this rank's share of the heads
-        per_block = 2 * cfg.num_hidden_layers * self.block_size * num_kv_heads * row * elem
+        attention_layers = self.model.attention_layers
+        per_block = 2 * len(attention_layers) * self.block_size * num_kv_heads * row * elem
         budget = platform.kv_cache_budget(self.device, self.config.kv_cache_memory,
                                           self.config.gpu_memory_utilization, self.weights_bytes,
                                           self.tp.size * self.config.data_parallel_size, self.processes_here)
+        # a hybrid's recurrent layers keep state slots from the same budget (runner/state_memory.py)
+        self.state_slots = self._allocate_states(budget, per_block) if self.state_layers else None
+        if self.state_slots is not None:
+            budget -= self.state_slots.total * self.state_slots.slot_bytes
         # every rank indexes the same block ids: the rank that fits the fewest blocks sets the number
         num_blocks = self.tp.min_over_ranks(max(budget, 0) // per_block)
         need = -(-self.max_model_len // self.block_size)
@@ -235,11 +242,62 @@ class ModelRunner:
         # zeroed, not empty: batched decode reads padded slots under a mask, and a NaN bit pattern
         # there would still poison the output (0 * NaN); on CPU resident only once written (platform.py)
         storage = torch.uint8 if elem == 1 else self.kv_dtype     # CPU torch cannot fill float8 tensors
-        for attn in self.model.attention_layers:
+        for attn in attention_layers:
             attn.k_cache = platform.zeros_resident_when_written(shape, storage, self.device).view(self.kv_dtype)
             attn.v_cache = platform.zeros_resident_when_written(shape, storage, self.device).view(self.kv_dtype)
         self.kv_cache_bytes = num_blocks * per_block
         return num_blocks
+
+    # ---- recurrent state (hybrids) ------------------------------------------------------------------
+    @property
+    def state_layers(self) -> list:
+        """The model's recurrent layers (layers/recurrent_state.py), in layer order; none for a transformer."""
+        return list(getattr(self.model, "state_layers", ()))
+
+    def _allocate_states(self, budget: int, block_bytes: int) -> StateSlotCounts:
+        """Every recurrent layer's state tensors, [slots, *shape] each, zeroed; the slots' kinds by plan_state_slots."""
+        layers = self.state_layers
+        spec = self.config.speculative_config
+        counts = plan_state_slots(budget, sum(layer.state_bytes_per_slot(self.dtype) for layer in layers), block_bytes,
+                                  -(-self.max_model_len // self.block_size), self.config.max_num_seqs,
+                                  spec.num_speculative_tokens if spec is not None else 0,
+                                  self.config.enable_prefix_caching)
+        for layer in layers:
+            layer.bind_state({name: platform.zeros_resident_when_written((counts.total, *shape), dtype, self.device)
+                              for name, (shape, dtype) in layer.state_shapes(self.dtype).items()})
+        return counts
+
+    def _copy_states(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Before a step: each (source, slot) copies one slot of every recurrent layer's state into another; source -1
+        zeroes the slot (a request that starts from nothing: slots are reused)."""
+        zero = [dst for src, dst in copies if src < 0]
+        pairs = [(src, dst) for src, dst in copies if src >= 0]
+        zero_t = torch.tensor(zero, dtype=torch.long, device=self.device) if zero else None
+        if pairs:
+            src_t = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
+            dst_t = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
+        for layer in self.state_layers:
+            for t in layer.states.values():
+                if pairs:
+                    t.index_copy_(0, dst_t, t.index_select(0, src_t))
+                if zero_t is not None:
+                    t.index_fill_(0, zero_t, 0)
+
+    @staticmethod
+    def _state_batch(batch: StepBatch, lens: list[int]) -> StateBatch:
+        """The step's runs of rows continuing one state slot (consecutive rows of one slot: a speculating request's)
+        and its snapshots as flat rows."""
+        starts, slots, first = [], [], [0]
+        for slot, n in zip(batch.state_slots, lens):
+            if not slots or slots[-1] != slot:
+                starts.append(first[-1])
+                slots.append(slot)
+            first.append(first[-1] + n)
+        starts.append(first[-1])
+        snaps = sorted((first[entry] + offset, slot) for entry, offset, slot in batch.state_snapshots)
+        return StateBatch(torch.tensor(starts, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
+                          torch.tensor([r for r, _ in snaps], dtype=torch.long),
+                          torch.tensor([s for _, s in snaps], dtype=torch.long))
 
     # ---- one step ------------------------------------------------------------------------------
     def prepare_inputs(self, batch: StepBatch, pad_to: int | None = None):
@@ -263,6 +321,8 @@ class ModelRunner:
         pos = torch.tensor(starts)[row_seq] + torch.arange(len(row_seq)) - first_row[row_seq]
         slots = table[row_seq, pos // bs] * bs + pos % bs
         meta = AttentionMetadata(slot_mapping=slots.to(self.device), num_decode_tokens=rows)
+        if batch.state_slots:
+            meta.state = self._state_batch(batch, lens)
         # every row's adapter slot (padding and base rows: -1, an all-zero mask row); an eager step of base rows only
         # skips the LoRA terms (no mask), a compiled one always takes a mask (its graph's inputs never change)
         if self.lora and (batch.lora_slots or pad_to):
@@ -351,6 +411,8 @@ class ModelRunner:
         if threads != torch.get_num_threads():     # only when it changes: the call is not free
             torch.set_num_threads(threads)
         ops.set_threads(kernel_threads)
+        if batch.state_copies:
+            self._copy_states(batch.state_copies)
         hidden = None
         if self.native_step is not None:
             ids, pos, meta, logits_indices = self.prepare_inputs(batch)

@@ -1,0 +1,223 @@
+"""Granite 4.0 H (dense: 350M, 1B): Mamba2 layers with a few attention layers between them, as transformers'
+GraniteMoeHybridForCausalLM computes it with `num_local_experts = 0` (the MoE variants are refused by ModelConfig).
+
+Every layer is pre-norm mixer then pre-norm MLP, each block's output times `residual_multiplier` before its residual
+add. The mixer is a Mamba2 layer (`Mamba2Mixer`, a RecurrentLayer: its state per request lives in the slots the
+runner binds) or llama.py's attention, which rotates nothing here (`position_embedding_type: "nope"`: the layers in
+`ModelConfig.nope_layers` get no rotary table). The MLP is llama.py's (`shared_mlp.input_linear` is gate ‖ up, split
+at load into llama's fused gate_up_proj; `output_linear` is its down_proj). Granite's other scalings: the embedding
+times `embedding_multiplier`, `attention_multiplier` as the attention scale (llama.py's Attention reads it), the
+logits divided by `logits_scaling`.
+
+A Mamba2 layer, per token (transformers' GraniteMoeHybridMambaLayer, its torch path):
+    in_proj(x) -> [z (d_inner) | xBC (d_inner + 2 G N) | dt (heads)]
+    xBC = silu(causal depthwise conv(xBC) + bias)          the conv state: the last K - 1 xBC rows
+    x, B, C = split(xBC);  dt = clamp(softplus(dt + dt_bias), time_step_limit);  A = -exp(A_log)
+    y = ssm_scan(x, dt, A, B, C, D)                         the SSM state [heads, head_dim, N], float32
+    y = group_rmsnorm(y * silu(z)) * norm.weight             gate before the norm, groups of d_inner / G
+    out_proj(y)
+Both recurrences are kernels/recurrent.py's sequential definitions, for prefill chunks and decodes alike, so a
+token's arithmetic does not depend on how the scheduler split its prompt or what shares its step.
+
+Not here: tensor parallelism, LoRA, compiled decode graphs and the native decoder step (refused or off, saying why).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.kernels.group_quant import CODES
+from kvflow.kernels.plan import KernelPlan
+from kvflow.kernels.recurrent import causal_conv1d, ssm_scan
+from kvflow.layers.attention import PagedAttention
+from kvflow.layers.attention_metadata import AttentionMetadata
+from kvflow.layers.native_layers import NativeDecoder, NotNative
+from kvflow.layers.norm import RMSNorm
+from kvflow.layers.recurrent_state import RecurrentLayer
+from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.models.llama import MLP, Attention, LlamaForCausalLM, TensorParallelSizes
+from kvflow.models.model_config import MAMBA2, ModelConfig
+
+
+class DepthwiseConv(nn.Module):
+    """The Mamba2 layer's causal convolution weights: one K-tap filter per channel ([channels, K]; the checkpoint's
+    Conv1d holds [channels, 1, K]) and its bias."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, kernel))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """transformers' GraniteMoeHybridRMSNormGated (norm_before_gate=False): y * silu(z), then RMS-normalised over
+    each group of `group` channels, in float32, times the weight (in the activation dtype)."""
+
+    def __init__(self, size: int, group: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.group = group
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = y.float() * F.silu(z.float())
+        groups = h.view(*h.shape[:-1], -1, self.group)
+        variance = groups.pow(2).mean(-1, keepdim=True)
+        h = (groups * torch.rsqrt(variance + self.eps)).view(h.shape)
+        return self.weight * h.to(y.dtype)
+
+
+class Mamba2Mixer(RecurrentLayer):
+    """A Granite 4.0 H Mamba2 layer over the step's flat rows; `meta.state` says which slot each run of rows
+    continues. States per slot: "conv" [K - 1, d_inner + 2 G N] in the compute dtype, "ssm" [heads, head_dim, N]
+    float32."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        r = cfg.recurrent
+        self.num_heads, self.head_dim, self.state_size, self.num_groups = (r.num_heads, r.head_dim, r.state_size,
+                                                                           r.num_groups)
+        if r.num_heads % r.num_groups:
+            raise ValueError(f"Mamba2: {r.num_heads} heads do not form groups over {r.num_groups} B/C groups")
+        self.d_inner = r.num_heads * r.head_dim
+        self.conv_dim = self.d_inner + 2 * r.num_groups * r.state_size
+        self.conv_kernel = r.conv_kernel
+        self.time_step_limit = r.time_step_limit
+        self.in_proj = nn.Linear(cfg.hidden_size, self.d_inner + self.conv_dim + r.num_heads, bias=r.proj_bias)
+        self.conv1d = DepthwiseConv(self.conv_dim, r.conv_kernel, r.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(r.num_heads))
+        self.A_log = nn.Parameter(torch.empty(r.num_heads))
+        self.D = nn.Parameter(torch.empty(r.num_heads))
+        self.norm = GatedGroupRMSNorm(self.d_inner, self.d_inner // r.num_groups, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.d_inner, cfg.hidden_size, bias=r.proj_bias)
+
+    def state_shapes(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"conv": ((self.conv_kernel - 1, self.conv_dim), dtype),
+                "ssm": ((self.num_heads, self.head_dim, self.state_size), torch.float32)}
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        xBC = causal_conv1d(xBC.contiguous(), self.conv1d.weight, self.conv1d.bias, self.states["conv"], meta.state,
+                            silu=True)
+        xs, B, C = xBC.split([self.d_inner, self.num_groups * self.state_size, self.num_groups * self.state_size],
+                             dim=-1)
+        # transformers' ops in its dtype: the bias added, softplus, the clamp (its chunked prefill clamps; its decode
+        # step does not, which the default limits (0, inf) make the same)
+        dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
+        low, high = self.time_step_limit
+        if (low, high) != (0.0, float("inf")):
+            dt = dt.clamp(low, high)
+        A = -torch.exp(self.A_log.float())
+        y = ssm_scan(xs.reshape(T, self.num_heads, self.head_dim), dt.contiguous(), A,
+                     B.reshape(T, self.num_groups, self.state_size), C.reshape(T, self.num_groups, self.state_size),
+                     self.D, self.states["ssm"], meta.state)
+        return self.out_proj(self.norm(y.reshape(T, self.d_inner), z))
+
+
+class GraniteHybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, sizes: TensorParallelSizes,
+                 layer: int = 0, kernels: KernelPlan | None = None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        recurrent = cfg.is_recurrent(layer)
+        self.mamba = Mamba2Mixer(cfg) if recurrent else None
+        self.self_attn = None if recurrent else Attention(cfg, None if layer in cfg.nope_layers else rotary, tp,
+                                                           sizes, layer, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.mlp = MLP(cfg, tp, sizes)
+        self.residual_multiplier = cfg.residual_multiplier
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, h: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        out = self.mamba(x, meta) if self.mamba is not None else self.self_attn(rope, x, meta)
+        h = h + (out if self.residual_multiplier is None else out * self.residual_multiplier)
+        out = self.mlp(self.post_attention_layernorm(h), meta)
+        return h + (out if self.residual_multiplier is None else out * self.residual_multiplier)
+
+
+class GraniteHybridForCausalLM(LlamaForCausalLM):
+    decoder_layer = GraniteHybridDecoderLayer
+    compiled_decode = False       # the recurrent layers loop over runs in Python: no whole-graph compile yet
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None,
+                 kernels: KernelPlan | None = None):
+        if tp is not None and tp.size > 1:
+            raise ValueError(f"tensor_parallel_size={tp.size}: tensor parallelism is not supported for hybrid models "
+                             f"with recurrent layers ({cfg.architecture}); use tensor_parallel_size=1")
+        if cfg.recurrent is None or cfg.recurrent.kind != MAMBA2:
+            raise ValueError(f"{cfg.architecture}: expected Mamba2 recurrent layers, the config gives "
+                             f"{cfg.recurrent.kind if cfg.recurrent else 'none'}")
+        rotates = any(not cfg.is_recurrent(i) and i not in cfg.nope_layers for i in range(cfg.num_hidden_layers))
+        # no layer rotates (NoPE, the released models): no table to hold or look up (a GGUF's context_length is
+        # then 2^20, whose table would be a few hundred MiB)
+        super().__init__(cfg, max_positions if rotates else 1, tp, kernels)
+        if not rotates:
+            self.rotary = None
+
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers if layer.self_attn is not None]
+
+    @property
+    def state_layers(self) -> list[RecurrentLayer]:
+        return [layer.mamba for layer in self.layers if layer.mamba is not None]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.input_embeddings(input_ids)
+        rope = self.rotary.lookup(positions) if self.rotary is not None else None
+        for layer in self.layers:
+            h = layer(rope, h, meta)
+        return self.norm(h)
+
+    def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        return h if self.config.embedding_multiplier is None else h * self.config.embedding_multiplier
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden)
+        if self.config.logits_scaling is not None and logits is not None:
+            logits = logits / self.config.logits_scaling
+        return logits
+
+    def native_decoder(self) -> NativeDecoder:
+        raise NotNative("recurrent layers (Mamba2), which the native step does not compute yet")
+
+    def enable_lora(self, *args, **kwargs) -> None:
+        raise ValueError(f"LoRA is not supported for hybrid models with recurrent layers ({self.config.architecture})"
+                         " yet; serve the model without enable_lora")
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF checkpoints and GGUF files (loader.py's names) alike: the shared MLP's fused gate ‖ up split into
+        llama's gate_proj / up_proj (fused again by llama.py), the Mamba2 tensors in this model's shapes."""
+        super().load_weights(self._canonical(weights))
+
+    def _canonical(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            name = name.removeprefix("model.")
+            if ".shared_mlp.input_linear." in name:          # [gate; up] rows, as transformers' chunk(2) reads them
+                gate, up = w.chunk(2, dim=0)
+                yield name.replace("shared_mlp.input_linear", "mlp.gate_proj"), gate
+                yield name.replace("shared_mlp.input_linear", "mlp.up_proj"), up
+                continue
+            name = name.replace(".shared_mlp.output_linear.", ".mlp.down_proj.")
+            if ".mamba." not in name:
+                yield name, w
+                continue
+            if isinstance(w, CODES) and not name.endswith(("in_proj.weight", "out_proj.weight")):
+                w = w.dequantize()        # only the projections are matrices a quantized module multiplies
+            if name.endswith(".mamba.A"):     # a GGUF holds A = -exp(A_log); the model keeps A_log, as transformers
+                name, w = name + "_log", torch.log(-w.float())
+            param = params.get(name)
+            if param is not None and not isinstance(w, CODES) and w.shape != param.shape \
+                    and w.numel() == param.numel():
+                # the Conv1d's [channels, 1, K]; a GGUF's A / D as (heads, 1), its norm as (groups, d_inner / groups)
+                w = w.reshape(param.shape)
+            yield name, w
