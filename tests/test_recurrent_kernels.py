@@ -268,26 +268,6 @@ def test_native_rejects_runs_it_cannot_run(name):
             kernel.native(**rows, **params, state=kernel.state(13), batch=batch)
 
 
-@needs_native
-def test_native_reads_the_runs_as_they_are_now():
-    """The runs' C form is made once per StateBatch, and made again when its tensors are replaced or written."""
-    kernel = KERNELS["ssm_scan"]
-    rows, params = inputs(kernel, 4, seed=19)
-    batch = state_batch([4], [1])
-    batch.run_slots = batch.run_slots.int()           # not int64: the kernel reads a converted copy
-    state = kernel.state(20)
-    start = state.clone()
-    kernel.native(**rows, **params, state=state, batch=batch)
-    assert not torch.equal(state[1], start[1])
-    batch.run_slots[0] = 2                                          # written in place
-    kernel.native(**rows, **params, state=state, batch=batch)
-    assert not torch.equal(state[2], start[2])
-    batch.snapshot_rows, batch.snapshot_slots = torch.tensor([1]), torch.tensor([3])     # replaced
-    kernel.native(**rows, **params, state=state, batch=batch)
-    assert not torch.equal(state[3], start[3])
-    assert torch.equal(state[4:], start[4:]) and torch.equal(state[0], start[0])
-
-
 # ---- against transformers and torch ----
 
 @pytest.mark.parametrize("impl", IMPLS)

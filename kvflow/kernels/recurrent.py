@@ -160,24 +160,15 @@ def _on_native(state: torch.Tensor, *tensors: torch.Tensor) -> bool:
             and all(t.is_cpu and t.dtype == torch.float32 for t in tensors))
 
 
-# the last step's runs as the C kernels read them: every recurrent layer of a step reads the same StateBatch
-_last_runs: tuple = ()
-
-
 def _state_runs(batch: StateBatch, slots: int) -> tuple[build.StateRuns, tuple[torch.Tensor, ...]]:
-    """The runs as the C kernels read them, and the int64 tensors the struct points into (held with it: alive for
-    the call). Made once per StateBatch: again only if one of its tensors is another or was written since."""
-    global _last_runs
-    tensors = (batch.run_starts, batch.run_slots, batch.snapshot_rows, batch.snapshot_slots)
-    versions = (slots, *(t._version for t in tensors))
-    last = _last_runs
-    if last and last[1] == versions and all(a is b for a, b in zip(tensors, last[0])):
-        return last[2], last[3]
-    held = tuple(t.to(device="cpu", dtype=torch.int64).contiguous() for t in tensors)
+    """The runs as the C kernels read them, and the int64 tensors the struct points into (the caller holds them
+    for the call). The runner's are int64 already: no copies."""
+    held = tuple(t if t.dtype == torch.int64 and t.is_cpu and t.is_contiguous() else
+                 t.to(device="cpu", dtype=torch.int64).contiguous()
+                 for t in (batch.run_starts, batch.run_slots, batch.snapshot_rows, batch.snapshot_slots))
     starts, run_slots, rows, snap_slots = held
     runs = build.StateRuns(starts.data_ptr(), run_slots.data_ptr(), run_slots.numel(), rows.data_ptr(),
                            snap_slots.data_ptr(), rows.numel(), slots)
-    _last_runs = (tensors, versions, runs, held)
     return runs, held
 
 
