@@ -140,7 +140,7 @@ def test_batch_invariance(name, impl):
     enough for the C kernels' threads), and split across two calls at rows 1, 2, 5 and 10, alone or beside others."""
     kernel = KERNELS[name]
     rows, params = inputs(kernel, 11, seed=3)
-    others, _ = inputs(kernel, 4 + 1 + 7 + 2 + 13, seed=4)
+    others, _ = inputs(kernel, 4 + 1 + 40 + 2 + 13, seed=4)
     start = kernel.state(5)
     slot, snap = 6, 11
 
@@ -149,9 +149,9 @@ def test_batch_invariance(name, impl):
     final, snapshot = state[slot].clone(), state[snap].clone()
 
     state = start.clone()
-    mixed = cat_rows(rows_of(others, 0, 5), rows, rows_of(others, 5, 12))
+    mixed = cat_rows(rows_of(others, 0, 5), rows, rows_of(others, 5, 45))
     out = kernel.call(impl, mixed, params, state,
-                      state_batch([4, 1, 11, 7], [0, 3, slot, 9], [(2, 1), (5 + 5, snap), (17, 2)]))
+                      state_batch([4, 1, 11, 40], [0, 3, slot, 9], [(2, 1), (5 + 5, snap), (17, 2)]))
     assert torch.equal(out[5:16], alone)
     assert torch.equal(state[slot], final) and torch.equal(state[snap], snapshot)
 
@@ -159,9 +159,9 @@ def test_batch_invariance(name, impl):
         for beside in (False, True):
             state = start.clone()
             if beside:      # each chunk shares its call with other runs, before and after it
-                first = kernel.call(impl, cat_rows(rows_of(others, 12, 14), rows_of(rows, 0, split)), params,
+                first = kernel.call(impl, cat_rows(rows_of(others, 45, 47), rows_of(rows, 0, split)), params,
                                     state, state_batch([2, split], [0, slot]))[2:]
-                second = kernel.call(impl, cat_rows(rows_of(rows, split, 11), rows_of(others, 14, 27)), params,
+                second = kernel.call(impl, cat_rows(rows_of(rows, split, 11), rows_of(others, 47, 60)), params,
                                      state, state_batch([11 - split, 13], [slot, 4]))[:11 - split]
             else:
                 first = kernel.call(impl, rows_of(rows, 0, split), params, state, state_batch([split], [slot]))
@@ -175,8 +175,8 @@ def test_batch_invariance(name, impl):
 def test_native_bits_do_not_depend_on_threads(name):
     """A call big enough to be split over threads gives the same bits on one thread and on two."""
     kernel = KERNELS[name]
-    rows, params = inputs(kernel, 40, seed=6)
-    batch = state_batch([17, 1, 22], [1, 5, 8], [(3, 2), (30, 3)])
+    rows, params = inputs(kernel, 60, seed=6)
+    batch = state_batch([27, 1, 32], [1, 5, 8], [(3, 2), (40, 3)])
     results = []
     try:
         for threads in (1, 2):

@@ -12,15 +12,24 @@
 // where its column falls either.
 //
 // The decays exp(g) and exp(dt A) are libm's expf, once per (token, head), in every path; SiLU's e^-x is one vector
-// function (exp8) for every channel. The pool (thread_pool.c) does not run these: its chunks may be computed twice
-// (a late worker's, taken back), which in-place state updates cannot allow; big calls run on OpenMP's threads,
-// small ones on one.
+// function (exp8) for every channel.
+//
+// Threads: the pool (thread_pool.c) does not run these: its chunks may be computed twice (a late worker's, taken
+// back), which in-place state updates cannot allow. A call of more than POOL_ROWS rows (a prefill chunk's) with
+// enough work runs on OpenMP's threads; a decode step's runs on the caller's thread alone, as the other kernels' small
+// calls did before the pool (an OpenMP thread preempted at the barrier holds the whole call: thread_pool.c).
 #include <omp.h>
 
 #include "common.h"
 
 // multiply-adds per call from which it is split over threads (a call below this is a few microseconds of work)
 #define PARALLEL_WORK 65536
+
+// whether a call of these runs, `work` multiply-adds a row, is split over threads (above)
+static inline int on_threads(const state_runs_t *r, int64_t work, int64_t units, int threads) {
+    const int64_t rows = r->starts[r->runs] - r->starts[0];
+    return threads > 1 && units > 1 && rows > POOL_ROWS && rows * work >= PARALLEL_WORK;
+}
 #define CONV_CHANNELS 64        // channels per unit of the convolution's work
 #define CONV_MAX_TAPS 16
 #define GDN_COLUMNS 32          // state columns (dv) per pass: 4 vectors of u and 4 of o stay in registers
@@ -161,7 +170,7 @@ int kvflow_causal_conv1d(const float *x, int64_t T, int64_t C, const float *weig
     const int bad = check_runs(&r, T);
     if (bad || r.runs == 0 || C == 0) return bad;
     const int64_t blocks = (C + CONV_CHANNELS - 1) / CONV_CHANNELS;
-    const int parallel = threads > 1 && blocks > 1 && (r.starts[r.runs] - r.starts[0]) * C * K >= PARALLEL_WORK;
+    const int parallel = on_threads(&r, C * K, blocks, threads);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t c0 = b * CONV_CHANNELS, c1 = c0 + CONV_CHANNELS < C ? c0 + CONV_CHANNELS : C;
@@ -305,7 +314,7 @@ int kvflow_gated_delta_rule(const float *q, const float *k, const float *v, cons
     // the scale as Python's dk ** -0.5, rounded to float32 as torch rounds a scalar factor
     const gdn_job J = {q, k, v, g, beta, Hk, Hv, dk, dv, (float)pow((double)dk, -0.5), state, out};
     const int64_t units = r.runs * Hv;
-    const int parallel = threads > 1 && units > 1 && (r.starts[r.runs] - r.starts[0]) * Hv * dk * dv >= PARALLEL_WORK;
+    const int parallel = on_threads(&r, Hv * dk * dv, units, threads);
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (parallel)
     {
@@ -376,7 +385,7 @@ int kvflow_ssm_scan(const float *x, const float *dt, const float *A, const float
     if (bad || r.runs == 0) return bad;
     const ssm_job J = {x, dt, A, B, C, D, H, P, G, N, state, out};
     const int64_t units = r.runs * H;
-    const int parallel = threads > 1 && units > 1 && (r.starts[r.runs] - r.starts[0]) * H * P * N >= PARALLEL_WORK;
+    const int parallel = on_threads(&r, H * P * N, units, threads);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (parallel)
     for (int64_t u = 0; u < units; u++) ssm_unit(&J, &r, u / H, u % H);
     return 0;
