@@ -156,8 +156,9 @@ def test_budget_split():
                               max_num_seqs=8, num_speculative_tokens=2, prefix_caching=True)
     # checkpoints set aside first (1/16 of the budget), a live slot per max_num_seqs, snapshots for each
     assert (counts.checkpoints, counts.live, counts.snapshots) == (62, 8, 16)
-    # live slots up to what the budget holds beside one request's blocks; then the scheduler admits fewer
-    assert plan_state_slots(1000, 100, 1, 100, 64, 0, False).live == 9
+    # live slots up to half the budget (and what it holds beside one request's blocks); the scheduler admits fewer
+    assert plan_state_slots(1000, 100, 1, 100, 64, 0, False).live == 5
+    assert plan_state_slots(1000, 100, 1, 800, 64, 0, False).live == 2
     with pytest.raises(ValueError, match="recurrent state"):
         plan_state_slots(1000, 600, 1, 500, 64, 0, False)
 

@@ -4,8 +4,9 @@ A recurrent layer's state is fixed-size per request and large next to one token'
 float32 state, the KV of ~1,600 of its tokens; LFM2-1.2B: 160 KiB), so it is budgeted in slots, not blocks, as
 llama.cpp and SGLang keep it. The slots of every recurrent layer's state tensors are numbered alike:
 
-- `live`: one per running request, up to max_num_seqs (fewer when the budget cannot hold them: the scheduler then
-  admits a request only while a slot is free), as llama.cpp keeps a cell per slot;
+- `live`: one per running request, up to max_num_seqs, as llama.cpp keeps a cell per slot, but at most half the budget
+  (Qwen3.5-0.8B's 128 slots would be 2.4 GiB, the whole default budget, leaving the KV blocks one request's worth):
+  with fewer, the scheduler admits a request only while a slot is free;
 - `checkpoints`: prefix caching's states at block boundaries, keyed by the block's hash chain, at most
   1/CHECKPOINT_SHARE of the budget, set aside first (a hybrid's prefix-cache hit needs one);
 - `snapshots`: speculative decoding's per-draft states (num_speculative_tokens per speculating request): a rejected
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+LIVE_SHARE = 2           # live slots take at most 1/LIVE_SHARE of the budget: the KV blocks keep room for long prompts
 CHECKPOINT_SHARE = 16    # prefix-cache checkpoints take at most 1/CHECKPOINT_SHARE of the budget
 SNAPSHOT_SHARE = 8       # speculative snapshots at most 1/SNAPSHOT_SHARE of it
 
@@ -50,7 +52,7 @@ def plan_state_slots(budget: int, slot_bytes: int, block_bytes: int, blocks_for_
     if prefix_caching:
         checkpoints = max(0, min(room // 2, budget // CHECKPOINT_SHARE)) // slot_bytes
         room -= checkpoints * slot_bytes
-    live = min(max_num_seqs, max(room, 0) // slot_bytes)
+    live = min(max_num_seqs, max(room, 0) // slot_bytes, budget // LIVE_SHARE // slot_bytes)
     if live < 1:
         raise ValueError(
             f"the KV cache budget ({budget / 2**20:.1f} MiB) cannot hold one request's recurrent state "
