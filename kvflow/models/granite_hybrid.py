@@ -19,7 +19,9 @@ A Mamba2 layer, per token (transformers' GraniteMoeHybridMambaLayer, its torch p
 Both recurrences are kernels/recurrent.py's sequential definitions, for prefill chunks and decodes alike, so a
 token's arithmetic does not depend on how the scheduler split its prompt or what shares its step.
 
-Not here: tensor parallelism, LoRA, compiled decode graphs and the native decoder step (refused or off, saying why).
+LoRA adapters adapt the attention layers' q/k/v/o_proj and the shared MLP's input_linear / output_linear
+(`LORA_TARGETS`); the Mamba2 layers' in_proj / out_proj take none (refused: models/lora_modules.py). Not here: tensor
+parallelism, compiled decode graphs and the native decoder step (refused or off, saying why).
 """
 from __future__ import annotations
 
@@ -144,6 +146,12 @@ class GraniteHybridDecoderLayer(nn.Module):
 class GraniteHybridForCausalLM(LlamaForCausalLM):
     decoder_layer = GraniteHybridDecoderLayer
     compiled_decode = False       # the recurrent layers loop over runs in Python: no whole-graph compile yet
+    # LoRA on the attention layers' projections and the shared MLP's: input_linear's rows are gate then up, as
+    # gate_up_proj's (one piece of both), output_linear is down_proj (the Mamba2 layers' take none:
+    # models/lora_modules.py)
+    LORA_TARGETS = {"self_attn": LlamaForCausalLM.LORA_TARGETS["self_attn"],
+                    "mlp": (("gate_up_lora", "gate_up_proj", ("shared_mlp.input_linear",)),
+                            ("down_lora", "down_proj", ("shared_mlp.output_linear",)))}
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None,
                  kernels: KernelPlan | None = None):
@@ -187,10 +195,6 @@ class GraniteHybridForCausalLM(LlamaForCausalLM):
 
     def native_decoder(self) -> NativeDecoder:
         raise NotNative("recurrent layers (Mamba2), which the native step does not compute yet")
-
-    def enable_lora(self, *args, **kwargs) -> None:
-        raise ValueError(f"LoRA is not supported for hybrid models with recurrent layers ({self.config.architecture})"
-                         " yet; serve the model without enable_lora")
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -15,8 +15,11 @@ add. The final norm (`embedding_norm`, despite its name) comes after the last la
   `out_proj` as o_proj) on the paged KV cache.
 
 Modules carry llama.py's names (input_layernorm, self_attn.o_proj, mlp.gate_up_proj, ...); `load_weights` maps the
-checkpoint's LFM2 names onto them (a GGUF comes out with the same LFM2 names: loader.py). Not here: tensor
-parallelism, LoRA, the native decoder step and compiled decode steps (each refused or off, with the reason).
+checkpoint's LFM2 names onto them (a GGUF comes out with the same LFM2 names: loader.py). LoRA adapters adapt the
+attention and MLP projections under LFM2's names (self_attn.q_proj / k_proj / v_proj / out_proj, feed_forward.w1 /
+w3 / w2: `LORA_TARGETS`); the convolutions' in_proj / out_proj take none (refused: models/lora_modules.py). Not
+here: tensor parallelism, the native decoder step and compiled decode steps (each refused or off, with the
+reason).
 """
 from __future__ import annotations
 
@@ -108,6 +111,12 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     decoder_layer = Lfm2DecoderLayer
     # the runner compiles no decode graphs of a hybrid (its recurrent layers walk the step's runs in Python)
     compiled_decode = False
+    # LoRA on the attention layers' and MLPs' projections under LFM2's names (the convolutions' take none:
+    # models/lora_modules.py)
+    LORA_TARGETS = {"self_attn": (LlamaForCausalLM.LORA_TARGETS["self_attn"][0],
+                                  ("o_lora", "o_proj", ("self_attn.out_proj",))),
+                    "mlp": (("gate_up_lora", "gate_up_proj", ("feed_forward.w1", "feed_forward.w3")),
+                            ("down_lora", "down_proj", ("feed_forward.w2",)))}
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None,
                  kernels: KernelPlan | None = None):
@@ -130,10 +139,6 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
 
     def native_decoder(self) -> NativeDecoder:
         raise NotNative("recurrent layers (LFM2's short convolutions)")
-
-    def enable_lora(self, *args, **kwargs) -> None:
-        raise ValueError(f"LoRA is not supported for {self.config.architecture} (LFM2) yet; serve it without "
-                         "enable_lora")
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
