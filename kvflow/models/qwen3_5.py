@@ -31,14 +31,14 @@ from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.kernels.group_quant import CODES
 from kvflow.kernels.plan import KernelPlan
 from kvflow.kernels.recurrent import causal_conv1d, gated_delta_rule
-from kvflow.layers.attention import PagedAttention
 from kvflow.layers.attention_metadata import AttentionMetadata
-from kvflow.layers.native_layers import NativeDecoder, NotNative
+from kvflow.layers.native_layers import NotNative
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.recurrent_state import RecurrentLayer
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.llama import MLP, Attention, LlamaForCausalLM, TensorParallelSizes, _lora_on
-from kvflow.models.model_config import ModelConfig
+from kvflow.models.hybrid import HybridForCausalLM
+from kvflow.models.model_config import GATED_DELTA_NET, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -180,32 +180,16 @@ _QWEN3_5_FUSED = {**LlamaForCausalLM.fused_pieces, "in_proj_qkv": ("in_proj_qkvz
 _SKIPPED = {"model.visual.": "vision tower", "mtp.": "multi-token prediction"}
 
 
-class Qwen3_5ForCausalLM(LlamaForCausalLM):
+class Qwen3_5ForCausalLM(HybridForCausalLM):
     decoder_layer = Qwen3_5DecoderLayer
     fused_pieces = _QWEN3_5_FUSED
-    compiled_decode = False         # no compiled decode step for recurrent layers yet
+    recurrent_kind = GATED_DELTA_NET
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None,
                  kernels: KernelPlan | None = None):
-        if tp is not None and tp.size > 1:
-            raise ValueError("Qwen3.5 (recurrent Gated DeltaNet layers) does not run with tensor_parallel_size > 1 "
-                             "yet; use tensor_parallel_size=1")
-        if cfg.recurrent is None:
-            raise ValueError("a Qwen3.5 config without linear-attention layers")
         if not cfg.attn_output_gate:
             raise ValueError("Qwen3.5 without attn_output_gate is not supported")
         super().__init__(cfg, max_positions, tp, kernels)
-
-    @property
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.layers if not layer.recurrent]
-
-    @property
-    def state_layers(self) -> list[GatedDeltaNet]:
-        return [layer.linear_attn for layer in self.layers if layer.recurrent]
-
-    def native_decoder(self) -> NativeDecoder:
-        raise NotNative("Qwen3.5's recurrent layers (Gated DeltaNet) and gated attention")
 
     def _shard_sizes(self, name: str) -> list[int]:
         cfg = self.config
