@@ -189,8 +189,27 @@ def model_shape(path: str) -> dict:
     heads = md[f"{arch}.attention.head_count"]
     kv_heads = md.get(f"{arch}.attention.head_count_kv", heads)
     head_dim = md.get(f"{arch}.attention.key_length") or md[f"{arch}.embedding_length"] // heads
-    return {"arch": arch, "layers": md[f"{arch}.block_count"], "kv_heads": kv_heads, "head_dim": head_dim,
-            "context_length": md.get(f"{arch}.context_length")}
+    shape = {"arch": arch, "layers": md[f"{arch}.block_count"], "kv_heads": kv_heads, "head_dim": head_dim,
+             "context_length": md.get(f"{arch}.context_length"), "state_bytes": 0}
+    from kvflow.models.model_files import resolve_model_files
+
+    cfg = resolve_model_files(Path(path)).config
+    if cfg.recurrent is not None:
+        # a hybrid: KV in its attention layers only, and a float32 state per request in its recurrent ones
+        r = cfg.recurrent
+        shape.update(layers=cfg.num_hidden_layers - len(r.layers), kv_heads=cfg.num_key_value_heads,
+                     head_dim=cfg.head_dim)
+        if r.kind == "short_conv":
+            per_layer = (r.conv_kernel - 1) * cfg.hidden_size
+        elif r.kind == "gated_delta_net":
+            per_layer = ((r.conv_kernel - 1) * (2 * r.num_key_heads * r.key_head_dim + r.num_value_heads
+                                                * r.value_head_dim) + r.num_value_heads * r.key_head_dim
+                         * r.value_head_dim)
+        else:
+            inner = r.num_heads * r.head_dim
+            per_layer = (r.conv_kernel - 1) * (inner + 2 * r.num_groups * r.state_size) + inner * r.state_size
+        shape["state_bytes"] = 4 * per_layer * len(r.layers)
+    return shape
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
@@ -433,7 +452,12 @@ def main() -> None:
             s = shapes[model]
             row = s["head_dim"] + 4 if kv_dtype[model] == "int8" else s["head_dim"]     # int8 rows carry a scale
             per_block = 2 * s["layers"] * s["kv_heads"] * row * DTYPE_BYTES[kv_dtype[model]] * block
-            flags += (f" --kv-cache-memory {-(-tokens // block) * per_block}"
+            budget = -(-tokens // block) * per_block
+            if s["state_bytes"]:
+                # a hybrid: its 64 live state slots (llama-server: a recurrent cell per slot) on top (live slots take at
+                # most half), and the share kvflow sets aside for prefix-cache checkpoints (runner/state_memory.py)
+                budget = max(budget + 64 * s["state_bytes"], 2 * 64 * s["state_bytes"]) * 16 // 15 + s["state_bytes"]
+            flags += (f" --kv-cache-memory {budget}"
                       f" --max-model-len {min(KVFLOW_MAX_MODEL_LEN, tokens)}")
         return f"kvflow serve {shlex.quote(model)} {flags} {args.kvflow_args}".strip()
 

@@ -13,8 +13,11 @@ QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
 POOLING_TYPES = ("last", "mean")     # kvflow/pooling_params.py says what each computes
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
-# the projections a LoRA adapter may adapt (PEFT's module names)
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the projections a LoRA adapter may adapt (PEFT's module names), over every family: the Llama family's seven (Qwen3.5's
+# too), LFM2's attention out_proj and MLP w1/w3/w2, Granite 4.0 H's shared MLP input_linear/output_linear. A model
+# refuses a name it has no such projection for (models/lora_modules.py)
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                       "out_proj", "w1", "w3", "w2", "input_linear", "output_linear")
 
 
 def parse_bytes(value: int | str | None) -> int | None:
@@ -128,8 +131,10 @@ class EngineConfig:
     max_cpu_loras: int | None = _option(None, "adapters kept read in memory (LRU; an evicted one is read again "
                                               "from its path when needed; default: max_loras)")
     lora_target_modules: tuple[str, ...] | None = _option(
-        None, "the projections LoRA slots exist for (default: all seven, q_proj k_proj v_proj o_proj gate_proj "
-              "up_proj down_proj); fewer cost less per step, and an adapter adapting others is refused",
+        None, "the projections LoRA slots exist for, by their checkpoint names (default: every attention and MLP "
+              "projection: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj on Llama-like models; LFM2's "
+              "out_proj w1 w3 w2, Granite 4.0 H's input_linear output_linear); fewer cost less per step, and an "
+              "adapter adapting others is refused",
         type=str, nargs="+")
     compile_batch_sizes: tuple[int, ...] = _option((1, 2, 4, 8, 16, 32), "batch-size buckets of the compiled decode "
                                                    "step, compiled smallest first; a decode step is padded to the next "

@@ -104,8 +104,8 @@ def test_model_refuses_what_it_does_not_do(model, granite_dir):
     assert model.compiled_decode is False
     with pytest.raises(NotNative, match="recurrent"):
         model.native_decoder()
-    with pytest.raises(ValueError, match="LoRA"):
-        model.enable_lora(1, 8)
+    with pytest.raises(ValueError, match="mamba.in_proj is a projection of Granite 4.0 H's Mamba2 mixer"):
+        model.enable_lora(1, 8, targets=("q_proj", "in_proj"))        # LoRA: not on the Mamba2 layers
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         GraniteHybridForCausalLM(model.config, 256, TensorParallel(rank=0, size=2))
 

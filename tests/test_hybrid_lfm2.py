@@ -173,7 +173,7 @@ def _tiny_config() -> ModelConfig:
     return ModelConfig.from_hf_dict(_hf_config().to_dict())
 
 
-def test_lora_and_tensor_parallelism_are_refused_by_name():
+def test_lora_on_convolutions_and_tensor_parallelism_are_refused_by_name():
     from kvflow.models.lfm2 import Lfm2ForCausalLM
     from kvflow.layers.native_layers import NotNative
 
@@ -181,8 +181,8 @@ def test_lora_and_tensor_parallelism_are_refused_by_name():
     model = Lfm2ForCausalLM(cfg, 64)
     assert len(model.attention_layers) == 1 and [type(m) for m in model.state_layers] == [ShortConv]
     assert model.compiled_decode is False
-    with pytest.raises(ValueError, match="LoRA is not supported"):
-        model.enable_lora(1, 8)
+    with pytest.raises(ValueError, match="conv.in_proj is a projection of LFM2's short convolution"):
+        model.enable_lora(1, 8, targets=("q_proj", "in_proj"))        # LoRA: not on the convolutions
     with pytest.raises(NotNative, match="recurrent"):
         model.native_decoder()
 

@@ -345,12 +345,12 @@ def test_gguf_codes_come_out_in_the_checkpoints_order(tiny_qwen3_5, tmp_path):
                        floats["model.layers.0.linear_attn.out_proj.weight"])
 
 
-def test_lora_and_tensor_parallelism_are_refused_with_a_reason(tiny_qwen3_5):
+def test_lora_on_gated_deltanet_and_tensor_parallelism_are_refused_with_a_reason(tiny_qwen3_5):
     cfg = resolve_model_files(tiny_qwen3_5).config
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         Qwen3_5ForCausalLM(cfg, 64, TensorParallel(size=2))
-    with pytest.raises(ValueError, match="LoRA is not supported for Qwen3.5"):
-        Qwen3_5ForCausalLM(cfg, 64).enable_lora(1, 8)
+    with pytest.raises(ValueError, match="linear_attn.in_proj_z is a projection of Qwen3.5's Gated DeltaNet"):
+        Qwen3_5ForCausalLM(cfg, 64).enable_lora(1, 8, targets=("q_proj", "in_proj_z"))
     from kvflow.layers.native_layers import NotNative
     with pytest.raises(NotNative, match="recurrent"):
         Qwen3_5ForCausalLM(cfg, 64).native_decoder()

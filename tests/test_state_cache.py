@@ -152,14 +152,15 @@ def test_speculating_rows_snapshot_and_a_rejection_restores_the_accepted_state()
 
 
 def test_budget_split():
-    counts = plan_state_slots(budget=1000, slot_bytes=10, block_bytes=1, blocks_for_one_request=100, max_num_seqs=8,
-                              num_speculative_tokens=2, prefix_caching=True)
-    assert (counts.live, counts.snapshots) == (8, 16)
-    assert counts.checkpoints == 1000 // 8 // 10      # (room left after the live slots: 500 - 80)
-    # states take at most half: fewer live slots than max_num_seqs
-    assert plan_state_slots(1000, 100, 1, 10, 64, 0, False).live == 5
+    counts = plan_state_slots(budget=10_000, slot_bytes=10, block_bytes=1, blocks_for_one_request=100,
+                              max_num_seqs=8, num_speculative_tokens=2, prefix_caching=True)
+    # checkpoints set aside first (1/16 of the budget), a live slot per max_num_seqs, snapshots for each
+    assert (counts.checkpoints, counts.live, counts.snapshots) == (62, 8, 16)
+    # live slots up to half the budget (and what it holds beside one request's blocks); the scheduler admits fewer
+    assert plan_state_slots(1000, 100, 1, 100, 64, 0, False).live == 5
+    assert plan_state_slots(1000, 100, 1, 800, 64, 0, False).live == 2
     with pytest.raises(ValueError, match="recurrent state"):
-        plan_state_slots(1000, 600, 1, 10, 64, 0, False)
+        plan_state_slots(1000, 600, 1, 500, 64, 0, False)
 
 
 def test_a_step_wanting_more_checkpoints_than_slots_keeps_what_fits():

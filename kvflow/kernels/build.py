@@ -36,6 +36,14 @@ class Experts(ctypes.Structure):
                 ("minimum_stride", ctypes.c_int64), ("bits", ctypes.c_int), ("flags", ctypes.c_int)]
 
 
+class StateRuns(ctypes.Structure):
+    """kernels.h's state_runs_t: a step's runs of rows continuing one state slot each, and its snapshots
+    (kernels/recurrent.py's StateBatch)."""
+    _fields_ = [("starts", ctypes.c_void_p), ("run_slots", ctypes.c_void_p), ("runs", ctypes.c_int64),
+                ("snapshot_rows", ctypes.c_void_p), ("snapshot_slots", ctypes.c_void_p),
+                ("snapshots", ctypes.c_int64), ("slots", ctypes.c_int64)]
+
+
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # the library's entry points as Python calls them: (restype, argtypes); kernels.h declares each
 SIGNATURES = {
@@ -51,6 +59,12 @@ SIGNATURES = {
     "kvflow_moe_route": (_int, [_ptr, _i64, _i64, _ptr, _i64, _i64, _int, _int, _ptr, _ptr, _int]),
     "kvflow_decoder_step": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr]),
     "kvflow_decoder_step_scratch": (_i64, [_ptr, _ptr, _i64]),
+    "kvflow_causal_conv1d": (_int, [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, StateRuns, _int, _ptr, _int]),
+    "kvflow_gated_delta_rule": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, StateRuns,
+                                       _ptr, _int]),
+    "kvflow_ssm_scan": (_int, [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, StateRuns,
+                               _ptr, _int]),
+    "kvflow_recurrent_use_avx512": (None, [_int]),
     "kvflow_pool_quiesce": (None, []),
     "kvflow_pool_workers": (_int, []),
     "kvflow_pool_rows": (_int, []),
@@ -130,6 +144,7 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     lib.kvflow_x16_use_avx512(int(isa() == "avx512"))
+    lib.kvflow_recurrent_use_avx512(int(isa() == "avx512"))
     if not formats.register_and_check(lib):
         log.warning("native kernels: self-check against torch failed; torch's int4/int8 kernels instead")
         return None

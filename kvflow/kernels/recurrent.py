@@ -10,15 +10,23 @@ what llama.cpp runs on CPUs; the chunked form's bits move with the chunk boundar
 The state is float32 whatever the compute dtype (a narrower state rounds at step boundaries, which move with the
 scheduler). Reductions run in one fixed order per (token, head).
 
-These are the torch definitions (any device). kvflow's C kernels (csrc/recurrent.c), where they are built, compute the
-same things on CPU.
+`causal_conv1d`, `gated_delta_rule` and `ssm_scan` run kvflow's C kernels (csrc/recurrent.c) where they run here
+(build.usable(); not with KVFLOW_NATIVE_KERNELS=0) on CPU float32 tensors, and otherwise their torch definitions
+(`*_reference`, any device and dtype), which say what they compute. The two give the same values within float32
+rounding, not the same bits (their sums run in other orders); each is batch invariant on its own. The C kernels run
+the (run, head) pairs on several threads, so they take a step whose runs and snapshots each have a slot of their
+own (a ValueError otherwise), as the scheduler gives them.
 """
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvflow.kernels import build, ops
 
 
 @dataclass
@@ -45,8 +53,8 @@ def _runs(batch: StateBatch):
         yield a, b, slot, [(r, s) for r, s in snaps if a <= r < b]
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
-                  batch: StateBatch, silu: bool) -> torch.Tensor:
+def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
+                            batch: StateBatch, silu: bool) -> torch.Tensor:
     """Depthwise causal convolution over time, channel by channel. x [T, C] (the step's rows), weight [C, K],
     bias [C] or None, state [slots, K - 1, C]: the run's last K - 1 inputs before its first row (updated in place to
     the last K - 1 inputs after it). Output [T, C]: y_t = sum_j w[:, j] x_{t-K+1+j} (j = 0..K-1, in that order),
@@ -62,7 +70,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             acc = acc + w[:, j] * window[j:j + n]
         if bias is not None:
             acc = acc + bias.float()
-        out[a:b] = (F.silu(acc) if silu else acc).to(x.dtype)
+        if silu:
+            # row by row: torch's elementwise kernels take their vector exp for most elements of a tensor and libm's
+            # for those past the last full vector (or a thread's share), so on the [n, C] block a channel's bits
+            # would move with n; on each row they depend on the channel alone
+            for i in range(n):
+                acc[i] = F.silu(acc[i])
+        out[a:b] = acc.to(x.dtype)
         for row, dst in snaps:
             state[dst] = window[row - a + 1:row - a + K].to(state.dtype)
         state[slot] = window[n:].to(state.dtype)
@@ -73,8 +87,8 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, batch: StateBatch) -> torch.Tensor:
+def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor, batch: StateBatch) -> torch.Tensor:
     """Gated DeltaNet (Qwen3.5's linear-attention layers), token by token. q, k [T, Hk, dk] (after the convolution;
     l2-normalised here, q also scaled by dk ** -0.5), v [T, Hv, dv], g [T, Hv] (log decay, <= 0), beta [T, Hv]; value
     head h reads q/k head h // (Hv / Hk). state [slots, Hv, dk, dv] float32, updated in place. Per token and v-head:
@@ -89,21 +103,21 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     vf, gf, bf = v.float(), g.float(), beta.float()
     for a, b, slot, snaps in _runs(batch):
         S = state[slot].clone()                                           # [Hv, dk, dv]
-        snap_at = dict(snaps)
         for t in range(a, b):
             S = S * gf[t].exp()[:, None, None]
             u = (S * kf[t][:, :, None]).sum(dim=1)                        # [Hv, dv]
             d = (vf[t] - u) * bf[t][:, None]
             S = S + kf[t][:, :, None] * d[:, None, :]
             out[t] = (S * qf[t][:, :, None]).sum(dim=1).to(v.dtype)
-            if t in snap_at:
-                state[snap_at[t]] = S
+            for row, dst in snaps:
+                if row == t:
+                    state[dst] = S
         state[slot] = S
     return out
 
 
-def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-             state: torch.Tensor, batch: StateBatch) -> torch.Tensor:
+def ssm_scan_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       D: torch.Tensor, state: torch.Tensor, batch: StateBatch) -> torch.Tensor:
     """Mamba2's selective state update (Granite 4.0 H), token by token. x [T, H, P], dt [T, H] (after softplus, bias
     and clamp), A [H] (-exp(A_log)), B, C [T, G, N] (head h uses group h // (H / G)), D [H]; state [slots, H, P, N]
     float32, updated in place. Per token and head:
@@ -115,12 +129,110 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     Bf, Cf = B.float().repeat_interleave(H // G, dim=1), C.float().repeat_interleave(H // G, dim=1)   # [T, H, N]
     for a, b, slot, snaps in _runs(batch):
         S = state[slot].clone()                                           # [H, P, N]
-        snap_at = dict(snaps)
         for t in range(a, b):
             dA = torch.exp(dtf[t] * Af)                                   # [H]
             S = S * dA[:, None, None] + (dtf[t][:, None] * xf[t])[:, :, None] * Bf[t][:, None, :]
             out[t] = ((S * Cf[t][:, None, :]).sum(dim=-1) + Df[:, None] * xf[t]).to(x.dtype)
-            if t in snap_at:
-                state[snap_at[t]] = S
+            for row, dst in snaps:
+                if row == t:
+                    state[dst] = S
         state[slot] = S
+    return out
+
+
+# ---- the dispatch: kvflow's C kernels on CPU float32, else the definitions above ----
+
+@functools.cache
+def _library_here():
+    return build.library() if build.usable() else None
+
+
+def _native():
+    """The C kernels where they run here, else None (KVFLOW_NATIVE_KERNELS=0 checked per call, the rest once)."""
+    if os.environ.get("KVFLOW_NATIVE_KERNELS", "1") == "0":
+        return None
+    return _library_here()
+
+
+def _on_native(state: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """CPU float32 inputs and a contiguous CPU float32 state (updated in place through its pointer)."""
+    return (state.is_cpu and state.dtype == torch.float32 and state.is_contiguous()
+            and all(t.is_cpu and t.dtype == torch.float32 for t in tensors))
+
+
+def _state_runs(batch: StateBatch, slots: int) -> tuple[build.StateRuns, tuple[torch.Tensor, ...]]:
+    """The runs as the C kernels read them, and the int64 tensors the struct points into (the caller holds them
+    for the call). The runner's are int64 already: no copies."""
+    held = tuple(t if t.dtype == torch.int64 and t.is_cpu and t.is_contiguous() else
+                 t.to(device="cpu", dtype=torch.int64).contiguous()
+                 for t in (batch.run_starts, batch.run_slots, batch.snapshot_rows, batch.snapshot_slots))
+    starts, run_slots, rows, snap_slots = held
+    runs = build.StateRuns(starts.data_ptr(), run_slots.data_ptr(), run_slots.numel(), rows.data_ptr(),
+                           snap_slots.data_ptr(), rows.numel(), slots)
+    return runs, held
+
+
+def _check(err: int, what: str) -> None:
+    if err == 2:
+        raise ValueError(f"native kernel: {what}: the step's runs are not runs of these rows over these slots (a run "
+                         "outside the rows, a slot out of range or taken twice, snapshot rows not ascending), or "
+                         "the heads do not divide")
+    if err:
+        raise MemoryError(f"native kernel: out of memory for {what}")
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
+                  batch: StateBatch, silu: bool) -> torch.Tensor:
+    """`causal_conv1d_reference`'s convolution; on kvflow's C kernel for CPU float32 x and state."""
+    lib = _native()
+    T, C = x.shape
+    K = weight.shape[-1]
+    if (lib is None or not _on_native(state, x) or weight.shape != (C, K) or state.shape[1:] != (K - 1, C)
+            or (bias is not None and bias.shape != (C,))):
+        return causal_conv1d_reference(x, weight, bias, state, batch, silu)
+    x = x.contiguous()
+    w = weight.float().contiguous()
+    b = bias.float().contiguous() if bias is not None else None
+    out = torch.empty_like(x)
+    runs, held = _state_runs(batch, state.shape[0])
+    _check(lib.kvflow_causal_conv1d(x.data_ptr(), T, C, w.data_ptr(), K, b.data_ptr() if b is not None else None,
+                                    state.data_ptr(), runs, int(silu), out.data_ptr(), ops.threads()),
+           "causal_conv1d")
+    return out
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, batch: StateBatch) -> torch.Tensor:
+    """`gated_delta_rule_reference`'s recurrence; on kvflow's C kernel for CPU float32 q, k, v and state."""
+    lib = _native()
+    T, Hk, dk = k.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    if (lib is None or not _on_native(state, q, k, v) or q.shape != k.shape or v.shape[0] != T
+            or g.shape != (T, Hv) or beta.shape != (T, Hv) or state.shape[1:] != (Hv, dk, dv)):
+        return gated_delta_rule_reference(q, k, v, g, beta, state, batch)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    out = torch.empty_like(v)
+    runs, held = _state_runs(batch, state.shape[0])
+    _check(lib.kvflow_gated_delta_rule(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), T,
+                                       Hk, Hv, dk, dv, state.data_ptr(), runs, out.data_ptr(), ops.threads()),
+           "gated_delta_rule")
+    return out
+
+
+def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+             state: torch.Tensor, batch: StateBatch) -> torch.Tensor:
+    """`ssm_scan_reference`'s selective state update; on kvflow's C kernel for CPU float32 x, B, C and state."""
+    lib = _native()
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    if (lib is None or not _on_native(state, x, B, C) or B.shape != (T, G, N) or C.shape != B.shape
+            or dt.shape != (T, H) or A.shape != (H,) or D.shape != (H,) or state.shape[1:] != (H, P, N)):
+        return ssm_scan_reference(x, dt, A, B, C, D, state, batch)
+    x, B, C = x.contiguous(), B.contiguous(), C.contiguous()
+    dt, A, D = dt.float().contiguous(), A.float().contiguous(), D.float().contiguous()
+    out = torch.empty_like(x)
+    runs, held = _state_runs(batch, state.shape[0])
+    _check(lib.kvflow_ssm_scan(x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(),
+                               T, H, P, G, N, state.data_ptr(), runs, out.data_ptr(), ops.threads()), "ssm_scan")
     return out

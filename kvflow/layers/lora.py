@@ -15,7 +15,7 @@ adapter) gives the whole term as
 
     xa = (x @ lora_a).view(T, P, S*R) * M[:, None, :];   out[:, piece p] += xa[:, p] @ B of piece p
 
-Only the pieces some adapter may target get a term (`--lora-target-modules`, default all seven projections).
+Only the pieces some adapter may target get a term (`--lora-target-modules`, default all of the family's).
 Static shapes and no per-row or per-adapter Python: the compiled decode graphs take it as it is, and a base row's
 delta is exactly zero. Where kvflow's native kernels run in float32, one op of theirs computes the same term reading
 only each row's own slot (kernels/ops.py's lora_add; measured on a 2-core Xeon, q and v of the embedded model's

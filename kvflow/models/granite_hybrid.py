@@ -19,7 +19,9 @@ A Mamba2 layer, per token (transformers' GraniteMoeHybridMambaLayer, its torch p
 Both recurrences are kernels/recurrent.py's sequential definitions, for prefill chunks and decodes alike, so a
 token's arithmetic does not depend on how the scheduler split its prompt or what shares its step.
 
-Not here: tensor parallelism, LoRA, compiled decode graphs and the native decoder step (refused or off, saying why).
+LoRA adapters adapt the attention layers' q/k/v/o_proj and the shared MLP's input_linear / output_linear
+(`LORA_TARGETS`); the Mamba2 layers' in_proj / out_proj take none (refused: models/lora_modules.py). Not here: tensor
+parallelism, compiled decode graphs and the native decoder step (refused or off, saying why).
 """
 from __future__ import annotations
 
@@ -33,13 +35,12 @@ from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.kernels.group_quant import CODES
 from kvflow.kernels.plan import KernelPlan
 from kvflow.kernels.recurrent import causal_conv1d, ssm_scan
-from kvflow.layers.attention import PagedAttention
 from kvflow.layers.attention_metadata import AttentionMetadata
-from kvflow.layers.native_layers import NativeDecoder, NotNative
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.recurrent_state import RecurrentLayer
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.llama import MLP, Attention, LlamaForCausalLM, TensorParallelSizes
+from kvflow.models.hybrid import HybridForCausalLM
 from kvflow.models.model_config import MAMBA2, ModelConfig
 
 
@@ -141,32 +142,24 @@ class GraniteHybridDecoderLayer(nn.Module):
         return h + (out if self.residual_multiplier is None else out * self.residual_multiplier)
 
 
-class GraniteHybridForCausalLM(LlamaForCausalLM):
+class GraniteHybridForCausalLM(HybridForCausalLM):
     decoder_layer = GraniteHybridDecoderLayer
-    compiled_decode = False       # the recurrent layers loop over runs in Python: no whole-graph compile yet
+    recurrent_kind = MAMBA2
+    # LoRA on the attention layers' projections and the shared MLP's: input_linear's rows are gate then up, as
+    # gate_up_proj's (one piece of both), output_linear is down_proj (the Mamba2 layers' take none:
+    # models/lora_modules.py)
+    LORA_TARGETS = {"self_attn": LlamaForCausalLM.LORA_TARGETS["self_attn"],
+                    "mlp": (("gate_up_lora", "gate_up_proj", ("shared_mlp.input_linear",)),
+                            ("down_lora", "down_proj", ("shared_mlp.output_linear",)))}
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None,
                  kernels: KernelPlan | None = None):
-        if tp is not None and tp.size > 1:
-            raise ValueError(f"tensor_parallel_size={tp.size}: tensor parallelism is not supported for hybrid models "
-                             f"with recurrent layers ({cfg.architecture}); use tensor_parallel_size=1")
-        if cfg.recurrent is None or cfg.recurrent.kind != MAMBA2:
-            raise ValueError(f"{cfg.architecture}: expected Mamba2 recurrent layers, the config gives "
-                             f"{cfg.recurrent.kind if cfg.recurrent else 'none'}")
         rotates = any(not cfg.is_recurrent(i) and i not in cfg.nope_layers for i in range(cfg.num_hidden_layers))
         # no layer rotates (NoPE, the released models): no table to hold or look up (a GGUF's context_length is
         # then 2^20, whose table would be a few hundred MiB)
         super().__init__(cfg, max_positions if rotates else 1, tp, kernels)
         if not rotates:
             self.rotary = None
-
-    @property
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.layers if layer.self_attn is not None]
-
-    @property
-    def state_layers(self) -> list[RecurrentLayer]:
-        return [layer.mamba for layer in self.layers if layer.mamba is not None]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.input_embeddings(input_ids)
@@ -184,13 +177,6 @@ class GraniteHybridForCausalLM(LlamaForCausalLM):
         if self.config.logits_scaling is not None and logits is not None:
             logits = logits / self.config.logits_scaling
         return logits
-
-    def native_decoder(self) -> NativeDecoder:
-        raise NotNative("recurrent layers (Mamba2), which the native step does not compute yet")
-
-    def enable_lora(self, *args, **kwargs) -> None:
-        raise ValueError(f"LoRA is not supported for hybrid models with recurrent layers ({self.config.architecture})"
-                         " yet; serve the model without enable_lora")
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -15,8 +15,11 @@ add. The final norm (`embedding_norm`, despite its name) comes after the last la
   `out_proj` as o_proj) on the paged KV cache.
 
 Modules carry llama.py's names (input_layernorm, self_attn.o_proj, mlp.gate_up_proj, ...); `load_weights` maps the
-checkpoint's LFM2 names onto them (a GGUF comes out with the same LFM2 names: loader.py). Not here: tensor
-parallelism, LoRA, the native decoder step and compiled decode steps (each refused or off, with the reason).
+checkpoint's LFM2 names onto them (a GGUF comes out with the same LFM2 names: loader.py). LoRA adapters adapt the
+attention and MLP projections under LFM2's names (self_attn.q_proj / k_proj / v_proj / out_proj, feed_forward.w1 /
+w3 / w2: `LORA_TARGETS`); the convolutions' in_proj / out_proj take none (refused: models/lora_modules.py). Not
+here: tensor parallelism, the native decoder step and compiled decode steps (each refused or off, with the
+reason).
 """
 from __future__ import annotations
 
@@ -29,14 +32,13 @@ from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.kernels.group_quant import CODES
 from kvflow.kernels.plan import KernelPlan
 from kvflow.kernels.recurrent import causal_conv1d
-from kvflow.layers.attention import PagedAttention
 from kvflow.layers.attention_metadata import AttentionMetadata
-from kvflow.layers.native_layers import NativeDecoder, NotNative
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.recurrent_state import RecurrentLayer
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.llama import MLP, Attention, LlamaForCausalLM, TensorParallelSizes
-from kvflow.models.model_config import ModelConfig
+from kvflow.models.hybrid import HybridForCausalLM
+from kvflow.models.model_config import SHORT_CONV, ModelConfig
 
 
 class ShortConv(RecurrentLayer):
@@ -104,36 +106,15 @@ _RENAMES = (
 )
 
 
-class Lfm2ForCausalLM(LlamaForCausalLM):
+class Lfm2ForCausalLM(HybridForCausalLM):
     decoder_layer = Lfm2DecoderLayer
-    # the runner compiles no decode graphs of a hybrid (its recurrent layers walk the step's runs in Python)
-    compiled_decode = False
-
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None,
-                 kernels: KernelPlan | None = None):
-        if tp is not None and tp.size > 1:
-            raise ValueError(f"tensor_parallel_size={tp.size}: tensor parallelism is not supported for hybrid models "
-                             f"({cfg.architecture}: its convolution layers' states are not split over ranks); use "
-                             "tensor_parallel_size=1")
-        if cfg.recurrent is None:
-            raise ValueError(f"{cfg.architecture} without convolution layers (every layer attention) is not an "
-                             "LFM2; kvflow expects some `conv` entries in layer_types")
-        super().__init__(cfg, max_positions, tp, kernels)
-
-    @property
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.layers if not layer.is_recurrent]
-
-    @property
-    def state_layers(self) -> list[RecurrentLayer]:
-        return [layer.conv for layer in self.layers if layer.is_recurrent]
-
-    def native_decoder(self) -> NativeDecoder:
-        raise NotNative("recurrent layers (LFM2's short convolutions)")
-
-    def enable_lora(self, *args, **kwargs) -> None:
-        raise ValueError(f"LoRA is not supported for {self.config.architecture} (LFM2) yet; serve it without "
-                         "enable_lora")
+    recurrent_kind = SHORT_CONV
+    # LoRA on the attention layers' and MLPs' projections under LFM2's names (the convolutions' take none:
+    # models/lora_modules.py)
+    LORA_TARGETS = {"self_attn": (LlamaForCausalLM.LORA_TARGETS["self_attn"][0],
+                                  ("o_lora", "o_proj", ("self_attn.out_proj",))),
+                    "mlp": (("gate_up_lora", "gate_up_proj", ("feed_forward.w1", "feed_forward.w3")),
+                            ("down_lora", "down_proj", ("feed_forward.w2",)))}
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

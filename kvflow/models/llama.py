@@ -31,6 +31,7 @@ from kvflow.layers.lora import LoRAStack
 from kvflow.layers.native_layers import NativeAttention, NativeDecoder, NativeLayer, NotNative
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.models.lora_modules import lora_modules
 from kvflow.models.model_config import ModelConfig
 
 
@@ -258,55 +259,64 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_reduce(rows.masked_fill(outside[:, None], 0))
 
     # ---- LoRA ----------------------------------------------------------------------------------------------
-    # per block: (the attribute holding the LoRA term, the base layer, the checkpoint projections it fuses in order)
-    LORA_TARGETS = {"self_attn": (("qkv_lora", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                                  ("o_lora", "o_proj", ("o_proj",))),
-                    "mlp": (("gate_up_lora", "gate_up_proj", ("gate_proj", "up_proj")),
-                            ("down_lora", "down_proj", ("down_proj",)))}
+    # per block (the layer's attribute): (the attribute holding the LoRA term, the base layer, the checkpoint modules
+    # under layers.{i} it fuses, in the order of its output rows: models/lora_modules.py names them and their shapes)
+    LORA_TARGETS = {"self_attn": (("qkv_lora", "qkv_proj",
+                                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                                  ("o_lora", "o_proj", ("self_attn.o_proj",))),
+                    "mlp": (("gate_up_lora", "gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+                            ("down_lora", "down_proj", ("mlp.down_proj",)))}
 
     def enable_lora(self, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32,
                     targets: tuple[str, ...] | None = None) -> None:
-        """Give every layer's projections among `targets` (checkpoint names; None: all seven) a LoRA term of
-        `max_loras` slots of rank `max_rank` (all zero: no adapter until `set_lora_slot`). One rank only
-        (config.validate refuses tensor parallelism with LoRA)."""
-        cfg, sizes = self.config, self.sizes
-        q, kv = sizes.num_heads * cfg.head_dim, sizes.num_kv_heads * cfg.head_dim
-        widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": cfg.hidden_size,
-                  "gate_proj": sizes.intermediate_size, "up_proj": sizes.intermediate_size,
-                  "down_proj": cfg.hidden_size}
-        inputs = {"qkv_proj": cfg.hidden_size, "o_proj": q, "gate_up_proj": cfg.hidden_size,
-                  "down_proj": sizes.intermediate_size}
+        """Give every layer's projections among `targets` (the projections' checkpoint names, q_proj, w1, ...; None:
+        every attention and MLP projection) a LoRA term of `max_loras` slots of rank `max_rank` (all zero: no adapter
+        until `set_lora_slot`); a layer without the block (a recurrent layer has no self_attn) gets none. One rank
+        only (config.validate refuses tensor parallelism with LoRA)."""
+        modules = lora_modules(self.config)
+        if targets is not None:
+            missing = [t for t in targets if t not in modules.projections]
+            if missing:
+                recurrent = [m for t in missing for m in modules.matching(t, modules.recurrent)]
+                why = modules.refusal(recurrent[0]) if recurrent else \
+                    f"its projections are {', '.join(modules.projections)}"
+                raise ValueError(f"lora_target_modules {missing}: {self.config.architecture} has no such adaptable "
+                                 f"projection ({why})")
         device = self.norm.weight.device      # (the embedding may have been swapped for a quantized table)
-        self.lora_pieces = {}                 # the LoRA term's attribute -> the projections it adapts, in order
+        self.lora_pieces = {}                 # the LoRA term's attribute -> the modules it adapts, in order
         for block, terms in self.LORA_TARGETS.items():
-            for attr, base, projections in terms:
+            for attr, base, fused in terms:
                 pieces, offset = [], 0
-                for proj in projections:
-                    if targets is None or proj in targets:
-                        pieces.append((proj, offset, widths[proj]))
-                    offset += widths[proj]
+                for module in fused:
+                    width = modules.shapes[module][1]
+                    if targets is None or module.rsplit(".", 1)[1] in targets:
+                        pieces.append((module, offset, width))
+                    offset += width
                 if not pieces:
                     continue
-                self.lora_pieces[attr] = tuple(proj for proj, _, _ in pieces)
+                self.lora_pieces[attr] = tuple(module for module, _, _ in pieces)
                 for layer in self.layers:
+                    owner = getattr(layer, block, None)
+                    if owner is None:
+                        continue
                     with torch.device(device):
-                        stack = LoRAStack(inputs[base], [(o, w) for _, o, w in pieces], max_loras, max_rank,
-                                          self.kernels)
-                    setattr(getattr(layer, block), attr, stack.to(dtype))
+                        stack = LoRAStack(modules.shapes[fused[0]][0], [(o, w) for _, o, w in pieces], max_loras,
+                                          max_rank, self.kernels)
+                    setattr(owner, attr, stack.to(dtype))
 
     @torch.no_grad()
     def set_lora_slot(self, slot: int, tensors: dict | None, scale: float = 1.0) -> None:
-        """Write one adapter into `slot` of every LoRA term (`tensors`: "layers.{i}.{block}.{proj}" -> (A [r, in],
+        """Write one adapter into `slot` of every LoRA term (`tensors`: "layers.{i}.{module}" -> (A [r, in],
         B [out, r]), models/lora_adapter.py); None clears the slot."""
         tensors = tensors or {}
         for i, layer in enumerate(self.layers):
             for block, terms in self.LORA_TARGETS.items():
-                module = getattr(layer, block)
+                owner = getattr(layer, block, None)
                 for attr, _, _ in terms:
-                    stack = getattr(module, attr)
+                    stack = getattr(owner, attr, None)
                     if stack is None:
                         continue
-                    pieces = [tensors.get(f"layers.{i}.{block}.{proj}") for proj in self.lora_pieces[attr]]
+                    pieces = [tensors.get(f"layers.{i}.{module}") for module in self.lora_pieces[attr]]
                     stack.set_slot(slot, [None if ab is None else (ab[0].to(stack.lora_a.dtype),
                                                                    ab[1].to(stack.lora_a.dtype)) for ab in pieces],
                                    scale)

@@ -7,10 +7,12 @@ Two readers over one set of checks:
   or a 400 (`/v1/load_lora_adapter`) naming the problem.
 - `load_adapter` (the engine, when the adapter first needs its weights) runs the same checks and reads the tensors.
 
-Supported: targets among q/k/v/o_proj and gate/up/down_proj of the decoder layers (any subset, any layers),
-`r` up to `--max-lora-rank`, scale `lora_alpha / r` (rsLoRA: `lora_alpha / sqrt(r)`). Refused, each with its
-reason: DoRA, embedding / LM-head / other targets, `modules_to_save`, a bias other than "none", per-module
-`rank_pattern` / `alpha_pattern`, shapes that do not fit the base model, missing files.
+Supported: targets among the family's attention and MLP projections (models/lora_modules.py: Llama's q/k/v/o_proj
+and gate/up/down_proj, LFM2's out_proj and w1/w3/w2, Granite 4.0 H's input_linear / output_linear; any subset, any
+layers), `r` up to `--max-lora-rank`, scale `lora_alpha / r` (rsLoRA: `lora_alpha / sqrt(r)`). Refused, each with
+its reason: DoRA, embedding / LM-head / other targets, a hybrid's recurrent projections (named), `modules_to_save`,
+a bias other than "none", per-module `rank_pattern` / `alpha_pattern`, shapes that do not fit the base model,
+missing files.
 """
 from __future__ import annotations
 
@@ -21,12 +23,13 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvflow.config import LORA_TARGET_MODULES
+from kvflow.models.lora_modules import LoRAModules, lora_modules
 from kvflow.models.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight")
+# a PEFT tensor name: (prefix.)layers.{i}.{module, e.g. self_attn.q_proj}.lora_A|B(.adapter name).weight
+_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(\w+(?:\.\w+)*?)\.lora_([AB])(?:\.\w+)?\.weight")
 
 
 class LoRAAdapterError(ValueError):
@@ -39,27 +42,18 @@ class AdapterInfo:
     path: str
     rank: int
     scale: float
-    targets: tuple[str, ...]                 # projection names present (q_proj, ...)
-    # "layers.{i}.{self_attn|mlp}.{proj}" -> (A shape [r, in], B shape [out, r])
+    targets: tuple[str, ...]                 # projection names present (q_proj, ..., w1: lora_modules' projections)
+    # "layers.{i}.{module}" (module: self_attn.q_proj, feed_forward.w1, ...) -> (A shape [r, in], B shape [out, r])
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class LoRAWeights:
-    """An adapter's tensors: "layers.{i}.{self_attn|mlp}.{proj}" -> (A [r, in], B [out, r]) as float32 on the CPU;
+    """An adapter's tensors: "layers.{i}.{module}" -> (A [r, in], B [out, r]) as float32 on the CPU;
     `scale` multiplies B @ A."""
     rank: int
     scale: float
     tensors: dict = field(default_factory=dict)
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """projection -> (in features, out features) of the base model (unsplit)."""
-    q = cfg.num_attention_heads * cfg.head_dim
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
 def _read_config(path: Path, name: str) -> dict:
@@ -92,7 +86,7 @@ def _safetensors_header(file: Path, name: str) -> dict:
 def inspect_adapter(path: str | Path, model_config: ModelConfig, max_rank: int, name: str | None = None,
                     allowed: tuple[str, ...] | None = None) -> AdapterInfo:
     """Check a PEFT adapter folder against the base model, the rank limit and the projections the server has LoRA
-    slots for (`allowed`, --lora-target-modules; None: all seven) without reading its tensors."""
+    slots for (`allowed`, --lora-target-modules; None: all of the family's) without reading its tensors."""
     path = Path(path).expanduser()
     name = name or path.name
     cfg = _read_config(path, name)
@@ -117,16 +111,26 @@ def inspect_adapter(path: str | Path, model_config: ModelConfig, max_rank: int, 
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
-    bad = [t for t in targets if t.split(".")[-1] not in LORA_TARGET_MODULES and not _is_regex(t)]
+    modules = lora_modules(model_config)
+    bad = []
+    for target in targets:
+        if _is_regex(target) or modules.matching(target, modules.shapes):
+            continue
+        recurrent = modules.matching(target, modules.recurrent)
+        if recurrent:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: target module {target!r} is not supported: "
+                                   f"{modules.refusal(recurrent[0])}")
+        bad.append(target)
     if bad:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: target modules {bad} are not supported (kvflow adapts "
-                               f"{', '.join(LORA_TARGET_MODULES)}; not embeddings or the LM head)")
+                               f"{', '.join(modules.projections)} of {modules.family}'s layers; not embeddings or the "
+                               "LM head)")
     weights_file = path / WEIGHTS_FILE
     if not weights_file.is_file():
         raise LoRAAdapterError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {str(path)!r}")
     header = _safetensors_header(weights_file, name)
     info = _check_tensors(name, str(path), {k: tuple(v["shape"]) for k, v in header.items()}, model_config,
-                          rank, scale)
+                          modules, rank, scale)
     outside = [t for t in info.targets if allowed is not None and t not in allowed]
     if outside:
         raise LoRAAdapterError(f"LoRA adapter {name!r} adapts {', '.join(outside)}, which this server has no LoRA slots "
@@ -138,41 +142,46 @@ def _is_regex(target: str) -> bool:
     return any(c in target for c in "*+?[]()|^$\\")
 
 
-def _check_tensors(name: str, path: str, shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, rank: int,
-                   scale: float) -> AdapterInfo:
-    want = expected_shapes(cfg)
+
+def _check_tensors(name: str, path: str, shapes: dict[str, tuple[int, ...]], cfg: ModelConfig,
+                   modules: LoRAModules, rank: int, scale: float) -> AdapterInfo:
     pairs: dict[str, dict[str, tuple[int, ...]]] = {}
     for key, shape in shapes.items():
         m = _KEY.fullmatch(key)
         if m is None:
             what = "embeddings" if "embed" in key else "the LM head" if "lm_head" in key else "this module"
             raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} adapts {what}, which kvflow does not "
-                                   f"support (only {', '.join(LORA_TARGET_MODULES)} of the decoder layers)")
-        layer, block, proj, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if proj not in LORA_TARGET_MODULES or (block == "self_attn") != (proj in LORA_TARGET_MODULES[:4]):
-            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} adapts {block}.{proj}, which kvflow does "
-                                   f"not support (only {', '.join(LORA_TARGET_MODULES)})")
+                                   f"support (only {', '.join(modules.projections)} of the decoder layers)")
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        if module not in modules.shapes:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} adapts {module}, which kvflow does not "
+                                   f"support: {modules.refusal(module)}")
         if layer >= cfg.num_hidden_layers:
             raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}, the base model has "
                                    f"{cfg.num_hidden_layers} layers")
-        pairs.setdefault(f"layers.{layer}.{block}.{proj}", {})[ab] = shape
+        if not modules.in_layer(module, layer, cfg):
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} adapts {module} of layer {layer}, which is "
+                                   "a recurrent layer in the base model (it has no attention; an adapter for another "
+                                   "base model?)")
+        pairs.setdefault(f"layers.{layer}.{module}", {})[ab] = shape
     if not pairs:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA tensors")
     out: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    for module, ab in pairs.items():
-        proj = module.rsplit(".", 1)[1]
+    for key, ab in pairs.items():
+        module = key.split(".", 2)[2]
         if set(ab) != {"A", "B"}:
-            raise LoRAAdapterError(f"LoRA adapter {name!r}: {module} has lora_{'A' if 'A' in ab else 'B'} but no "
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {key} has lora_{'A' if 'A' in ab else 'B'} but no "
                                    f"lora_{'B' if 'A' in ab else 'A'}")
         a, b = ab["A"], ab["B"]
-        n_in, n_out = want[proj]
+        n_in, n_out = modules.shapes[module]
         if a != (rank, n_in) or b != (n_out, rank):
             raise LoRAAdapterError(
-                f"LoRA adapter {name!r}: {module} has lora_A {list(a)} and lora_B {list(b)}; the base model's {proj} "
+                f"LoRA adapter {name!r}: {key} has lora_A {list(a)} and lora_B {list(b)}; the base model's {module} "
                 f"takes {n_in} inputs to {n_out} outputs, so rank {rank} needs [{rank}, {n_in}] and [{n_out}, {rank}] "
                 f"(an adapter for another base model?)")
-        out[module] = (a, b)
-    targets = tuple(t for t in LORA_TARGET_MODULES if any(m.endswith("." + t) for m in out))
+        out[key] = (a, b)
+    adapted = {key.split(".", 2)[2] for key in out}
+    targets = tuple(dict.fromkeys(m.rsplit(".", 1)[1] for m in modules.shapes if m in adapted))
     return AdapterInfo(path, rank, scale, targets, out)
 
 
@@ -186,5 +195,5 @@ def load_adapter(path: str | Path, model_config: ModelConfig, max_rank: int, nam
     by_module: dict[str, dict] = {}
     for key, t in tensors.items():
         m = _KEY.fullmatch(key)
-        by_module.setdefault(f"layers.{m.group(1)}.{m.group(2)}.{m.group(3)}", {})[m.group(4)] = t.float()
+        by_module.setdefault(f"layers.{m.group(1)}.{m.group(2)}", {})[m.group(3)] = t.float()
     return LoRAWeights(info.rank, info.scale, {module: (ab["A"], ab["B"]) for module, ab in by_module.items()})

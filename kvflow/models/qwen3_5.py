@@ -11,6 +11,10 @@ decoder's pieces (llama.py: fused projections, MLP, rotary tables, loading).
 - RMSNorm x̂ (1 + w), the checkpoint holding w: 1 is added once at load in float32 (as gemma3.py does; the loader
   turns a GGUF's stored 1 + w back into w). The Gated DeltaNet's own norm multiplies by w as it is.
 
+- LoRA: adapters adapt the gated attention's q_proj (its B rows in the checkpoint's query-then-gate order per head,
+  the rows qkv_proj keeps) / k_proj / v_proj / o_proj and the MLPs' gate/up/down_proj (llama.py's `LORA_TARGETS`);
+  the Gated DeltaNet's projections take none (refused: models/lora_modules.py).
+
 The released checkpoints are Qwen3_5ForConditionalGeneration (a vision tower beside the text model): the text model
 is served, the tower's weights (`model.visual.*`) skipped, and so are the multi-token-prediction block's (`mtp.*`)
 unless speculative decoding drafts with it (`MultiTokenPredictor`, `enable_mtp`: the "mtp" method).
@@ -28,14 +32,14 @@ from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.kernels.group_quant import CODES
 from kvflow.kernels.plan import KernelPlan
 from kvflow.kernels.recurrent import causal_conv1d, gated_delta_rule
-from kvflow.layers.attention import PagedAttention
 from kvflow.layers.attention_metadata import AttentionMetadata
-from kvflow.layers.native_layers import NativeDecoder, NotNative
+from kvflow.layers.native_layers import NotNative
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.recurrent_state import RecurrentLayer
 from kvflow.layers.rotary import RotaryEmbedding
-from kvflow.models.llama import MLP, Attention, LlamaForCausalLM, TensorParallelSizes
-from kvflow.models.model_config import ModelConfig, qwen3_5_zero_centred
+from kvflow.models.hybrid import HybridForCausalLM
+from kvflow.models.llama import MLP, Attention, LlamaForCausalLM, TensorParallelSizes, _lora_on
+from kvflow.models.model_config import GATED_DELTA_NET, ModelConfig, qwen3_5_zero_centred
 
 logger = logging.getLogger(__name__)
 
@@ -131,13 +135,20 @@ class GatedAttention(Attention):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if _lora_on(self.qkv_lora, meta):
+            # q_proj's LoRA rows are the checkpoint's (query then gate per head), which qkv_proj keeps as they are
+            qkv = self.qkv_lora.add_to(qkv, x, meta.lora_mask)
+        qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.view(T, H, 2, D)
         gate = qg[:, :, 1].reshape(T, self.q_size)
         qk = torch.cat([self.q_norm(qg[:, :, 0].contiguous()), self.k_norm(k.reshape(T, Hkv, D))], dim=1)
         q, k = self.rotary.rotate(qk, rope).split([H, Hkv], dim=1)
-        attn = self.attn(q, k, v.reshape(T, Hkv, D), meta)
-        return self.o_proj(attn * torch.sigmoid(gate))
+        gated = self.attn(q, k, v.reshape(T, Hkv, D), meta) * torch.sigmoid(gate)
+        out = self.o_proj(gated)
+        if _lora_on(self.o_lora, meta):
+            out = self.o_lora.add_to(out, gated, meta.lora_mask)
+        return out
 
     def native(self, rotary: RotaryEmbedding):
         raise NotNative("gated attention (Qwen3.5)")
@@ -200,18 +211,13 @@ MTP = "multi-token prediction"
 _SKIPPED = {"model.visual.": "vision tower", "mtp.": MTP}
 
 
-class Qwen3_5ForCausalLM(LlamaForCausalLM):
+class Qwen3_5ForCausalLM(HybridForCausalLM):
     decoder_layer = Qwen3_5DecoderLayer
     fused_pieces = _QWEN3_5_FUSED
-    compiled_decode = False         # no compiled decode step for recurrent layers yet
+    recurrent_kind = GATED_DELTA_NET
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TensorParallel | None = None,
                  kernels: KernelPlan | None = None):
-        if tp is not None and tp.size > 1:
-            raise ValueError("Qwen3.5 (recurrent Gated DeltaNet layers) does not run with tensor_parallel_size > 1 "
-                             "yet; use tensor_parallel_size=1")
-        if cfg.recurrent is None:
-            raise ValueError("a Qwen3.5 config without linear-attention layers")
         if not cfg.attn_output_gate:
             raise ValueError("Qwen3.5 without attn_output_gate is not supported")
         super().__init__(cfg, max_positions, tp, kernels)
@@ -237,23 +243,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         its position, and `hidden[i]`, the target's final hidden state at its position (or the previous draft step's
         output); `compute_logits` of the result predicts the token after `input_ids[i]`."""
         return self.mtp(self.embed(input_ids), hidden, self.rotary.lookup(positions), meta)
-
-    @property
-    def attention_layers(self) -> list[PagedAttention]:
-        layers = [layer.self_attn.attn for layer in self.layers if not layer.recurrent]
-        return layers + ([self.mtp.layers[0].self_attn.attn] if self.mtp is not None else [])
-
-    @property
-    def state_layers(self) -> list[GatedDeltaNet]:
-        return [layer.linear_attn for layer in self.layers if layer.recurrent]
-
-    def native_decoder(self) -> NativeDecoder:
-        raise NotNative("Qwen3.5's recurrent layers (Gated DeltaNet) and gated attention")
-
-    def enable_lora(self, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32,
-                    targets: tuple[str, ...] | None = None) -> None:
-        raise ValueError("LoRA is not supported for Qwen3.5 yet (its Gated DeltaNet layers and gated attention take "
-                         "no LoRA terms); serve it without enable_lora")
 
     def _shard_sizes(self, name: str) -> list[int]:
         cfg = self.config

@@ -94,8 +94,8 @@ class ModelRunner:
         if self.lora:
             targets = config.lora_target_modules
             model.enable_lora(*self.lora, self.dtype, targets)
-            log.info("LoRA: %d slot(s) of rank %d on %s (%s)", *self.lora, ", ".join(targets or ("every q/k/v/o/gate/"
-                     "up/down projection",)), str(self.dtype).removeprefix("torch."))
+            log.info("LoRA: %d slot(s) of rank %d on %s (%s)", *self.lora, ", ".join(targets or ("every attention and "
+                     "MLP projection",)), str(self.dtype).removeprefix("torch."))
         self.model.eval()
         self.weights_bytes = sum(t.numel() * t.element_size() for name, t in
                                  [*model.named_parameters(), *model.named_buffers()] if not name.startswith("rotary"))

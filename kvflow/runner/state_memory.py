@@ -4,21 +4,24 @@ A recurrent layer's state is fixed-size per request and large next to one token'
 float32 state, the KV of ~1,600 of its tokens; LFM2-1.2B: 160 KiB), so it is budgeted in slots, not blocks, as
 llama.cpp and SGLang keep it. The slots of every recurrent layer's state tensors are numbered alike:
 
-- `live`: one per running request (at most max_num_seqs; fewer when the budget cannot hold them: the scheduler then
-  admits a request only while a slot is free);
+- `live`: one per running request, up to max_num_seqs, as llama.cpp keeps a cell per slot, but at most half the budget
+  (Qwen3.5-0.8B's 128 slots would be 2.4 GiB, the whole default budget, leaving the KV blocks one request's worth):
+  with fewer, the scheduler admits a request only while a slot is free;
+- `checkpoints`: prefix caching's states at block boundaries, keyed by the block's hash chain, at most
+  1/CHECKPOINT_SHARE of the budget, set aside first (a hybrid's prefix-cache hit needs one);
 - `snapshots`: speculative decoding's per-draft states (num_speculative_tokens per speculating request): a rejected
   draft has already been absorbed into the live state, so the state after the last accepted token is copied back
-  from its snapshot;
-- `checkpoints`: prefix caching's states at block boundaries, keyed by the block's hash chain.
+  from its snapshot; at most 1/SNAPSHOT_SHARE of the budget.
 
-The states take at most half the budget, and never the blocks one request of max_model_len needs.
+The KV blocks get the rest, never less than one request of max_model_len needs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-STATE_SHARE = 2          # states take at most 1/STATE_SHARE of the budget
-CHECKPOINT_SHARE = 8     # prefix-cache checkpoints at most 1/CHECKPOINT_SHARE of it
+LIVE_SHARE = 2           # live slots take at most 1/LIVE_SHARE of the budget: the KV blocks keep room for long prompts
+CHECKPOINT_SHARE = 16    # prefix-cache checkpoints take at most 1/CHECKPOINT_SHARE of the budget
+SNAPSHOT_SHARE = 8       # speculative snapshots at most 1/SNAPSHOT_SHARE of it
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,12 @@ class StateSlotCounts:
 def plan_state_slots(budget: int, slot_bytes: int, block_bytes: int, blocks_for_one_request: int, max_num_seqs: int,
                      num_speculative_tokens: int, prefix_caching: bool) -> StateSlotCounts:
     """The slots of each kind a budget of `budget` bytes gives, live ones first (ValueError: not even one)."""
-    room = min(budget - blocks_for_one_request * block_bytes, budget // STATE_SHARE)
-    live = min(max_num_seqs, max(room, 0) // slot_bytes)
+    room = budget - blocks_for_one_request * block_bytes
+    checkpoints = 0
+    if prefix_caching:
+        checkpoints = max(0, min(room // 2, budget // CHECKPOINT_SHARE)) // slot_bytes
+        room -= checkpoints * slot_bytes
+    live = min(max_num_seqs, max(room, 0) // slot_bytes, budget // LIVE_SHARE // slot_bytes)
     if live < 1:
         raise ValueError(
             f"the KV cache budget ({budget / 2**20:.1f} MiB) cannot hold one request's recurrent state "
@@ -53,13 +60,8 @@ def plan_state_slots(budget: int, slot_bytes: int, block_bytes: int, blocks_for_
             f"({blocks_for_one_request} blocks of {block_bytes / 2**20:.3f} MiB); raise kv_cache_memory or lower "
             "max_model_len")
     room -= live * slot_bytes
-    checkpoints = 0
-    if prefix_caching:       # at most half of what is left: speculation's snapshots get the rest
-        checkpoints = max(0, min(room // 2 if num_speculative_tokens else room, budget // CHECKPOINT_SHARE)
-                          // slot_bytes)
-        room -= checkpoints * slot_bytes
     snapshots = 0
     if num_speculative_tokens:
-        speculating = min(live, room // (slot_bytes * num_speculative_tokens))
+        speculating = min(live, min(room, budget // SNAPSHOT_SHARE) // (slot_bytes * num_speculative_tokens))
         snapshots = speculating * num_speculative_tokens
     return StateSlotCounts(live, snapshots, checkpoints, slot_bytes)

@@ -4,24 +4,6 @@
 
 #include "common.h"
 
-// e^x for x <= 0 (scores minus their maximum), 8 lanes: Cephes' expf polynomial, ~1 ulp; results below
-// 2^-126 flush to 2^-126 (x is clamped at -87.3), which no softmax sum notices.
-static inline __m256 exp_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 // Paged attention straight from the KV cache (no gathered copy of the context), in tiles (attend_tile, below):
 //   q [T, Hq, D]; caches [blocks, block_size, Hkv, D]; query row t belongs to sequence row_seq[t], whose block
@@ -280,12 +262,12 @@ static void attend_tile(const attention_job *a, int64_t t0, int64_t R, int64_t h
                         _mm256_cmpgt_epi32(k, _mm256_set1_epi32((int)from - 1)),
                         _mm256_cmpgt_epi32(_mm256_set1_epi32((int)to), k)));
                     const __m256 x = _mm256_and_ps(_mm256_sub_ps(_mm256_loadu_ps(score + k0), m), inside);
-                    const __m256 e = _mm256_and_ps(exp_nonpositive(x), inside);
+                    const __m256 e = _mm256_and_ps(exp8(x), inside);
                     _mm256_storeu_ps(score + k0, e);
                     sum = _mm256_add_ps(sum, e);
                 }
                 const float alpha = st[D] == -INFINITY ? 0.0f
-                    : _mm256_cvtss_f32(exp_nonpositive(_mm256_set1_ps(st[D] - top)));
+                    : _mm256_cvtss_f32(exp8(_mm256_set1_ps(st[D] - top)));
                 st[D] = top;
                 st[D + 1] = st[D + 1] * alpha + hsum(sum);
                 accs[g] = st, alphas[g] = alpha, probs[g] = score;

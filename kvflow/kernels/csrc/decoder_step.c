@@ -133,12 +133,12 @@ __attribute__((target("avx512f"))) static int64_t silu_mul16(const float *gate, 
 static void silu_mul(const float *gate, const float *up, int64_t n, float *out, const step_shape *s) {
     int64_t j = 0;
     if (s->exp_vec && s->exp_lanes == 8) {
-        const exp8_fn exp8 = (exp8_fn)s->exp_vec;
+        const exp8_fn torch_exp8 = (exp8_fn)s->exp_vec;     // torch's own (Sleef), not common.h's
         const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
         for (; j + 16 <= n; j += 16)
             for (int64_t v = j; v < j + 16; v += 8) {
                 const __m256 x = _mm256_loadu_ps(gate + v);
-                const __m256 e = exp8(_mm256_xor_ps(x, sign));
+                const __m256 e = torch_exp8(_mm256_xor_ps(x, sign));
                 _mm256_storeu_ps(out + v, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)),
                                                         _mm256_loadu_ps(up + v)));
             }

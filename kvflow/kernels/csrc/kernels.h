@@ -30,3 +30,22 @@ int kvflow_moe_route(const float *x, int64_t T, int64_t H, const float *router, 
 int kvflow_moe_experts(const float *x, int64_t T, int64_t H, const int64_t *ids, const float *weights, int64_t k,
                        int64_t E, int64_t I, experts_t gate_up, int64_t gu_rows, experts_t down, int64_t dn_rows,
                        float *y, int threads);
+
+// A step's runs of rows that continue one state slot each (kernels/recurrent.py's StateBatch; recurrent.c): run i is
+// rows starts[i] .. starts[i + 1] - 1 and updates slot run_slots[i]; after row snapshot_rows[i] (ascending), a copy
+// of its run's state goes to slot snapshot_slots[i]. `slots`: the state tensors' slot count.
+typedef struct {
+    const int64_t *starts, *run_slots;
+    int64_t runs;
+    const int64_t *snapshot_rows, *snapshot_slots;
+    int64_t snapshots, slots;
+} state_runs_t;
+int kvflow_causal_conv1d(const float *x, int64_t T, int64_t C, const float *weight, int64_t K, const float *bias,
+                         float *state, state_runs_t runs, int silu_after, float *out, int threads);
+int kvflow_gated_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                            int64_t T, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, float *state,
+                            state_runs_t runs, float *out, int threads);
+void kvflow_recurrent_use_avx512(int yes);
+int kvflow_ssm_scan(const float *x, const float *dt, const float *A, const float *B, const float *C, const float *D,
+                    int64_t T, int64_t H, int64_t P, int64_t G, int64_t N, float *state, state_runs_t runs,
+                    float *out, int threads);
