@@ -75,6 +75,20 @@ class WeightFormat:
         return f"<weight format {self.name}: {self.bits}-bit codes>"
 
 
+# rows packed at a time (a multiple of X16): packing builds int32 temporaries several times the codes' size, which for a
+# whole 248,320-row vocabulary (Qwen3.5's tied Q6_K table) peaked at ~4 GiB while loading
+PACK_ROWS = 8192
+
+
+def _by_row_chunks(pack_rows, *rows: torch.Tensor) -> torch.Tensor:
+    """`pack_rows(*rows)` (codes in the layout x16, row blocks first) computed PACK_ROWS rows at a time: each chunk's
+    row blocks are the whole matrix's, so the result is the same bytes."""
+    n = rows[0].shape[0]
+    if n <= PACK_ROWS:
+        return pack_rows(*rows)
+    return torch.cat([pack_rows(*(t[a:a + PACK_ROWS] for t in rows)) for a in range(0, n, PACK_ROWS)])
+
+
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.allclose(got, want, rtol=0, atol=0.02 * want.abs().max().item())
 
@@ -177,6 +191,10 @@ class Q5(Q8):
         return codes.dtype == torch.int8 and codes.numel() > 0 and -16 <= int(codes.min()) and int(codes.max()) <= 15
 
     def pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        return _by_row_chunks(self._pack_rows, codes)
+
+    @staticmethod
+    def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
         k = codes.shape[1]
         u = (codes.to(torch.int16) + 16).to(torch.uint8)
         nibbles, high = Q4.pack_codes(u & 15), u >> 4
@@ -217,6 +235,9 @@ class Q6(WeightFormat):
         return self.pack_codes(codes.codes, multipliers), self.pack_d(d), torch.empty(0)
 
     def pack_codes(self, codes: torch.Tensor, multipliers: torch.Tensor) -> torch.Tensor:
+        return _by_row_chunks(self._pack_rows, codes, multipliers)
+
+    def _pack_rows(self, codes: torch.Tensor, multipliers: torch.Tensor) -> torch.Tensor:
         n, k = codes.shape
         g = k // GROUP
         u = codes.to(torch.uint8)
