@@ -14,7 +14,7 @@ from kvflow.runner.state_memory import plan_state_slots
 from tiny_models import make_tiny_hf_model
 from transformers_greedy import assert_greedy_matches
 
-FAMILIES = ["granitemoehybrid", "lfm2"]
+FAMILIES = ["lfm2", "qwen3_5", "granitemoehybrid"]
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 

@@ -188,11 +188,14 @@ def tiny_qwen3_5(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("qwen3_5"), family="qwen3_5", seed=3)
 
 
-def loaded(path) -> Qwen3_5ForCausalLM:
+def loaded(path, mtp: bool = False) -> Qwen3_5ForCausalLM:
+    """kvflow's model (with its MTP block: `mtp`), KV caches of 16 blocks of 16 and 2 state slots (zeroed)."""
     from kvflow.models.loader import iter_weights
 
     files = resolve_model_files(path)
     model = Qwen3_5ForCausalLM(files.config, 256)
+    if mtp:
+        model.enable_mtp()
     model.load_weights(iter_weights(files))
     for attn in model.attention_layers:
         attn.k_cache = torch.zeros(16, 16, attn.num_kv_heads, attn.head_dim)

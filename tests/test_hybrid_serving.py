@@ -1,7 +1,7 @@
 """A hybrid (a random-weight tiny Qwen3.5: Gated DeltaNet beside attention) served whole: `kvflow serve` to the
 official `openai` client — 16 concurrent streamed chats give what each gives alone, the boot's cache figures count the
 state slots (vllm:cache_config_info, kv_cache_usage_perc), a repeated prompt hits the prefix cache — and
-`kvflow run-batch` answering a file as the server does."""
+`kvflow run-batch` answering a file with each hybrid family."""
 from __future__ import annotations
 
 import asyncio
@@ -74,13 +74,15 @@ def test_metrics_count_the_state_slots_and_a_repeated_prompt_hits(server):
 
 
 @pytest.mark.slow
-def test_run_batch_answers_a_file(qwen35_path, tmp_path):
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5", "granitemoehybrid"])
+def test_run_batch_answers_a_file(family, tmp_path):
+    path = make_tiny_hf_model(tmp_path / family, family=family, seed=4)
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": str(qwen35_path), "messages": chat(i), "max_tokens": 6, "temperature": 0}} for i in range(4)]
+              "body": {"model": str(path), "messages": chat(i), "max_tokens": 6, "temperature": 0}} for i in range(4)]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
     run = subprocess.run([sys.executable, "-m", "kvflow.cli", "run-batch", "-i", str(inp), "-o", str(out),
-                          str(qwen35_path), "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory",
+                          str(path), "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory",
                           "64MiB"], capture_output=True, text=True, timeout=600, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 0, run.stderr[-3000:]

@@ -22,11 +22,11 @@ from kvflow.core.scheduler import Scheduler
 from kvflow.kernels.recurrent import StateBatch
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
 from kvflow.metrics import EngineMetrics
-from kvflow.models.loader import iter_weights
 from kvflow.models.model_files import resolve_model_files
 from kvflow.models.qwen3_5 import Qwen3_5ForCausalLM
 from kvflow.request import AddRequest, Request
 from kvflow.runner.step import SampledTokens
+from test_hybrid_qwen3_5 import loaded as qwen3_5_loaded
 from tiny_models import make_tiny_hf_model, write_gguf_from_hf
 from transformers_greedy import assert_greedy_matches
 
@@ -69,18 +69,7 @@ def generate(model: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 # ---- the block ---------------------------------------------------------------------------------------------------
 def loaded(path) -> Qwen3_5ForCausalLM:
-    """kvflow's model with its MTP block, KV caches of 16 blocks of 16 and 2 state slots (zeroed)."""
-    files = resolve_model_files(path)
-    model = Qwen3_5ForCausalLM(files.config, 256)
-    model.enable_mtp()
-    model.load_weights(iter_weights(files))
-    for attn in model.attention_layers:
-        attn.k_cache = torch.zeros(16, 16, attn.num_kv_heads, attn.head_dim)
-        attn.v_cache = torch.zeros_like(attn.k_cache)
-    for layer in model.state_layers:
-        layer.bind_state({name: torch.zeros(2, *shape, dtype=dtype)
-                          for name, (shape, dtype) in layer.state_shapes(torch.float32).items()})
-    return model.eval()
+    return qwen3_5_loaded(path, mtp=True)
 
 
 @torch.no_grad()

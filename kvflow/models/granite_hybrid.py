@@ -168,16 +168,6 @@ class GraniteHybridForCausalLM(HybridForCausalLM):
             h = layer(rope, h, meta)
         return self.norm(h)
 
-    def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(input_ids)
-        return h if self.config.embedding_multiplier is None else h * self.config.embedding_multiplier
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = super().compute_logits(hidden)
-        if self.config.logits_scaling is not None and logits is not None:
-            logits = logits / self.config.logits_scaling
-        return logits
-
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF checkpoints and GGUF files (loader.py's names) alike: the shared MLP's fused gate ‖ up split into

@@ -234,8 +234,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """What the first layer reads (the runner's native step starts here too)."""
-        return self.embed(input_ids)
+        """What the first layer reads (the runner's native step starts here too): the embedding, times Granite's
+        embedding multiplier (GraniteMoE, Granite 4.0 H; None for the other families)."""
+        h = self.embed(input_ids)
+        return h if self.config.embedding_multiplier is None else h * self.config.embedding_multiplier
 
     def native_decoder(self) -> NativeDecoder:
         """The model as kvflow's native decoder step computes it (layers/native_layers.py), each layer described by
@@ -330,6 +332,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             logits = F.linear(hidden, head.weight).float()
         logits = self.tp.gather_last_dim(logits, self.config.vocab_size)
+        if self.config.logits_scaling is not None and logits is not None:     # Granite's: divided by it
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping
         if cap and logits is not None:
             logits = torch.tanh(logits / cap) * cap

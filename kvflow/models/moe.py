@@ -80,16 +80,6 @@ class MoeForCausalLM(LlamaForCausalLM):
                              f"mixture-of-experts models ({cfg.architecture}); use tensor_parallel_size=1")
         super().__init__(cfg, max_positions, tp, kernels)
 
-    def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(input_ids)
-        return h if self.config.embedding_multiplier is None else h * self.config.embedding_multiplier
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = super().compute_logits(hidden)
-        if self.config.logits_scaling is not None and logits is not None:
-            logits = logits / self.config.logits_scaling
-        return logits
-
     def enable_lora(self, *args, **kwargs) -> None:
         raise ValueError(f"LoRA is not supported for mixture-of-experts models ({self.config.architecture})")
 
