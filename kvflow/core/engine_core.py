@@ -81,10 +81,10 @@ class EngineCore:
                  f"{self.max_model_len:,}", max_concurrency)
         slots = r.state_slots
         if slots is not None:
-            log.info("recurrent state %.2f GiB (%d layers, %.2f MiB per request) = %d live slots (at most %d requests "
-                     "run at once), %d speculative snapshots, %d prefix-cache checkpoints", slots.total * slots.slot_bytes
-                     / 2**30, len(r.state_layers), slots.slot_bytes / 2**20, slots.live, slots.live, slots.snapshots,
-                     slots.checkpoints)
+            log.info("recurrent state %.2f GiB (%d layers, %.2f MiB per request) = %d live slots (as many requests run "
+                     "at once), %d speculative snapshots, %d prefix-cache checkpoints",
+                     slots.total * slots.slot_bytes / 2**30, len(r.state_layers), slots.slot_bytes / 2**20, slots.live,
+                     slots.snapshots, slots.checkpoints)
 
     def _read_adapter(self, lora: LoRARequest):
         from kvflow.models.lora_adapter import load_adapter

@@ -19,8 +19,8 @@ from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.kernels import build, ops
 from kvflow.kernels.plan import CoreShare, KernelPlan
-from kvflow.layers import kv_int8
 from kvflow.kernels.recurrent import StateBatch
+from kvflow.layers import kv_int8
 from kvflow.layers.attention_metadata import AttentionMetadata, PrefillBatch
 from kvflow.layers.lora import lora_mask
 from kvflow.layers.moe import SparseMoE
@@ -97,6 +97,9 @@ class ModelRunner:
             log.info("LoRA: %d slot(s) of rank %d on %s (%s)", *self.lora, ", ".join(targets or ("every attention and "
                      "MLP projection",)), str(self.dtype).removeprefix("torch."))
         self.model.eval()
+        # the model's recurrent layers (layers/recurrent_state.py), in layer order, found once (the model finds them
+        # by walking its modules); none for a transformer
+        self.state_layers = list(getattr(model, "state_layers", ()))
         self.weights_bytes = sum(t.numel() * t.element_size() for name, t in
                                  [*model.named_parameters(), *model.named_buffers()] if not name.startswith("rotary"))
         self.load_seconds = time.perf_counter() - t0
@@ -276,11 +279,6 @@ class ModelRunner:
         return num_blocks
 
     # ---- recurrent state (hybrids) ------------------------------------------------------------------
-    @property
-    def state_layers(self) -> list:
-        """The model's recurrent layers (layers/recurrent_state.py), in layer order; none for a transformer."""
-        return list(getattr(self.model, "state_layers", ()))
-
     def _allocate_states(self, budget: int, block_bytes: int) -> StateSlotCounts:
         """Every recurrent layer's state tensors, [slots, *shape] each, zeroed; the slots' kinds by plan_state_slots."""
         layers = self.state_layers
