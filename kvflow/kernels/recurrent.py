@@ -140,6 +140,27 @@ def ssm_scan_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
     return out
 
 
+def sigmoid_mul_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gated attention's output gate (Qwen3.5): x [T, H * D] times sigmoid(gate), gate [T, H, D] (any strides)."""
+    return x * torch.sigmoid(gate.reshape(x.shape))
+
+
+def gdn_gates_reference(ba: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+    """Gated DeltaNet's per-token gates from ba [T, 2 Hv] (b then a): beta = sigmoid(b) [T, Hv] in ba's dtype, and
+    the log decay g = -exp(A_log) * softplus(a + dt_bias) [T, Hv] (<= 0), in float32 whatever the dtype (as
+    transformers: -inf otherwise in fp16), torch's softplus passing x above 20 as it is."""
+    b, a = ba.split(A_log.shape[0], dim=-1)
+    return b.sigmoid(), -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+
+
+def gated_rms_norm_reference(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's RMSNormGated: RMSNorm over each value head's dv values (o [T, Hv, dv]), times weight (as it is),
+    times silu(z) (z [T, Hv, dv], any strides): norm before gate, in float32, as transformers computes it."""
+    normed = F.rms_norm(o.float(), o.shape[-1:], None, eps)
+    return (weight * normed.to(o.dtype) * F.silu(z.float())).to(o.dtype)
+
+
 # ---- the dispatch: kvflow's C kernels on CPU float32, else the definitions above ----
 
 @functools.cache
@@ -160,9 +181,9 @@ def _on_native(state: torch.Tensor, *tensors: torch.Tensor) -> bool:
             and all(t.is_cpu and t.dtype == torch.float32 for t in tensors))
 
 
-def _state_runs(batch: StateBatch, slots: int) -> tuple[build.StateRuns, tuple[torch.Tensor, ...]]:
-    """The runs as the C kernels read them, and the int64 tensors the struct points into (the caller holds them
-    for the call). The runner's are int64 already: no copies."""
+def state_runs(batch: StateBatch, slots: int) -> tuple[build.StateRuns, tuple[torch.Tensor, ...]]:
+    """The runs as the C kernels (and the native step) read them, and the int64 tensors the struct points into (the
+    caller holds them for the call). The runner's are int64 already: no copies."""
     held = tuple(t if t.dtype == torch.int64 and t.is_cpu and t.is_contiguous() else
                  t.to(device="cpu", dtype=torch.int64).contiguous()
                  for t in (batch.run_starts, batch.run_slots, batch.snapshot_rows, batch.snapshot_slots))
@@ -194,7 +215,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     w = weight.float().contiguous()
     b = bias.float().contiguous() if bias is not None else None
     out = torch.empty_like(x)
-    runs, held = _state_runs(batch, state.shape[0])
+    runs, held = state_runs(batch, state.shape[0])
     _check(lib.kvflow_causal_conv1d(x.data_ptr(), T, C, w.data_ptr(), K, b.data_ptr() if b is not None else None,
                                     state.data_ptr(), runs, int(silu), out.data_ptr(), ops.threads()),
            "causal_conv1d")
@@ -213,7 +234,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.float().contiguous(), beta.float().contiguous()
     out = torch.empty_like(v)
-    runs, held = _state_runs(batch, state.shape[0])
+    runs, held = state_runs(batch, state.shape[0])
     _check(lib.kvflow_gated_delta_rule(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), T,
                                        Hk, Hv, dk, dv, state.data_ptr(), runs, out.data_ptr(), ops.threads()),
            "gated_delta_rule")
@@ -232,7 +253,50 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     x, B, C = x.contiguous(), B.contiguous(), C.contiguous()
     dt, A, D = dt.float().contiguous(), A.float().contiguous(), D.float().contiguous()
     out = torch.empty_like(x)
-    runs, held = _state_runs(batch, state.shape[0])
+    runs, held = state_runs(batch, state.shape[0])
     _check(lib.kvflow_ssm_scan(x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(), D.data_ptr(),
                                T, H, P, G, N, state.data_ptr(), runs, out.data_ptr(), ops.threads()), "ssm_scan")
+    return out
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`sigmoid_mul_reference`; on kvflow's C kernel (csrc/recurrent.c, which the native step calls too) for CPU
+    float32 x [T, H * D] contiguous and gate [T, H, D] whose last dimension is contiguous."""
+    lib = _native()
+    T, H, D = gate.shape
+    if (lib is None or not all(t.is_cpu and t.dtype == torch.float32 for t in (x, gate)) or not x.is_contiguous()
+            or x.shape != (T, H * D) or gate.stride(2) != 1):
+        return sigmoid_mul_reference(x, gate)
+    out = torch.empty_like(x)
+    lib.kvflow_sigmoid_mul(x.data_ptr(), T, H, D, gate.data_ptr(), gate.stride(0), gate.stride(1), out.data_ptr())
+    return out
+
+
+def gdn_gates(ba: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gdn_gates_reference`; on kvflow's C kernel for CPU float32 ba whose rows are contiguous."""
+    lib = _native()
+    T, Hv = ba.shape[0], A_log.shape[0]
+    if (lib is None or not all(t.is_cpu and t.dtype == torch.float32 for t in (ba, A_log, dt_bias))
+            or ba.shape != (T, 2 * Hv) or ba.stride(1) != 1):
+        return gdn_gates_reference(ba, A_log, dt_bias)
+    A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
+    beta, g = torch.empty(T, Hv), torch.empty(T, Hv)
+    lib.kvflow_gdn_gates(ba.data_ptr(), T, Hv, ba.stride(0), A_log.data_ptr(), dt_bias.data_ptr(), beta.data_ptr(),
+                         g.data_ptr())
+    return beta, g
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`gated_rms_norm_reference`; on kvflow's C kernel for CPU float32 o [T, Hv, dv] contiguous and z [T, Hv, dv]
+    whose heads are dv apart in rows."""
+    lib = _native()
+    T, Hv, dv = o.shape
+    if (lib is None or not all(t.is_cpu and t.dtype == torch.float32 for t in (o, z, weight))
+            or not o.is_contiguous() or z.shape != o.shape or z.stride(2) != 1 or z.stride(1) != dv
+            or weight.shape != (dv,)):
+        return gated_rms_norm_reference(o, z, weight, eps)
+    weight = weight.contiguous()
+    out = torch.empty_like(o)
+    lib.kvflow_gated_rms_norm(o.data_ptr(), T, Hv, dv, z.data_ptr(), z.stride(0), weight.data_ptr(), eps,
+                              out.data_ptr(), ops.threads())
     return out

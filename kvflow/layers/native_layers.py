@@ -3,8 +3,10 @@ family's modules (their weights stay where they are), so the runner's native ste
 description instead of knowing each family by type. A family whose layers are not one of these shapes says why
 with `NotNative`, and its model runs layer by layer.
 
-A layer here is pre-norm attention then an MLP (dense, or a mixture of experts), each block's output optionally
-normed (Gemma 3's sandwich) and scaled (Granite) before its residual add.
+A layer here is a pre-norm mixer then an MLP (dense, or a mixture of experts), each block's output optionally
+normed (Gemma 3's sandwich) and scaled (Granite) before its residual add. The mixer is attention (its output gated
+on Qwen3.5) or, in a hybrid, a recurrent layer over the step's state slots: LFM2's short convolution or Qwen3.5's
+Gated DeltaNet.
 """
 from __future__ import annotations
 
@@ -34,11 +36,41 @@ class NativeAttention:
     head_dim: int
     paged: PagedAttention          # its KV cache, softmax scale and sliding window
     rotary: RotaryEmbedding        # the tables this layer rotates q and k with
+    output_gate: bool = False      # q's rows hold per head D query then D gate values; out = o(attn * sigmoid(gate))
+
+
+@dataclass(frozen=True)
+class NativeShortConv:
+    """LFM2's gated short convolution: out_proj(C * conv(B * x)), in_proj's rows B, C, x (each `hidden`)."""
+    in_proj: nn.Module
+    out_proj: nn.Module
+    conv_weight: torch.Tensor      # [hidden, K] float32
+    conv_state: torch.Tensor       # [slots, K - 1, hidden] float32: the layer's state (layers/recurrent_state.py)
+
+
+@dataclass(frozen=True)
+class NativeGatedDeltaNet:
+    """Qwen3.5's Gated DeltaNet (models/qwen3_5.py says what it computes)."""
+    in_qkvz: nn.Module             # rows: q, k, v (the convolution's channels), then z
+    in_ba: nn.Module               # rows: b, then a (Hv each)
+    out_proj: nn.Module
+    conv_weight: torch.Tensor      # [2 Hk dk + Hv dv, K] float32
+    conv_state: torch.Tensor       # [slots, K - 1, channels] float32
+    recurrent_state: torch.Tensor  # [slots, Hv, dk, dv] float32
+    A_log: torch.Tensor            # [Hv] float32
+    dt_bias: torch.Tensor          # [Hv] float32
+    norm_weight: torch.Tensor      # [dv] float32: the gated output norm's
+    norm_eps: float
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    out_order: torch.Tensor | None   # the value columns out_proj reads, in its order (a GGUF's: qwen3_5.py); None: as is
 
 
 @dataclass(frozen=True)
 class NativeLayer:
-    attention: NativeAttention
+    attention: NativeAttention | None      # None: the layer's mixer is `recurrent`
     input_norm: nn.Module          # before attention
     mlp_in_norm: nn.Module         # before the MLP
     gate_up: nn.Module | None = None       # a dense MLP's fused gate/up and down projections
@@ -48,6 +80,7 @@ class NativeLayer:
     attn_out_norm: nn.Module | None = None   # on the attention's output before its residual add (Gemma 3)
     mlp_out_norm: nn.Module | None = None    # on the MLP's output before its residual add (Gemma 3)
     residual_scale: float = 1.0            # each block's output times this before its residual add (Granite)
+    recurrent: NativeShortConv | NativeGatedDeltaNet | None = None   # a hybrid's recurrent mixer, in attention's place
 
 
 @dataclass(frozen=True)

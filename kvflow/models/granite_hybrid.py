@@ -36,6 +36,7 @@ from kvflow.kernels.group_quant import CODES
 from kvflow.kernels.plan import KernelPlan
 from kvflow.kernels.recurrent import causal_conv1d, ssm_scan
 from kvflow.layers.attention_metadata import AttentionMetadata
+from kvflow.layers.native_layers import NativeLayer, NotNative
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.recurrent_state import RecurrentLayer
 from kvflow.layers.rotary import RotaryEmbedding
@@ -140,6 +141,9 @@ class GraniteHybridDecoderLayer(nn.Module):
         h = h + (out if self.residual_multiplier is None else out * self.residual_multiplier)
         out = self.mlp(self.post_attention_layernorm(h), meta)
         return h + (out if self.residual_multiplier is None else out * self.residual_multiplier)
+
+    def native_layer(self, model: LlamaForCausalLM) -> NativeLayer:
+        raise NotNative("Mamba2 layers (Granite 4.0 H), which the native step does not compute")
 
 
 class GraniteHybridForCausalLM(HybridForCausalLM):

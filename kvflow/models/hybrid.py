@@ -1,13 +1,13 @@
 """What every hybrid family (LFM2, Qwen3.5, Granite 4.0 H: recurrent layers between attention layers) is beyond the
 Llama decoder it builds on: its attention layers own KV blocks, its recurrent layers state slots
 (layers/recurrent_state.py), each found by type in layer order; one rank only (a state is not split over ranks);
-decode steps run eagerly layer by layer (no compiled graph or native step takes state slots yet)."""
+no compiled decode graph (none takes state slots). The native step (runner/native_step.py) computes the families
+whose layers describe themselves for it (`native_layer`: LFM2, Qwen3.5); the others run layer by layer."""
 from __future__ import annotations
 
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.kernels.plan import KernelPlan
 from kvflow.layers.attention import PagedAttention
-from kvflow.layers.native_layers import NativeDecoder, NotNative
 from kvflow.layers.recurrent_state import RecurrentLayer
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.model_config import ModelConfig
@@ -35,6 +35,3 @@ class HybridForCausalLM(LlamaForCausalLM):
     @property
     def state_layers(self) -> list[RecurrentLayer]:
         return [m for m in self.modules() if isinstance(m, RecurrentLayer)]
-
-    def native_decoder(self) -> NativeDecoder:
-        raise NotNative(f"recurrent layers ({self.recurrent_kind}), which the native step does not compute yet")

@@ -17,9 +17,9 @@ add. The final norm (`embedding_norm`, despite its name) comes after the last la
 Modules carry llama.py's names (input_layernorm, self_attn.o_proj, mlp.gate_up_proj, ...); `load_weights` maps the
 checkpoint's LFM2 names onto them (a GGUF comes out with the same LFM2 names: loader.py). LoRA adapters adapt the
 attention and MLP projections under LFM2's names (self_attn.q_proj / k_proj / v_proj / out_proj, feed_forward.w1 /
-w3 / w2: `LORA_TARGETS`); the convolutions' in_proj / out_proj take none (refused: models/lora_modules.py). Not
-here: tensor parallelism, the native decoder step and compiled decode steps (each refused or off, with the
-reason).
+w3 / w2: `LORA_TARGETS`); the convolutions' in_proj / out_proj take none (refused: models/lora_modules.py). The
+native decoder step computes every layer (`native_layer`). Not here: tensor parallelism and compiled decode steps
+(refused or off, with the reason).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from kvflow.kernels.group_quant import CODES
 from kvflow.kernels.plan import KernelPlan
 from kvflow.kernels.recurrent import causal_conv1d
 from kvflow.layers.attention_metadata import AttentionMetadata
+from kvflow.layers.native_layers import NativeLayer, NativeShortConv, NotNative
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.recurrent_state import RecurrentLayer
 from kvflow.layers.rotary import RotaryEmbedding
@@ -66,6 +67,12 @@ class ShortConv(RecurrentLayer):
         y = causal_conv1d(b * v, self.conv_weight, self.conv_bias, self.states["conv"], meta.state, silu=False)
         return self.out_proj(c * y)
 
+    def native(self) -> NativeShortConv:
+        """This convolution as the native step computes it (the same kernels, the products rounded alike)."""
+        if self.conv_bias is not None:
+            raise NotNative("a short convolution with biases")
+        return NativeShortConv(self.in_proj, self.out_proj, self.conv_weight, self.states["conv"])
+
 
 class Lfm2DecoderLayer(nn.Module):
     """operator_norm -> (ShortConv | attention) -> residual; ffn_norm -> SwiGLU MLP -> residual."""
@@ -89,6 +96,14 @@ class Lfm2DecoderLayer(nn.Module):
         x = self.input_layernorm(h)
         h = h + (self.conv(x, meta) if self.is_recurrent else self.self_attn(rope, x, meta))
         return h + self.mlp(self.post_attention_layernorm(h), meta)
+
+    def native_layer(self, model: LlamaForCausalLM) -> NativeLayer:
+        """This layer as the native step computes it: the convolution or attention, then the MLP."""
+        if self.is_recurrent:
+            return NativeLayer(None, self.input_layernorm, self.post_attention_layernorm, recurrent=self.conv.native(),
+                               **self.mlp.native())
+        return NativeLayer(self.self_attn.native(model.rotary), self.input_layernorm, self.post_attention_layernorm,
+                           **self.mlp.native())
 
 
 # the checkpoint's LFM2 names -> the modules' (llama.py's) names, applied in order to the name after "model."

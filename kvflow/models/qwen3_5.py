@@ -21,19 +21,20 @@ unless speculative decoding drafts with it (`MultiTokenPredictor`, `enable_mtp`:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.kernels.group_quant import CODES
 from kvflow.kernels.plan import KernelPlan
-from kvflow.kernels.recurrent import causal_conv1d, gated_delta_rule
+from kvflow.kernels.recurrent import (causal_conv1d, gated_delta_rule, gated_rms_norm, gdn_gates,
+                                      sigmoid_mul)
 from kvflow.layers.attention_metadata import AttentionMetadata
-from kvflow.layers.native_layers import NotNative
+from kvflow.layers.native_layers import NativeAttention, NativeGatedDeltaNet, NativeLayer
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.recurrent_state import RecurrentLayer
 from kvflow.layers.rotary import RotaryEmbedding
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm over each value head's dv values, times w (as it is), times silu(gate): norm before gate, in float32,
-    as transformers' Qwen3_5RMSNormGated."""
+    as transformers' Qwen3_5RMSNormGated (kernels/recurrent.gated_rms_norm)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -54,8 +55,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), x.shape[-1:], None, self.eps)
-        return (self.weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class CausalConv1d(nn.Module):
@@ -106,13 +106,9 @@ class GatedDeltaNet(RecurrentLayer):
             raise RuntimeError("a Gated DeltaNet layer needs the step's state runs (AttentionMetadata.state)")
         T = x.shape[0]
         qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
-        b, a = self.in_proj_ba(x).split(self.num_v_heads, dim=-1)
         qkv = causal_conv1d(qkv.contiguous(), self.conv1d.weight, None, self.states["conv"], meta.state, silu=True)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = b.sigmoid()
-        # per value head, the log decay (<= 0); in float32 whatever the dtype (as transformers: -inf otherwise in
-        # fp16), with torch's softplus (x above 20 passes as is)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta, g = gdn_gates(self.in_proj_ba(x), self.A_log, self.dt_bias)     # g: the log decay per value head
         o = gated_delta_rule(q.reshape(T, self.num_k_heads, self.head_k_dim),
                              k.reshape(T, self.num_k_heads, self.head_k_dim),
                              v.reshape(T, self.num_v_heads, self.head_v_dim), g, beta, self.states["recurrent"],
@@ -121,6 +117,13 @@ class GatedDeltaNet(RecurrentLayer):
         if self.out_proj_input_order is not None:
             o = o.index_select(1, self.out_proj_input_order)
         return self.out_proj(o)
+
+    def native(self) -> NativeGatedDeltaNet:
+        """This mixer as the native step computes it (the same kernels: kernels/recurrent.py's C ones)."""
+        return NativeGatedDeltaNet(self.in_proj_qkvz, self.in_proj_ba, self.out_proj, self.conv1d.weight,
+                                   self.states["conv"], self.states["recurrent"], self.A_log, self.dt_bias,
+                                   self.norm.weight, self.norm.eps, self.num_k_heads, self.num_v_heads,
+                                   self.head_k_dim, self.head_v_dim, self.out_proj_input_order)
 
 
 class GatedAttention(Attention):
@@ -141,17 +144,16 @@ class GatedAttention(Attention):
             qkv = self.qkv_lora.add_to(qkv, x, meta.lora_mask)
         qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.view(T, H, 2, D)
-        gate = qg[:, :, 1].reshape(T, self.q_size)
         qk = torch.cat([self.q_norm(qg[:, :, 0].contiguous()), self.k_norm(k.reshape(T, Hkv, D))], dim=1)
         q, k = self.rotary.rotate(qk, rope).split([H, Hkv], dim=1)
-        gated = self.attn(q, k, v.reshape(T, Hkv, D), meta) * torch.sigmoid(gate)
+        gated = sigmoid_mul(self.attn(q, k, v.reshape(T, Hkv, D), meta), qg[:, :, 1])
         out = self.o_proj(gated)
         if _lora_on(self.o_lora, meta):
             out = self.o_lora.add_to(out, gated, meta.lora_mask)
         return out
 
-    def native(self, rotary: RotaryEmbedding):
-        raise NotNative("gated attention (Qwen3.5)")
+    def native(self, rotary: RotaryEmbedding) -> NativeAttention:
+        return dataclasses.replace(super().native(rotary), output_gate=True)
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -171,6 +173,14 @@ class Qwen3_5DecoderLayer(nn.Module):
         x = self.input_layernorm(h)
         h = h + (self.linear_attn(x, meta) if self.recurrent else self.self_attn(rope, x, meta))
         return h + self.mlp(self.post_attention_layernorm(h), meta)
+
+    def native_layer(self, model: LlamaForCausalLM) -> NativeLayer:
+        """This layer as the native step computes it: the Gated DeltaNet or gated attention, then the MLP."""
+        if self.recurrent:
+            return NativeLayer(None, self.input_layernorm, self.post_attention_layernorm,
+                               recurrent=self.linear_attn.native(), **self.mlp.native())
+        return NativeLayer(self.self_attn.native(model.rotary), self.input_layernorm, self.post_attention_layernorm,
+                           **self.mlp.native())
 
 
 class MultiTokenPredictor(nn.Module):

@@ -27,7 +27,8 @@ from torch import nn
 from kvflow.kernels import build, formats, layout, ops
 from kvflow.kernels.build import Experts
 from kvflow.layers.moe import SparseMoE
-from kvflow.layers.native_layers import NativeDecoder, NativeLayer, NotNative
+from kvflow.kernels.recurrent import state_runs
+from kvflow.layers.native_layers import NativeDecoder, NativeGatedDeltaNet, NativeLayer, NativeShortConv, NotNative
 from kvflow.layers.norm import RMSNorm
 
 _KV_FORMS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -48,11 +49,22 @@ class _Moe(ctypes.Structure):
                 ("dn_rows", _i64), ("rule", _int), ("norm_topk_prob", _int), ("gate_up", Experts), ("down", Experts)]
 
 
+_MIX_ATTENTION, _MIX_SHORT_CONV, _MIX_GATED_DELTA_NET = 0, 1, 2
+
+
+class _Recurrent(ctypes.Structure):
+    _fields_ = [("kind", _int), ("in_ba", _Linear), ("conv_weight", _ptr), ("channels", _i64), ("K", _i64),
+                ("conv_state", _ptr), ("state", _ptr), ("A_log", _ptr), ("dt_bias", _ptr), ("norm", _Norm),
+                ("key_heads", _i64), ("value_heads", _i64), ("key_dim", _i64), ("value_dim", _i64),
+                ("out_order", _ptr)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("input", _Norm), ("mlp_in", _Norm), ("attn_out", _Norm), ("mlp_out", _Norm), ("q", _Norm),
                 ("k", _Norm), ("scale", _f32), ("window", _i64), ("cos", _ptr), ("sin_signed", _ptr),
                 ("k_cache", _ptr), ("v_cache", _ptr), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear), ("qk_whole", _int), ("residual_scale", _f32), ("moe", _Moe)]
+                ("down", _Linear), ("qk_whole", _int), ("residual_scale", _f32), ("moe", _Moe), ("gated", _int),
+                ("rec", _Recurrent)]
 
 
 class _Shape(ctypes.Structure):
@@ -60,7 +72,7 @@ class _Shape(ctypes.Structure):
                 ("head_dim", _i64), ("rotary_dim", _i64), ("intermediate", _i64), ("block_size", _i64),
                 ("table_width", _i64), ("kv_form", _int), ("threads", _int), ("act", _int), ("positions", _ptr),
                 ("slots", _ptr), ("tables", _ptr), ("row_seq", _ptr), ("final_norm", _ptr), ("final_eps", _f32),
-                ("exp_vec", _ptr), ("tanh_vec", _ptr), ("exp_lanes", _int)]
+                ("exp_vec", _ptr), ("tanh_vec", _ptr), ("exp_lanes", _int), ("runs", build.StateRuns)]
 
 
 _ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
@@ -109,6 +121,48 @@ def _norm(module: nn.Module | None, width: int) -> _Norm:
     return _Norm(module.weight.data_ptr(), module.eps)
 
 
+def _float32(t: torch.Tensor, shape: tuple[int, ...], what: str) -> int:
+    """The address of a float32, contiguous CPU tensor of this shape (a weight or a state the step reads)."""
+    if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu or tuple(t.shape) != shape:
+        raise NotNative(f"{what} that is not a float32 {list(shape)} tensor")
+    return t.data_ptr()
+
+
+def _recurrent(mixer: NativeShortConv | NativeGatedDeltaNet, H: int) -> tuple[_Recurrent, _Linear, _Linear]:
+    """A hybrid's recurrent mixer as decoder_step.c reads it, with its in and out projections (the layer's qkv and
+    o), every weight and state checked to be one it reads."""
+    if isinstance(mixer, NativeShortConv):
+        C, K = mixer.conv_weight.shape
+        rec = _Recurrent(kind=_MIX_SHORT_CONV, channels=C, K=K,
+                         conv_weight=_float32(mixer.conv_weight, (C, K), "a convolution"),
+                         conv_state=_float32(mixer.conv_state, (mixer.conv_state.shape[0], K - 1, C),
+                                             "a convolution state"))
+        in_proj, out_proj = _linear(mixer.in_proj, H), _linear(mixer.out_proj, C)
+        if in_proj.rows != 3 * C or out_proj.rows != H or C != H:
+            raise NotNative("a short convolution of unexpected shapes")
+        return rec, in_proj, out_proj
+    m = mixer
+    Hk, Hv, dk, dv = m.key_heads, m.value_heads, m.key_dim, m.value_dim
+    C, K = m.conv_weight.shape
+    slots = m.conv_state.shape[0]
+    rec = _Recurrent(kind=_MIX_GATED_DELTA_NET, in_ba=_linear(m.in_ba, H), channels=C, K=K,
+                     conv_weight=_float32(m.conv_weight, (C, K), "a convolution"),
+                     conv_state=_float32(m.conv_state, (slots, K - 1, C), "a convolution state"),
+                     state=_float32(m.recurrent_state, (slots, Hv, dk, dv), "a recurrent state"),
+                     A_log=_float32(m.A_log, (Hv,), "A_log"), dt_bias=_float32(m.dt_bias, (Hv,), "dt_bias"),
+                     norm=_Norm(_float32(m.norm_weight, (dv,), "a gated norm"), m.norm_eps),
+                     key_heads=Hk, value_heads=Hv, key_dim=dk, value_dim=dv)
+    if m.out_order is not None:
+        if m.out_order.dtype != torch.int64 or not m.out_order.is_contiguous() or m.out_order.shape != (Hv * dv,):
+            raise NotNative("an out_proj column order that is not int64 [value heads x dv]")
+        rec.out_order = m.out_order.data_ptr()
+    in_proj, out_proj = _linear(m.in_qkvz, H), _linear(m.out_proj, Hv * dv)
+    if (C != 2 * Hk * dk + Hv * dv or in_proj.rows != C + Hv * dv or rec.in_ba.rows != 2 * Hv or out_proj.rows != H
+            or Hv % Hk):
+        raise NotNative("a Gated DeltaNet of unexpected shapes")
+    return rec, in_proj, out_proj
+
+
 def _moe(moe: SparseMoE, hidden: int) -> _Moe:
     """A MoE layer's router and stacked experts, as kernels/csrc/moe.c reads them (the module path's two calls)."""
     if not moe.native:
@@ -133,16 +187,20 @@ class NativeDecoderStep:
         if decoder.hidden_act not in _ACTS and any(layer.moe is None for layer in decoder.layers):
             raise NotNative(f"an MLP of {decoder.hidden_act}")
         layers = [self._layer(layer, hidden, kv_dtype) for layer in decoder.layers]
-        rotaries = [layer.attention.rotary for layer in decoder.layers]
+        attentions = [layer.attention for layer in decoder.layers if layer.attention is not None]
         intermediates = {layer.intermediate for layer in decoder.layers if layer.moe is None}   # step_shape holds one
-        if len({r.cos.shape[1] for r in rotaries}) != 1:
-            raise NotNative("layers rotating different widths")
+        if len({(a.heads, a.kv_heads, a.head_dim, a.rotary.cos.shape[1]) for a in attentions}) > 1:
+            raise NotNative("attention layers of different shapes or rotating different widths")
         if len(intermediates) > 1:
             raise NotNative("dense MLPs of different widths")
-        first = decoder.layers[0].attention
+        mixers = [layer.recurrent for layer in decoder.layers if layer.recurrent is not None]
+        self.recurrent = bool(mixers)
+        self.slots = mixers[0].conv_state.shape[0] if mixers else 0     # every recurrent layer's slot count
+        first = attentions[0] if attentions else None
         self.layers = (_Layer * len(layers))(*layers)
-        self.shape = _Shape(layers=len(layers), hidden=hidden, heads=first.heads, kv_heads=first.kv_heads,
-                            head_dim=first.head_dim, rotary_dim=rotaries[0].cos.shape[1],
+        self.shape = _Shape(layers=len(layers), hidden=hidden, heads=first.heads if first else 0,
+                            kv_heads=first.kv_heads if first else 0, head_dim=first.head_dim if first else 0,
+                            rotary_dim=first.rotary.cos.shape[1] if first else 0,
                             intermediate=max(intermediates, default=0), block_size=block_size,
                             kv_form=_KV_FORMS[kv_dtype], act=_ACTS.get(decoder.hidden_act, 0))
         final = _norm(decoder.final_norm, hidden)
@@ -162,6 +220,12 @@ class NativeDecoderStep:
         else:
             moe = _Moe()
             gate_up, down = _linear(layer.gate_up, H), _linear(layer.down, layer.intermediate)
+        if layer.recurrent is not None:
+            rec, in_proj, out_proj = _recurrent(layer.recurrent, H)
+            return _Layer(input=_norm(layer.input_norm, H), mlp_in=_norm(layer.mlp_in_norm, H),
+                          attn_out=_norm(layer.attn_out_norm, H), mlp_out=_norm(layer.mlp_out_norm, H),
+                          qkv=in_proj, o=out_proj, gate_up=gate_up, down=down, residual_scale=layer.residual_scale,
+                          moe=moe, rec=rec)
         paged, rotary = attn.paged, attn.rotary
         if paged.k_cache is None:
             raise NotNative("a layer with no KV cache")
@@ -181,8 +245,10 @@ class NativeDecoderStep:
                         sin_signed=rotary.sin_signed.data_ptr(), k_cache=paged.k_cache.data_ptr(),
                         v_cache=paged.v_cache.data_ptr(), qkv=_linear(attn.qkv, H, True), o=_linear(attn.o, q_size),
                         gate_up=gate_up, down=down, qk_whole=int(whole), residual_scale=layer.residual_scale,
-                        moe=moe)
-        if (native.qkv.rows != q_size + 2 * kv_size or native.o.rows != H
+                        moe=moe, gated=int(attn.output_gate))
+        if attn.output_gate and whole:
+            raise NotNative("a gated attention with Q/K norms over the whole projection")
+        if (native.qkv.rows != (2 if attn.output_gate else 1) * q_size + 2 * kv_size or native.o.rows != H
                 or (not moe.router and (gate_up.rows != 2 * layer.intermediate or down.rows != H))):
             raise NotNative("projections of unexpected shapes")
         return native
@@ -217,6 +283,11 @@ class NativeDecoderStep:
             s.T, s.table_width, s.threads = T, tables.shape[1], ops.threads()
             s.positions, s.slots = positions.data_ptr(), slots.data_ptr()
             s.tables, s.row_seq = tables.data_ptr(), row_seq.data_ptr()
+            held = ()
+            if self.recurrent:          # the rows' runs over the state slots (the struct points into `held`)
+                if meta.state is None:
+                    raise RuntimeError("native step: a hybrid's step needs its state runs (AttentionMetadata.state)")
+                s.runs, held = state_runs(meta.state, self.slots)
             need = self.lib.kvflow_decoder_step_scratch(ctypes.byref(s), self.layers, T)
             if need > self.scratch.numel():
                 self.scratch = torch.empty(need, dtype=torch.float32)

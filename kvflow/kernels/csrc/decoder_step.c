@@ -5,7 +5,11 @@
 // tanh-GELU(gate) * up, down (normed again on Gemma 3) and the residual; then the final RMSNorm. A mixture-of-experts
 // layer (Qwen3-MoE, OLMoE, GraniteMoE, Mixtral) has the router and its experts in place of the MLP (moe.c's
 // calls, which the module path makes too), OLMoE's Q/K norms span the whole projection, and Granite scales each
-// block's output before its residual add.
+// block's output before its residual add. A hybrid's recurrent layers take attention's place: LFM2's short
+// convolution (in_proj, B * x through the causal convolution over the request's state slot, C times it, out_proj)
+// and Qwen3.5's Gated DeltaNet (in_proj_qkvz and in_proj_ba, the convolution with SiLU, the gates, the delta rule
+// over the slot's state, the gated norm, out_proj), on recurrent.c's kernels as the module path calls them; Qwen3.5's
+// attention gates its output (attention * sigmoid(gate)).
 //
 // Why: driven from Python, a batch-1 step of the embedded model is ~210 operator calls, each with Python, the
 // dispatcher and ctypes around a kernel of a few microseconds, and that came to as much time as the matmuls
@@ -48,6 +52,22 @@ typedef struct {
     experts_t gate_up, down;
 } step_moe;
 
+enum { MIX_ATTENTION = 0, MIX_SHORT_CONV = 1, MIX_GATED_DELTA_NET = 2 };
+
+// A hybrid's recurrent mixer in attention's place (its in_proj / in_proj_qkvz is the layer's qkv, its out_proj the
+// layer's o)
+typedef struct {
+    int kind;                              // MIX_*
+    step_linear in_ba;                     // Gated DeltaNet's [b; a] projection
+    const float *conv_weight;              // [channels, K]
+    int64_t channels, K;
+    float *conv_state, *state;             // [slots, K - 1, channels]; [slots, Hv, dk, dv] (Gated DeltaNet)
+    const float *A_log, *dt_bias;          // [Hv]
+    step_norm norm;                        // the gated output norm, dv wide
+    int64_t key_heads, value_heads, key_dim, value_dim;   // Hk, Hv, dk, dv
+    const int64_t *out_order;              // the value columns out_proj reads, in its order; NULL: as they are
+} step_recurrent;
+
 typedef struct {
     // input: before attention; mlp_in: before the MLP (Llama's post_attention_layernorm); attn_out / mlp_out: on
     // the attention's and the MLP's outputs before each residual add (Gemma 3's post-attention and
@@ -61,6 +81,8 @@ typedef struct {
     int qk_whole;                          // q / k: one norm over the whole projection (OLMoE), not per head
     float residual_scale;                  // each block's output times this before its residual add (1: none)
     step_moe moe;
+    int gated;                             // q's rows: per head D query then D gate values; attention * sigmoid(gate)
+    step_recurrent rec;                    // kind MIX_ATTENTION: the layer is attention
 } step_layer;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -73,6 +95,7 @@ typedef struct {
     float final_eps;
     const void *exp_vec, *tanh_vec;        // torch's vector exp and tanh (Sleef's, exp_lanes wide); NULL: libm's only
     int exp_lanes;
+    state_runs_t runs;                     // the rows' runs over the recurrent layers' state slots (hybrids)
 } step_shape;
 
 static int linear(const step_linear *w, const float *x, int64_t M, int64_t K, float *y, int threads) {
@@ -242,9 +265,9 @@ static int moe_block(const step_moe *m, const float *x, int64_t T, int64_t H, fl
 }
 
 // The scratch a step of T rows works in, in floats: the normed rows, the widest projection's output, q and the
-// attention's output, the MLP's activations, and one row's normed and rotated heads. The caller owns it
-// (runner/native_step.py keeps one that grows), so a dense step allocates nothing (a MoE layer's router and experts
-// allocate their own working buffers, as they do on the module path).
+// attention's output, the MLP's activations, a recurrent mixer's rows, and one row's gathered, normed and rotated
+// heads. The caller owns it (runner/native_step.py keeps one that grows), so a dense step allocates nothing (a MoE
+// layer's router and experts allocate their own working buffers, as they do on the module path).
 static int64_t widest_projection(const step_shape *s, const step_layer *layers) {
     int64_t widest = 0;
     for (int64_t l = 0; l < s->layers; l++) {
@@ -255,9 +278,120 @@ static int64_t widest_projection(const step_shape *s, const step_layer *layers) 
     return widest;
 }
 
+// a recurrent mixer's floats per row (short convolution: B * x, the convolution's output, C times it; Gated
+// DeltaNet: [b; a], the convolution's input and output, the gates, the delta rule's output, its norm, reordered)
+static int64_t recurrent_row(const step_recurrent *r) {
+    if (r->kind == MIX_SHORT_CONV) return 3 * r->channels;
+    if (r->kind == MIX_GATED_DELTA_NET)
+        return r->in_ba.width + 2 * r->channels + 2 * r->value_heads + 3 * r->value_heads * r->value_dim;
+    return 0;
+}
+
+static int64_t widest_recurrent_row(const step_shape *s, const step_layer *layers) {
+    int64_t widest = 0;
+    for (int64_t l = 0; l < s->layers; l++) {
+        const int64_t w = recurrent_row(&layers[l].rec);
+        widest = w > widest ? w : widest;
+    }
+    return widest;
+}
+
 int64_t kvflow_decoder_step_scratch(const step_shape *s, const step_layer *layers, int64_t T) {
-    return T * (s->hidden + widest_projection(s, layers) + 2 * s->heads * s->head_dim + s->intermediate)
-           + (s->heads + 2 * s->kv_heads) * s->head_dim;
+    return T * (s->hidden + widest_projection(s, layers) + 2 * s->heads * s->head_dim + s->intermediate
+                + widest_recurrent_row(s, layers))
+           + (2 * s->heads + 2 * s->kv_heads) * s->head_dim;
+}
+
+// LFM2's short convolution over the T normed rows x: proj = in_proj(x) (rows B, C, x'), then out_proj(C * conv(B *
+// x')) into proj (rows L->o.width apart), as models/lfm2.py's ShortConv computes it
+static int short_conv(const step_shape *s, const step_layer *L, const float *x, float *proj, float *work) {
+    const step_recurrent *r = &L->rec;
+    const int64_t T = s->T, C = r->channels, W = L->qkv.width;
+    float *bx = work, *y = bx + T * C, *cy = y + T * C;
+    int err = linear(&L->qkv, x, T, s->hidden, proj, s->threads);
+    if (err) return err;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t c = 0; c < C; c++) bx[t * C + c] = proj[t * W + c] * proj[t * W + 2 * C + c];
+    if ((err = kvflow_causal_conv1d(bx, T, C, r->conv_weight, r->K, NULL, r->conv_state, s->runs, 0, y, s->threads)))
+        return err;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t c = 0; c < C; c++) cy[t * C + c] = proj[t * W + C + c] * y[t * C + c];
+    return linear(&L->o, cy, T, C, proj, s->threads);
+}
+
+// Qwen3.5's Gated DeltaNet over the T normed rows x, its out_proj's output into proj (rows L->o.width apart), as
+// models/qwen3_5.py's GatedDeltaNet computes it
+static int gated_delta_net(const step_shape *s, const step_layer *L, const float *x, float *proj, float *work) {
+    const step_recurrent *r = &L->rec;
+    const int64_t T = s->T, C = r->channels, W = L->qkv.width, Wba = r->in_ba.width;
+    const int64_t Hk = r->key_heads, Hv = r->value_heads, dk = r->key_dim, dv = r->value_dim;
+    const int64_t kd = Hk * dk, vd = Hv * dv;
+    float *ba = work, *conv_in = ba + T * Wba, *conv_out = conv_in + T * C, *beta = conv_out + T * C;
+    float *g = beta + T * Hv, *o = g + T * Hv, *normed = o + T * vd, *ordered = normed + T * vd;
+    int err = linear(&L->qkv, x, T, s->hidden, proj, s->threads);
+    if (!err) err = linear(&r->in_ba, x, T, s->hidden, ba, s->threads);
+    if (err) return err;
+    for (int64_t t = 0; t < T; t++) memcpy(conv_in + t * C, proj + t * W, (size_t)C * sizeof(float));
+    if ((err = kvflow_causal_conv1d(conv_in, T, C, r->conv_weight, r->K, NULL, r->conv_state, s->runs, 1, conv_out,
+                                    s->threads)))
+        return err;
+    float *q = conv_in, *k = q + T * kd, *v = k + T * kd;      // the convolution's input is spent: q, k, v apart
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(q + t * kd, conv_out + t * C, (size_t)kd * sizeof(float));
+        memcpy(k + t * kd, conv_out + t * C + kd, (size_t)kd * sizeof(float));
+        memcpy(v + t * vd, conv_out + t * C + 2 * kd, (size_t)vd * sizeof(float));
+    }
+    kvflow_gdn_gates(ba, T, Hv, Wba, r->A_log, r->dt_bias, beta, g);
+    if ((err = kvflow_gated_delta_rule(q, k, v, g, beta, T, Hk, Hv, dk, dv, r->state, s->runs, o, s->threads)))
+        return err;
+    kvflow_gated_rms_norm(o, T, Hv, dv, proj + C, W, r->norm.weight, r->norm.eps, normed, s->threads);
+    if (r->out_order) {
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t c = 0; c < vd; c++) ordered[t * vd + c] = normed[t * vd + r->out_order[c]];
+        normed = ordered;
+    }
+    return linear(&L->o, normed, T, vd, proj, s->threads);
+}
+
+// The attention block over the T normed rows x, its output projection into proj (rows L->o.width apart): the
+// fused QKV projection, per row the Q/K norms, rotary embedding and the K/V written into the paged cache, paged
+// attention (gated on Qwen3.5), the output projection. q, attn: [T, Hq D] each; heads, k, query: one row's.
+static int attention_block(const step_shape *s, const step_layer *L, const float *x, float *proj, float *q,
+                           float *attn, float *heads, float *k, float *query) {
+    const int64_t T = s->T, H = s->hidden, Hq = s->heads, Hkv = s->kv_heads, D = s->head_dim;
+    const int64_t row_bytes = Hkv * D * (s->kv_form == KV_F32 ? 4 : 2);
+    const int threads = s->threads;
+    int err = linear(&L->qkv, x, T, H, proj, threads);
+    if (err) return err;
+    // a gated attention's q rows hold each head's D query values then its D gate values
+    const int64_t q_stride = L->gated ? 2 * D : D;
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = proj + t * L->qkv.width, *qs = row, *ks = row + Hq * q_stride;
+        const int64_t p = s->positions[t], slot = s->slots[t];
+        const float *cos = L->cos + p * s->rotary_dim, *sin = L->sin_signed + p * s->rotary_dim;
+        if (L->gated) {
+            for (int64_t j = 0; j < Hq; j++) memcpy(query + j * D, row + j * 2 * D, (size_t)D * sizeof(float));
+            qs = query;
+        }
+        if (L->q.weight && L->qk_whole) {      // the whole q and k projections normed, then rotated (OLMoE)
+            kvflow_rms_norm(qs, 1, Hq * D, L->q.weight, L->q.eps, heads, 1);
+            kvflow_rms_norm(ks, 1, Hkv * D, L->k.weight, L->k.eps, heads + Hq * D, 1);
+            qs = heads, ks = heads + Hq * D;
+        } else if (L->q.weight) {      // each head normed alone, then rotated (as the layer does)
+            kvflow_rms_norm(qs, Hq, D, L->q.weight, L->q.eps, heads, 1);
+            kvflow_rms_norm(ks, Hkv, D, L->k.weight, L->k.eps, heads + Hq * D, 1);
+            qs = heads, ks = heads + Hq * D;
+        }
+        for (int64_t j = 0; j < Hq; j++) rotate(qs + j * D, cos, sin, D, s->rotary_dim, q + (t * Hq + j) * D);
+        for (int64_t j = 0; j < Hkv; j++) rotate(ks + j * D, cos, sin, D, s->rotary_dim, k + j * D);
+        store(k, Hkv * D, (char *)L->k_cache + slot * row_bytes, s->kv_form);
+        store(row + Hq * q_stride + Hkv * D, Hkv * D, (char *)L->v_cache + slot * row_bytes, s->kv_form);
+    }
+    err = kvflow_paged_attention(q, T, Hq, Hkv, D, L->k_cache, L->v_cache, s->block_size, s->tables, s->table_width,
+                                 s->row_seq, s->positions, L->scale, attn, threads, s->kv_form, L->window);
+    if (err) return err;
+    if (L->gated) kvflow_sigmoid_mul(attn, T, Hq, D, proj + D, L->qkv.width, 2 * D, attn);
+    return linear(&L->o, attn, T, Hq * D, proj, threads);
 }
 
 // h [T, hidden]: the embedded tokens in, the residual stream after the last layer out (overwritten); out [T, hidden]:
@@ -268,36 +402,17 @@ int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h,
     const int threads = s->threads;
     if (T == 0) return 0;
     const int64_t widest = widest_projection(s, layers);
-    const int64_t elem = s->kv_form == KV_F32 ? 4 : 2, row_bytes = Hkv * D * elem;
     float *normed = scratch, *proj = normed + T * H, *q = proj + T * widest, *attn = q + T * Hq * D;
-    float *act = attn + T * Hq * D, *heads = act + T * I, *k = heads + (Hq + Hkv) * D;
+    float *act = attn + T * Hq * D, *work = act + T * I, *heads = work + T * widest_recurrent_row(s, layers);
+    float *k = heads + (Hq + Hkv) * D, *query = k + Hkv * D;
     int err = 0;
     for (int64_t l = 0; l < s->layers && !err; l++) {
         const step_layer *L = &layers[l];
         kvflow_rms_norm(h, T, H, L->input.weight, L->input.eps, normed, threads);
-        if ((err = linear(&L->qkv, normed, T, H, proj, threads))) break;
-        for (int64_t t = 0; t < T; t++) {
-            const float *row = proj + t * L->qkv.width, *qs = row, *ks = row + Hq * D;
-            const int64_t p = s->positions[t], slot = s->slots[t];
-            const float *cos = L->cos + p * s->rotary_dim, *sin = L->sin_signed + p * s->rotary_dim;
-            if (L->q.weight && L->qk_whole) {      // the whole q and k projections normed, then rotated (OLMoE)
-                kvflow_rms_norm(qs, 1, Hq * D, L->q.weight, L->q.eps, heads, 1);
-                kvflow_rms_norm(ks, 1, Hkv * D, L->k.weight, L->k.eps, heads + Hq * D, 1);
-                qs = heads, ks = heads + Hq * D;
-            } else if (L->q.weight) {      // each head normed alone, then rotated (as the layer does)
-                kvflow_rms_norm(qs, Hq, D, L->q.weight, L->q.eps, heads, 1);
-                kvflow_rms_norm(ks, Hkv, D, L->k.weight, L->k.eps, heads + Hq * D, 1);
-                qs = heads, ks = heads + Hq * D;
-            }
-            for (int64_t j = 0; j < Hq; j++) rotate(qs + j * D, cos, sin, D, s->rotary_dim, q + (t * Hq + j) * D);
-            for (int64_t j = 0; j < Hkv; j++) rotate(ks + j * D, cos, sin, D, s->rotary_dim, k + j * D);
-            store(k, Hkv * D, (char *)L->k_cache + slot * row_bytes, s->kv_form);
-            store(row + (Hq + Hkv) * D, Hkv * D, (char *)L->v_cache + slot * row_bytes, s->kv_form);
-        }
-        err = kvflow_paged_attention(q, T, Hq, Hkv, D, L->k_cache, L->v_cache, s->block_size, s->tables,
-                                     s->table_width, s->row_seq, s->positions, L->scale, attn, threads, s->kv_form,
-                                     L->window);
-        if (err || (err = linear(&L->o, attn, T, Hq * D, proj, threads))) break;
+        err = L->rec.kind == MIX_SHORT_CONV        ? short_conv(s, L, normed, proj, work)
+              : L->rec.kind == MIX_GATED_DELTA_NET ? gated_delta_net(s, L, normed, proj, work)
+                                                   : attention_block(s, L, normed, proj, q, attn, heads, k, query);
+        if (err) break;
         add_block_output(h, proj, T, H, L->o.width, L, &L->attn_out, normed, threads);
         kvflow_rms_norm(h, T, H, L->mlp_in.weight, L->mlp_in.eps, normed, threads);
         if (L->moe.router) {

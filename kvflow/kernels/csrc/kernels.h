@@ -49,3 +49,9 @@ void kvflow_recurrent_use_avx512(int yes);
 int kvflow_ssm_scan(const float *x, const float *dt, const float *A, const float *B, const float *C, const float *D,
                     int64_t T, int64_t H, int64_t P, int64_t G, int64_t N, float *state, state_runs_t runs,
                     float *out, int threads);
+void kvflow_sigmoid_mul(const float *x, int64_t T, int64_t H, int64_t D, const float *gate, int64_t ldg, int64_t hs,
+                        float *out);
+void kvflow_gdn_gates(const float *ba, int64_t T, int64_t Hv, int64_t ld, const float *A_log, const float *dt_bias,
+                      float *beta, float *g);
+void kvflow_gated_rms_norm(const float *o, int64_t T, int64_t Hv, int64_t dv, const float *z, int64_t ldz,
+                           const float *w, float eps, float *out, int threads);

@@ -373,3 +373,86 @@ int kvflow_ssm_scan(const float *x, const float *dt, const float *A, const float
     for (int64_t u = 0; u < units; u++) ssm_unit(&J, &r, u / H, u % H);
     return 0;
 }
+
+
+// ---- the hybrids' gates and norms around the recurrences ----
+// The module path (models/qwen3_5.py through kernels/recurrent.py) and the native step (decoder_step.c) both call
+// these, so the two compute the same bits. Every value goes through 8-lane arithmetic (a tail of fewer than 8 is
+// padded into one vector), so its bits depend on its own inputs alone, not on where it falls in a row.
+
+// f over n floats of x (and y), 8 at a time, the tail through the same vector function
+#define LANES_OVER(n, body)                                                                                    \
+    do {                                                                                                       \
+        int64_t i_ = 0;                                                                                        \
+        for (; i_ + 8 <= (n); i_ += 8) body(i_, 8);                                                            \
+        if (i_ < (n)) body(i_, (n) - i_);                                                                      \
+    } while (0)
+
+static inline __m256 load_n(const float *p, int64_t n) {
+    if (n == 8) return _mm256_loadu_ps(p);
+    float tmp[8] = {0};
+    memcpy(tmp, p, (size_t)n * sizeof(float));
+    return _mm256_loadu_ps(tmp);
+}
+
+static inline void store_n(float *p, __m256 v, int64_t n) {
+    if (n == 8) {
+        _mm256_storeu_ps(p, v);
+        return;
+    }
+    float tmp[8];
+    _mm256_storeu_ps(tmp, v);
+    memcpy(p, tmp, (size_t)n * sizeof(float));
+}
+
+// 1 / (1 + e^-x), 8 lanes
+static inline __m256 sigmoid8(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f)))));
+}
+
+// Gated attention's output gate (Qwen3.5): out[t, j D + i] = x[t, j D + i] * sigmoid(gate[t ldg + j hs + i]) for
+// T rows of H heads of D (gate: head j's D values at hs apart within a row, rows ldg apart). out may be x.
+void kvflow_sigmoid_mul(const float *x, int64_t T, int64_t H, int64_t D, const float *gate, int64_t ldg, int64_t hs,
+                        float *out) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < H; j++) {
+            const float *xs = x + (t * H + j) * D, *gs = gate + t * ldg + j * hs;
+            float *ys = out + (t * H + j) * D;
+#define GATE(i, n) store_n(ys + (i), _mm256_mul_ps(load_n(xs + (i), n), sigmoid8(load_n(gs + (i), n))), n)
+            LANES_OVER(D, GATE);
+#undef GATE
+        }
+}
+
+// Gated DeltaNet's per-token gates (Qwen3.5): from each row's b (Hv values) and a (the next Hv), ld apart,
+//   beta = sigmoid(b);  g = -e^A_log * softplus(a + dt_bias)   (softplus(x) = log1p(e^x), x past 20 as it is)
+// [T, Hv] each. libm's expf and log1pf, once per (token, head).
+void kvflow_gdn_gates(const float *ba, int64_t T, int64_t Hv, int64_t ld, const float *A_log, const float *dt_bias,
+                      float *beta, float *g) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < Hv; h++) {
+            const float b = ba[t * ld + h], a = ba[t * ld + Hv + h] + dt_bias[h];
+            beta[t * Hv + h] = 1.0f / (1.0f + expf(-b));
+            g[t * Hv + h] = -expf(A_log[h]) * (a > 20.0f ? a : log1pf(expf(a)));
+        }
+}
+
+// Gated DeltaNet's output norm (Qwen3.5's RMSNormGated): per row t and value head h of dv values,
+//   out = w * (o / sqrt(mean(o^2) + eps)) * silu(z)
+// o, out [T, Hv, dv]; z's rows ldz apart (head h at h dv). Rows on OpenMP's threads past a prefill's worth.
+void kvflow_gated_rms_norm(const float *o, int64_t T, int64_t Hv, int64_t dv, const float *z, int64_t ldz,
+                           const float *w, float eps, float *out, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T > POOL_ROWS)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < Hv; h++) {
+            const float *x = o + (t * Hv + h) * dv, *zs = z + t * ldz + h * dv;
+            float *y = out + (t * Hv + h) * dv;
+            const __m256 r = _mm256_set1_ps(1.0f / sqrtf(sum_squares(x, dv) / (float)dv + eps));
+#define NORM(i, n)                                                                                             \
+    store_n(y + (i), _mm256_mul_ps(_mm256_mul_ps(load_n(w + (i), n), _mm256_mul_ps(load_n(x + (i), n), r)),  \
+                                   silu8(load_n(zs + (i), n))), n)
+            LANES_OVER(dv, NORM);
+#undef NORM
+        }
+}
