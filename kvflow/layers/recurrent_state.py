@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.layers.native_layers import NotNative
+
 
 class RecurrentLayer(nn.Module):
     """Base of the mixers with per-request state. `states[name]` is [slots, *shape] once bound."""
@@ -25,6 +27,13 @@ class RecurrentLayer(nn.Module):
 
     def bind_state(self, tensors: dict[str, torch.Tensor]) -> None:
         self.states = tensors
+
+    def bound_states(self) -> dict[str, torch.Tensor]:
+        """`states`, for the native step's description (which points at them): NotNative before the runner bound
+        them."""
+        if not self.states:
+            raise NotNative(f"a {type(self).__name__} whose state slots are not allocated (the runner binds them)")
+        return self.states
 
     def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
         return sum(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()

@@ -71,7 +71,7 @@ class ShortConv(RecurrentLayer):
         """This convolution as the native step computes it (the same kernels, the products rounded alike)."""
         if self.conv_bias is not None:
             raise NotNative("a short convolution with biases")
-        return NativeShortConv(self.in_proj, self.out_proj, self.conv_weight, self.states["conv"])
+        return NativeShortConv(self.in_proj, self.out_proj, self.conv_weight, self.bound_states()["conv"])
 
 
 class Lfm2DecoderLayer(nn.Module):

@@ -120,8 +120,9 @@ class GatedDeltaNet(RecurrentLayer):
 
     def native(self) -> NativeGatedDeltaNet:
         """This mixer as the native step computes it (the same kernels: kernels/recurrent.py's C ones)."""
+        states = self.bound_states()
         return NativeGatedDeltaNet(self.in_proj_qkvz, self.in_proj_ba, self.out_proj, self.conv1d.weight,
-                                   self.states["conv"], self.states["recurrent"], self.A_log, self.dt_bias,
+                                   states["conv"], states["recurrent"], self.A_log, self.dt_bias,
                                    self.norm.weight, self.norm.eps, self.num_k_heads, self.num_v_heads,
                                    self.head_k_dim, self.head_v_dim, self.out_proj_input_order)
 
