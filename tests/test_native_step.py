@@ -1,5 +1,5 @@
 """The decoder step as one native call (runner/native_step.py over kernels/csrc/decoder_step.c). Where it builds (a
-Llama-family, Gemma 3, mixture-of-experts, LFM2 or Qwen3.5 decoder whose every matmul, norm and attention is kvflow's
+Llama-family, Gemma 3, mixture-of-experts or hybrid (LFM2, Qwen3.5, Granite 4.0 H) decoder whose every matmul, norm and attention is kvflow's
 kernel, float32 compute, one rank, no LoRA) it is the default, and it gives the layer-by-layer path's bits: the same
 tokens and the same logprobs, in steps that mix decodes with prefill chunks, for each KV element type it writes, each
 weight format and family it takes (the hybrids' recurrent layers also under speculation, whose runs of rows continue
@@ -61,7 +61,7 @@ def family_ggufs(tmp_path_factory):
     for family, ftype in [("llama", "q4_0"), ("llama", "q8_0"), ("llama", "q5_0"), ("qwen2", "q4_1"),
                           ("phi3", "q4_0"), ("qwen3", "q4_0"), ("gemma3", "q8_0"), ("qwen3_moe", "q4_k"),
                           ("olmoe", "q8_0"), ("granitemoe", "q4_0"), ("mixtral", "q5_0"), ("lfm2", "q4_0"),
-                          ("qwen3_5", "q8_0"), ("qwen3_5", "q4_k")]:
+                          ("qwen3_5", "q8_0"), ("qwen3_5", "q4_k"), ("granitemoehybrid", "q8_0")]:
         overrides = {"sliding_window": 24} if family in ("phi3", "mixtral") else {}
         hf = make_tiny_hf_model(out / family, family, **overrides)
         files[f"{family}-{ftype}"] = str(write_gguf_from_hf(hf, out / f"{family}-{ftype}.gguf", ftype=ftype))
@@ -74,19 +74,21 @@ def family_ggufs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["llama-q4_0", "llama-q8_0", "llama-q5_0", "qwen2-q4_1", "phi3-q4_0", "qwen3-q4_0",
                                   "gemma3-q8_0", "qwen3_moe-q4_k", "olmoe-q8_0", "granitemoe-q4_0", "mixtral-q5_0",
-                                  "qwen3_moe-dense-int4", "lfm2-q4_0", "qwen3_5-q8_0", "qwen3_5-q4_k"])
+                                  "qwen3_moe-dense-int4", "lfm2-q4_0", "qwen3_5-q8_0", "qwen3_5-q4_k",
+                                  "granitemoehybrid-q8_0"])
 def test_each_weight_format_and_family_it_takes_gives_the_same_bits(monkeypatch, family_ggufs, name):
     """4-, 5- and 8-bit codes; Qwen2's QKV bias; Phi-3's sliding window (the long prompts pass it); Qwen3's per-head
     Q/K norms; Gemma 3's scaled embedding, sandwich norms, tanh-GELU, head_dim 256 and local layers with their own
     RoPE base and a 16-token window; the mixtures of experts' routers (each family's rule) and stacked experts,
     Qwen3-MoE's dense layer among its MoE ones, OLMoE's Q/K norms over the whole projection, Granite's four scalings,
     Mixtral's sliding window; LFM2's short convolutions; Qwen3.5's Gated DeltaNet (fewer key than value heads: a
-    GGUF's out_proj column order) and gated attention with partial RoPE."""
+    GGUF's out_proj column order) and gated attention with partial RoPE; Granite 4.0 H's Mamba2 layers and attention
+    without position embedding (NoPE)."""
     native, layered = both_paths(monkeypatch, family_ggufs[name], quantization="int4" if "int4" in name else None)
     assert native == layered
 
 
-@pytest.mark.parametrize("name", ["lfm2-q4_0", "qwen3_5-q8_0"])
+@pytest.mark.parametrize("name", ["lfm2-q4_0", "qwen3_5-q8_0", "granitemoehybrid-q8_0"])
 def test_a_hybrids_recurrent_layers_under_speculation_and_from_checkpoints_give_the_same_bits(monkeypatch, family_ggufs,
                                                                                               name):
     """Drafts that a step accepts in part (a scripted proposer: test_hybrid_engine.py's) make runs of several rows
@@ -131,11 +133,10 @@ def test_two_threads_with_stalling_workers_give_one_threads_bits():
             lib.kvflow_pool_set_stall(0)
 
 
-@pytest.mark.parametrize("case", ["env", "lora", "float-weights", "clip-qkv", "mamba2"])
+@pytest.mark.parametrize("case", ["env", "lora", "float-weights", "clip-qkv"])
 def test_where_the_native_step_does_not_build_the_layer_by_layer_path_serves(tmp_path, monkeypatch, caplog, case):
     """The fallback: turned off, or a model it does not compute (LoRA terms, float weights that are not kvflow's
-    kernels', OLMoE's QKV clipping, Granite 4.0 H's Mamba2 layers): no native step, and the engine answers as
-    before."""
+    kernels', OLMoE's QKV clipping): no native step, and the engine answers as before."""
     kwargs = dict(max_model_len=256, kv_cache_memory="32MiB")
     model = None
     if case == "env":
@@ -144,17 +145,12 @@ def test_where_the_native_step_does_not_build_the_layer_by_layer_path_serves(tmp
         kwargs.update(enable_lora=True, max_lora_rank=8)
     elif case == "float-weights":
         model = str(make_tiny_hf_model(tmp_path / "llama", "llama"))
-    elif case == "clip-qkv":
+    else:
         hf = make_tiny_hf_model(tmp_path / "olmoe", "olmoe", clip_qkv=8.0)
         model = str(write_gguf_from_hf(hf, tmp_path / "olmoe.gguf", ftype="q8_0"))
-    else:
-        hf = make_tiny_hf_model(tmp_path / "granite", "granitemoehybrid")
-        model = str(write_gguf_from_hf(hf, tmp_path / "granite.gguf", ftype="q8_0"))
     with caplog.at_level("INFO", logger="kvflow"), LLM(model, **kwargs) as llm:
         assert llm.engine.runner.native_step is None
         out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
-    if case in ("env", "lora", "clip-qkv", "mamba2"):      # kvflow's kernels serve these: the boot log says why not
+    if case in ("env", "lora", "clip-qkv"):      # kvflow's kernels serve these: the boot log says why not
         assert "the native step does not run here" in caplog.text
-    if case == "mamba2":
-        assert "Mamba2 layers" in caplog.text

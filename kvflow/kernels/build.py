@@ -67,6 +67,8 @@ SIGNATURES = {
     "kvflow_sigmoid_mul": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr]),
     "kvflow_gdn_gates": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr]),
     "kvflow_gated_rms_norm": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _int]),
+    "kvflow_mamba2_gates": (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _f32, _f32, _ptr, _ptr]),
+    "kvflow_gated_group_rms_norm": (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _int]),
     "kvflow_recurrent_use_avx512": (None, [_int]),
     "kvflow_pool_quiesce": (None, []),
     "kvflow_pool_workers": (_int, []),

@@ -161,6 +161,27 @@ def gated_rms_norm_reference(o: torch.Tensor, z: torch.Tensor, weight: torch.Ten
     return (weight * normed.to(o.dtype) * F.silu(z.float())).to(o.dtype)
 
 
+def mamba2_gates_reference(raw: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
+                           limit: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2's time steps from raw [T, H]: dt = softplus(raw + dt_bias) clamped to `limit` (transformers' ops in
+    raw's dtype: its chunked prefill clamps, its decode step does not, which the default (0, inf) makes the same), and
+    A = -exp(A_log) [H] in float32."""
+    dt = F.softplus(raw + dt_bias.to(raw.dtype))
+    if tuple(limit) != (0.0, float("inf")):
+        dt = dt.clamp(*limit)
+    return dt, -torch.exp(A_log.float())
+
+
+def gated_group_rms_norm_reference(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group: int,
+                                   eps: float) -> torch.Tensor:
+    """Granite 4.0 H's RMSNormGated (the gate first): y * silu(z) [T, n], RMS-normalised over each group of `group`
+    channels in float32, times the weight (in y's dtype)."""
+    h = y.float() * F.silu(z.float())
+    groups = h.view(*h.shape[:-1], -1, group)
+    h = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).view(h.shape)
+    return weight * h.to(y.dtype)
+
+
 # ---- the dispatch: kvflow's C kernels on CPU float32, else the definitions above ----
 
 @functools.cache
@@ -299,4 +320,35 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     out = torch.empty_like(o)
     lib.kvflow_gated_rms_norm(o.data_ptr(), T, Hv, dv, z.data_ptr(), z.stride(0), weight.data_ptr(), eps,
                               out.data_ptr(), ops.threads())
+    return out
+
+
+def mamba2_gates(raw: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor,
+                 limit: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mamba2_gates_reference`; on kvflow's C kernel for CPU float32 raw whose rows are contiguous."""
+    lib = _native()
+    T, H = raw.shape
+    if (lib is None or not all(t.is_cpu and t.dtype == torch.float32 for t in (raw, dt_bias, A_log))
+            or raw.stride(1) != 1 or dt_bias.shape != (H,) or A_log.shape != (H,)):
+        return mamba2_gates_reference(raw, dt_bias, A_log, limit)
+    dt_bias, A_log = dt_bias.contiguous(), A_log.contiguous()
+    dt, A = torch.empty(T, H), torch.empty(H)
+    lib.kvflow_mamba2_gates(raw.data_ptr(), T, H, raw.stride(0), dt_bias.data_ptr(), A_log.data_ptr(),
+                            float(limit[0]), float(limit[1]), dt.data_ptr(), A.data_ptr())
+    return dt, A
+
+
+def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group: int,
+                         eps: float) -> torch.Tensor:
+    """`gated_group_rms_norm_reference`; on kvflow's C kernel for CPU float32 y [T, n] contiguous and z [T, n]
+    whose rows are contiguous."""
+    lib = _native()
+    T, n = y.shape
+    if (lib is None or not all(t.is_cpu and t.dtype == torch.float32 for t in (y, z, weight))
+            or not y.is_contiguous() or z.shape != y.shape or z.stride(1) != 1 or weight.shape != (n,) or n % group):
+        return gated_group_rms_norm_reference(y, z, weight, group, eps)
+    weight = weight.contiguous()
+    out = torch.empty_like(y)
+    lib.kvflow_gated_group_rms_norm(y.data_ptr(), T, n, group, z.data_ptr(), z.stride(0), weight.data_ptr(), eps,
+                                    out.data_ptr(), ops.threads())
     return out

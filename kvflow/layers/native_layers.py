@@ -5,8 +5,8 @@ with `NotNative`, and its model runs layer by layer.
 
 A layer here is a pre-norm mixer then an MLP (dense, or a mixture of experts), each block's output optionally
 normed (Gemma 3's sandwich) and scaled (Granite) before its residual add. The mixer is attention (its output gated
-on Qwen3.5) or, in a hybrid, a recurrent layer over the step's state slots: LFM2's short convolution or Qwen3.5's
-Gated DeltaNet.
+on Qwen3.5; without rotation on Granite 4.0 H) or, in a hybrid, a recurrent layer over the step's state slots: LFM2's
+short convolution, Qwen3.5's Gated DeltaNet or Granite 4.0 H's Mamba2.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class NativeAttention:
     kv_heads: int
     head_dim: int
     paged: PagedAttention          # its KV cache, softmax scale and sliding window
-    rotary: RotaryEmbedding        # the tables this layer rotates q and k with
+    rotary: RotaryEmbedding | None   # the tables this layer rotates q and k with; None: no position embedding (NoPE)
     output_gate: bool = False      # q's rows hold per head D query then D gate values; out = o(attn * sigmoid(gate))
 
 
@@ -69,6 +69,28 @@ class NativeGatedDeltaNet:
 
 
 @dataclass(frozen=True)
+class NativeMamba2:
+    """Granite 4.0 H's Mamba2 mixer (models/granite_hybrid.py says what it computes)."""
+    in_proj: nn.Module             # rows: z, then x B C (the convolution's channels), then dt
+    out_proj: nn.Module
+    conv_weight: torch.Tensor      # [H P + 2 G N, K] float32
+    conv_bias: torch.Tensor | None
+    conv_state: torch.Tensor       # [slots, K - 1, channels] float32
+    ssm_state: torch.Tensor        # [slots, H, P, N] float32
+    A_log: torch.Tensor            # [H] float32
+    dt_bias: torch.Tensor
+    D: torch.Tensor
+    norm_weight: torch.Tensor      # [H P] float32: the gated output norm's
+    norm_eps: float
+    norm_group: int                # its group of channels
+    heads: int                     # H
+    head_dim: int                  # P
+    groups: int                    # G: the B/C groups
+    state_size: int                # N
+    time_step_limit: tuple[float, float]
+
+
+@dataclass(frozen=True)
 class NativeLayer:
     attention: NativeAttention | None      # None: the layer's mixer is `recurrent`
     input_norm: nn.Module          # before attention
@@ -80,7 +102,8 @@ class NativeLayer:
     attn_out_norm: nn.Module | None = None   # on the attention's output before its residual add (Gemma 3)
     mlp_out_norm: nn.Module | None = None    # on the MLP's output before its residual add (Gemma 3)
     residual_scale: float = 1.0            # each block's output times this before its residual add (Granite)
-    recurrent: NativeShortConv | NativeGatedDeltaNet | None = None   # a hybrid's recurrent mixer, in attention's place
+    # a hybrid's recurrent mixer, in attention's place
+    recurrent: NativeShortConv | NativeGatedDeltaNet | NativeMamba2 | None = None
 
 
 @dataclass(frozen=True)

@@ -28,15 +28,14 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.kernels.group_quant import CODES
 from kvflow.kernels.plan import KernelPlan
-from kvflow.kernels.recurrent import causal_conv1d, ssm_scan
+from kvflow.kernels.recurrent import causal_conv1d, gated_group_rms_norm, mamba2_gates, ssm_scan
 from kvflow.layers.attention_metadata import AttentionMetadata
-from kvflow.layers.native_layers import NativeLayer, NotNative
+from kvflow.layers.native_layers import NativeLayer, NativeMamba2
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.recurrent_state import RecurrentLayer
 from kvflow.layers.rotary import RotaryEmbedding
@@ -66,11 +65,7 @@ class GatedGroupRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = y.float() * F.silu(z.float())
-        groups = h.view(*h.shape[:-1], -1, self.group)
-        variance = groups.pow(2).mean(-1, keepdim=True)
-        h = (groups * torch.rsqrt(variance + self.eps)).view(h.shape)
-        return self.weight * h.to(y.dtype)
+        return gated_group_rms_norm(y, z, self.weight, self.group, self.eps)
 
 
 class Mamba2Mixer(RecurrentLayer):
@@ -108,17 +103,19 @@ class Mamba2Mixer(RecurrentLayer):
                             silu=True)
         xs, B, C = xBC.split([self.d_inner, self.num_groups * self.state_size, self.num_groups * self.state_size],
                              dim=-1)
-        # transformers' ops in its dtype: the bias added, softplus, the clamp (its chunked prefill clamps; its decode
-        # step does not, which the default limits (0, inf) make the same)
-        dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
-        low, high = self.time_step_limit
-        if (low, high) != (0.0, float("inf")):
-            dt = dt.clamp(low, high)
-        A = -torch.exp(self.A_log.float())
+        dt, A = mamba2_gates(dt, self.dt_bias, self.A_log, self.time_step_limit)
         y = ssm_scan(xs.reshape(T, self.num_heads, self.head_dim), dt.contiguous(), A,
                      B.reshape(T, self.num_groups, self.state_size), C.reshape(T, self.num_groups, self.state_size),
                      self.D, self.states["ssm"], meta.state)
         return self.out_proj(self.norm(y.reshape(T, self.d_inner), z))
+
+    def native(self) -> NativeMamba2:
+        """This mixer as the native step computes it (the same kernels: kernels/recurrent.py's C ones)."""
+        states = self.bound_states()
+        return NativeMamba2(self.in_proj, self.out_proj, self.conv1d.weight, self.conv1d.bias, states["conv"],
+                            states["ssm"], self.A_log, self.dt_bias, self.D, self.norm.weight, self.norm.eps,
+                            self.norm.group, self.num_heads, self.head_dim, self.num_groups, self.state_size,
+                            self.time_step_limit)
 
 
 class GraniteHybridDecoderLayer(nn.Module):
@@ -143,7 +140,14 @@ class GraniteHybridDecoderLayer(nn.Module):
         return h + (out if self.residual_multiplier is None else out * self.residual_multiplier)
 
     def native_layer(self, model: LlamaForCausalLM) -> NativeLayer:
-        raise NotNative("Mamba2 layers (Granite 4.0 H), which the native step does not compute")
+        """This layer as the native step computes it: Mamba2 or attention (NoPE where it is), then the MLP, each
+        block's output times the residual multiplier."""
+        scale = 1.0 if self.residual_multiplier is None else self.residual_multiplier
+        if self.mamba is not None:
+            return NativeLayer(None, self.input_layernorm, self.post_attention_layernorm, residual_scale=scale,
+                               recurrent=self.mamba.native(), **self.mlp.native())
+        return NativeLayer(self.self_attn.native(self.self_attn.rotary), self.input_layernorm,
+                           self.post_attention_layernorm, residual_scale=scale, **self.mlp.native())
 
 
 class GraniteHybridForCausalLM(HybridForCausalLM):

@@ -1,8 +1,8 @@
 """What every hybrid family (LFM2, Qwen3.5, Granite 4.0 H: recurrent layers between attention layers) is beyond the
 Llama decoder it builds on: its attention layers own KV blocks, its recurrent layers state slots
 (layers/recurrent_state.py), each found by type in layer order; one rank only (a state is not split over ranks);
-no compiled decode graph (none takes state slots). The native step (runner/native_step.py) computes the families
-whose layers describe themselves for it (`native_layer`: LFM2, Qwen3.5); the others run layer by layer."""
+no compiled decode graph (none takes state slots): the native step (runner/native_step.py) computes every family,
+each layer describing itself for it (`native_layer`), and elsewhere they run layer by layer."""
 from __future__ import annotations
 
 from kvflow.distributed.parallel_state import TensorParallel

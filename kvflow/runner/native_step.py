@@ -28,7 +28,8 @@ from kvflow.kernels import build, formats, layout, ops
 from kvflow.kernels.build import Experts
 from kvflow.layers.moe import SparseMoE
 from kvflow.kernels.recurrent import state_runs
-from kvflow.layers.native_layers import NativeDecoder, NativeGatedDeltaNet, NativeLayer, NativeShortConv, NotNative
+from kvflow.layers.native_layers import (NativeDecoder, NativeGatedDeltaNet, NativeLayer, NativeMamba2, NativeShortConv,
+                                         NotNative)
 from kvflow.layers.norm import RMSNorm
 
 _KV_FORMS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -49,14 +50,14 @@ class _Moe(ctypes.Structure):
                 ("dn_rows", _i64), ("rule", _int), ("norm_topk_prob", _int), ("gate_up", Experts), ("down", Experts)]
 
 
-_MIX_ATTENTION, _MIX_SHORT_CONV, _MIX_GATED_DELTA_NET = 0, 1, 2
+_MIX_ATTENTION, _MIX_SHORT_CONV, _MIX_GATED_DELTA_NET, _MIX_MAMBA2 = 0, 1, 2, 3
 
 
 class _Recurrent(ctypes.Structure):
-    _fields_ = [("kind", _int), ("in_ba", _Linear), ("conv_weight", _ptr), ("channels", _i64), ("K", _i64),
-                ("conv_state", _ptr), ("state", _ptr), ("A_log", _ptr), ("dt_bias", _ptr), ("norm", _Norm),
-                ("key_heads", _i64), ("value_heads", _i64), ("key_dim", _i64), ("value_dim", _i64),
-                ("out_order", _ptr)]
+    _fields_ = [("kind", _int), ("in_ba", _Linear), ("conv_weight", _ptr), ("conv_bias", _ptr), ("channels", _i64),
+                ("K", _i64), ("conv_state", _ptr), ("state", _ptr), ("A_log", _ptr), ("dt_bias", _ptr), ("D", _ptr),
+                ("norm", _Norm), ("key_heads", _i64), ("value_heads", _i64), ("key_dim", _i64), ("value_dim", _i64),
+                ("norm_group", _i64), ("dt_low", _f32), ("dt_high", _f32), ("out_order", _ptr)]
 
 
 class _Layer(ctypes.Structure):
@@ -128,9 +129,32 @@ def _float32(t: torch.Tensor, shape: tuple[int, ...], what: str) -> int:
     return t.data_ptr()
 
 
-def _recurrent(mixer: NativeShortConv | NativeGatedDeltaNet, H: int) -> tuple[_Recurrent, _Linear, _Linear]:
+def _mamba2(m: NativeMamba2, H: int) -> tuple[_Recurrent, _Linear, _Linear]:
+    G, heads, N, P = m.groups, m.heads, m.state_size, m.head_dim
+    C, K = m.conv_weight.shape
+    slots, inner = m.conv_state.shape[0], heads * P
+    rec = _Recurrent(kind=_MIX_MAMBA2, channels=C, K=K, conv_weight=_float32(m.conv_weight, (C, K), "a convolution"),
+                     conv_bias=_float32(m.conv_bias, (C,), "a convolution bias") if m.conv_bias is not None else None,
+                     conv_state=_float32(m.conv_state, (slots, K - 1, C), "a convolution state"),
+                     state=_float32(m.ssm_state, (slots, heads, P, N), "an SSM state"),
+                     A_log=_float32(m.A_log, (heads,), "A_log"), dt_bias=_float32(m.dt_bias, (heads,), "dt_bias"),
+                     D=_float32(m.D, (heads,), "D"), norm=_Norm(_float32(m.norm_weight, (inner,), "a gated norm"),
+                                                              m.norm_eps),
+                     key_heads=G, value_heads=heads, key_dim=N, value_dim=P, norm_group=m.norm_group,
+                     dt_low=m.time_step_limit[0], dt_high=m.time_step_limit[1])
+    in_proj, out_proj = _linear(m.in_proj, H), _linear(m.out_proj, inner)
+    if (C != inner + 2 * G * N or in_proj.rows != inner + C + heads or out_proj.rows != H or heads % G
+            or inner % m.norm_group):
+        raise NotNative("a Mamba2 layer of unexpected shapes")
+    return rec, in_proj, out_proj
+
+
+def _recurrent(mixer: NativeShortConv | NativeGatedDeltaNet | NativeMamba2,
+               H: int) -> tuple[_Recurrent, _Linear, _Linear]:
     """A hybrid's recurrent mixer as decoder_step.c reads it, with its in and out projections (the layer's qkv and
     o), every weight and state checked to be one it reads."""
+    if isinstance(mixer, NativeMamba2):
+        return _mamba2(mixer, H)
     if isinstance(mixer, NativeShortConv):
         C, K = mixer.conv_weight.shape
         rec = _Recurrent(kind=_MIX_SHORT_CONV, channels=C, K=K,
@@ -189,7 +213,9 @@ class NativeDecoderStep:
         layers = [self._layer(layer, hidden, kv_dtype) for layer in decoder.layers]
         attentions = [layer.attention for layer in decoder.layers if layer.attention is not None]
         intermediates = {layer.intermediate for layer in decoder.layers if layer.moe is None}   # step_shape holds one
-        if len({(a.heads, a.kv_heads, a.head_dim, a.rotary.cos.shape[1]) for a in attentions}) > 1:
+        rotated = [a for a in attentions if a.rotary is not None]          # not NoPE layers
+        if (len({(a.heads, a.kv_heads, a.head_dim) for a in attentions}) > 1
+                or len({a.rotary.cos.shape[1] for a in rotated}) > 1):
             raise NotNative("attention layers of different shapes or rotating different widths")
         if len(intermediates) > 1:
             raise NotNative("dense MLPs of different widths")
@@ -200,7 +226,7 @@ class NativeDecoderStep:
         self.layers = (_Layer * len(layers))(*layers)
         self.shape = _Shape(layers=len(layers), hidden=hidden, heads=first.heads if first else 0,
                             kv_heads=first.kv_heads if first else 0, head_dim=first.head_dim if first else 0,
-                            rotary_dim=first.rotary.cos.shape[1] if first else 0,
+                            rotary_dim=rotated[0].rotary.cos.shape[1] if rotated else 0,
                             intermediate=max(intermediates, default=0), block_size=block_size,
                             kv_form=_KV_FORMS[kv_dtype], act=_ACTS.get(decoder.hidden_act, 0))
         final = _norm(decoder.final_norm, hidden)
@@ -232,7 +258,7 @@ class NativeDecoderStep:
         for cache in (paged.k_cache, paged.v_cache):
             if cache.dtype != kv_dtype or not cache.is_contiguous():
                 raise NotNative("a KV cache of another element type or layout")
-        for table in (rotary.cos, rotary.sin_signed):
+        for table in (rotary.cos, rotary.sin_signed) if rotary is not None else ():
             if table.dtype != torch.float32 or not table.is_contiguous():
                 raise NotNative("rotary tables not float32")
         D = attn.head_dim
@@ -241,8 +267,9 @@ class NativeDecoderStep:
         native = _Layer(input=_norm(layer.input_norm, H), mlp_in=_norm(layer.mlp_in_norm, H),
                         attn_out=_norm(layer.attn_out_norm, H), mlp_out=_norm(layer.mlp_out_norm, H),
                         q=_norm(attn.q_norm, q_size if whole else D), k=_norm(attn.k_norm, kv_size if whole else D),
-                        scale=paged.scale, window=paged.sliding_window, cos=rotary.cos.data_ptr(),
-                        sin_signed=rotary.sin_signed.data_ptr(), k_cache=paged.k_cache.data_ptr(),
+                        scale=paged.scale, window=paged.sliding_window,
+                        cos=rotary.cos.data_ptr() if rotary is not None else None,
+                        sin_signed=rotary.sin_signed.data_ptr() if rotary is not None else None, k_cache=paged.k_cache.data_ptr(),
                         v_cache=paged.v_cache.data_ptr(), qkv=_linear(attn.qkv, H, True), o=_linear(attn.o, q_size),
                         gate_up=gate_up, down=down, qk_whole=int(whole), residual_scale=layer.residual_scale,
                         moe=moe, gated=int(attn.output_gate))

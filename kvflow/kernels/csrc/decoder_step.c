@@ -8,8 +8,10 @@
 // block's output before its residual add. A hybrid's recurrent layers take attention's place: LFM2's short
 // convolution (in_proj, B * x through the causal convolution over the request's state slot, C times it, out_proj)
 // and Qwen3.5's Gated DeltaNet (in_proj_qkvz and in_proj_ba, the convolution with SiLU, the gates, the delta rule
-// over the slot's state, the gated norm, out_proj), on recurrent.c's kernels as the module path calls them; Qwen3.5's
-// attention gates its output (attention * sigmoid(gate)).
+// over the slot's state, the gated norm, out_proj) and Granite 4.0 H's Mamba2 (in_proj, the convolution with SiLU,
+// the time steps, the selective scan over the slot's state, the gated norm, out_proj), on recurrent.c's kernels as
+// the module path calls them; Qwen3.5's attention gates its output (attention * sigmoid(gate)), Granite 4.0 H's
+// rotates nothing (NoPE).
 //
 // Why: driven from Python, a batch-1 step of the embedded model is ~210 operator calls, each with Python, the
 // dispatcher and ctypes around a kernel of a few microseconds, and that came to as much time as the matmuls
@@ -52,19 +54,23 @@ typedef struct {
     experts_t gate_up, down;
 } step_moe;
 
-enum { MIX_ATTENTION = 0, MIX_SHORT_CONV = 1, MIX_GATED_DELTA_NET = 2 };
+enum { MIX_ATTENTION = 0, MIX_SHORT_CONV = 1, MIX_GATED_DELTA_NET = 2, MIX_MAMBA2 = 3 };
 
 // A hybrid's recurrent mixer in attention's place (its in_proj / in_proj_qkvz is the layer's qkv, its out_proj the
 // layer's o)
 typedef struct {
     int kind;                              // MIX_*
     step_linear in_ba;                     // Gated DeltaNet's [b; a] projection
-    const float *conv_weight;              // [channels, K]
+    const float *conv_weight, *conv_bias;  // [channels, K], [channels] or NULL
     int64_t channels, K;
-    float *conv_state, *state;             // [slots, K - 1, channels]; [slots, Hv, dk, dv] (Gated DeltaNet)
-    const float *A_log, *dt_bias;          // [Hv]
-    step_norm norm;                        // the gated output norm, dv wide
-    int64_t key_heads, value_heads, key_dim, value_dim;   // Hk, Hv, dk, dv
+    // [slots, K - 1, channels]; [slots, Hv, dk, dv] (Gated DeltaNet) or [slots, H, P, N] (Mamba2)
+    float *conv_state, *state;
+    const float *A_log, *dt_bias, *D;      // [heads]; D: Mamba2's skip
+    step_norm norm;                        // the gated output norm: dv wide (Gated DeltaNet), H P (Mamba2)
+    // Gated DeltaNet: Hk, Hv, dk, dv. Mamba2: the B/C groups G, the heads H, the state size N, the head size P
+    int64_t key_heads, value_heads, key_dim, value_dim;
+    int64_t norm_group;                    // Mamba2: the output norm's group of channels
+    float dt_low, dt_high;                 // Mamba2: the time step's clamp
     const int64_t *out_order;              // the value columns out_proj reads, in its order; NULL: as they are
 } step_recurrent;
 
@@ -284,6 +290,7 @@ static int64_t recurrent_row(const step_recurrent *r) {
     if (r->kind == MIX_SHORT_CONV) return 3 * r->channels;
     if (r->kind == MIX_GATED_DELTA_NET)
         return r->in_ba.width + 2 * r->channels + 2 * r->value_heads + 3 * r->value_heads * r->value_dim;
+    if (r->kind == MIX_MAMBA2) return 2 * r->channels + 2 * r->value_heads + 2 * r->value_heads * r->value_dim;
     return 0;
 }
 
@@ -353,6 +360,33 @@ static int gated_delta_net(const step_shape *s, const step_layer *L, const float
     return linear(&L->o, normed, T, vd, proj, s->threads);
 }
 
+// Granite 4.0 H's Mamba2 mixer over the T normed rows x, its out_proj's output into proj (rows L->o.width apart), as
+// models/granite_hybrid.py's Mamba2Mixer computes it: in_proj's rows z, then x B C (the convolution's channels),
+// then dt; the convolution with SiLU, the time steps, the selective scan over the slot's state, the gated norm
+static int mamba2(const step_shape *s, const step_layer *L, const float *x, float *proj, float *work) {
+    const step_recurrent *r = &L->rec;
+    const int64_t T = s->T, C = r->channels, W = L->qkv.width;
+    const int64_t G = r->key_heads, H = r->value_heads, N = r->key_dim, P = r->value_dim, inner = H * P;
+    float *conv_in = work, *conv_out = conv_in + T * C, *dt = conv_out + T * C, *A = dt + T * H;
+    float *y = A + T * H, *normed = y + T * inner;
+    int err = linear(&L->qkv, x, T, s->hidden, proj, s->threads);
+    if (err) return err;
+    for (int64_t t = 0; t < T; t++) memcpy(conv_in + t * C, proj + t * W + inner, (size_t)C * sizeof(float));
+    if ((err = kvflow_causal_conv1d(conv_in, T, C, r->conv_weight, r->K, r->conv_bias, r->conv_state, s->runs, 1,
+                                    conv_out, s->threads)))
+        return err;
+    float *xs = conv_in, *B = xs + T * inner, *Cm = B + T * G * N;     // the convolution's input is spent
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(xs + t * inner, conv_out + t * C, (size_t)inner * sizeof(float));
+        memcpy(B + t * G * N, conv_out + t * C + inner, (size_t)(G * N) * sizeof(float));
+        memcpy(Cm + t * G * N, conv_out + t * C + inner + G * N, (size_t)(G * N) * sizeof(float));
+    }
+    kvflow_mamba2_gates(proj + inner + C, T, H, W, r->dt_bias, r->A_log, r->dt_low, r->dt_high, dt, A);
+    if ((err = kvflow_ssm_scan(xs, dt, A, B, Cm, r->D, T, H, P, G, N, r->state, s->runs, y, s->threads))) return err;
+    kvflow_gated_group_rms_norm(y, T, inner, r->norm_group, proj, W, r->norm.weight, r->norm.eps, normed, s->threads);
+    return linear(&L->o, normed, T, inner, proj, s->threads);
+}
+
 // The attention block over the T normed rows x, its output projection into proj (rows L->o.width apart): the
 // fused QKV projection, per row the Q/K norms, rotary embedding and the K/V written into the paged cache, paged
 // attention (gated on Qwen3.5), the output projection. q, attn: [T, Hq D] each; heads, k, query: one row's.
@@ -368,7 +402,8 @@ static int attention_block(const step_shape *s, const step_layer *L, const float
     for (int64_t t = 0; t < T; t++) {
         const float *row = proj + t * L->qkv.width, *qs = row, *ks = row + Hq * q_stride;
         const int64_t p = s->positions[t], slot = s->slots[t];
-        const float *cos = L->cos + p * s->rotary_dim, *sin = L->sin_signed + p * s->rotary_dim;
+        const float *cos = L->cos ? L->cos + p * s->rotary_dim : NULL;
+        const float *sin = L->cos ? L->sin_signed + p * s->rotary_dim : NULL;
         if (L->gated) {
             for (int64_t j = 0; j < Hq; j++) memcpy(query + j * D, row + j * 2 * D, (size_t)D * sizeof(float));
             qs = query;
@@ -382,8 +417,13 @@ static int attention_block(const step_shape *s, const step_layer *L, const float
             kvflow_rms_norm(ks, Hkv, D, L->k.weight, L->k.eps, heads + Hq * D, 1);
             qs = heads, ks = heads + Hq * D;
         }
-        for (int64_t j = 0; j < Hq; j++) rotate(qs + j * D, cos, sin, D, s->rotary_dim, q + (t * Hq + j) * D);
-        for (int64_t j = 0; j < Hkv; j++) rotate(ks + j * D, cos, sin, D, s->rotary_dim, k + j * D);
+        if (L->cos) {
+            for (int64_t j = 0; j < Hq; j++) rotate(qs + j * D, cos, sin, D, s->rotary_dim, q + (t * Hq + j) * D);
+            for (int64_t j = 0; j < Hkv; j++) rotate(ks + j * D, cos, sin, D, s->rotary_dim, k + j * D);
+        } else {                       // no position embedding on this layer (NoPE: Granite 4.0 H's attention)
+            memcpy(q + t * Hq * D, qs, (size_t)(Hq * D) * sizeof(float));
+            memcpy(k, ks, (size_t)(Hkv * D) * sizeof(float));
+        }
         store(k, Hkv * D, (char *)L->k_cache + slot * row_bytes, s->kv_form);
         store(row + Hq * q_stride + Hkv * D, Hkv * D, (char *)L->v_cache + slot * row_bytes, s->kv_form);
     }
@@ -411,6 +451,7 @@ int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h,
         kvflow_rms_norm(h, T, H, L->input.weight, L->input.eps, normed, threads);
         err = L->rec.kind == MIX_SHORT_CONV        ? short_conv(s, L, normed, proj, work)
               : L->rec.kind == MIX_GATED_DELTA_NET ? gated_delta_net(s, L, normed, proj, work)
+              : L->rec.kind == MIX_MAMBA2          ? mamba2(s, L, normed, proj, work)
                                                    : attention_block(s, L, normed, proj, q, attn, heads, k, query);
         if (err) break;
         add_block_output(h, proj, T, H, L->o.width, L, &L->attn_out, normed, threads);

@@ -55,3 +55,7 @@ void kvflow_gdn_gates(const float *ba, int64_t T, int64_t Hv, int64_t ld, const 
                       float *beta, float *g);
 void kvflow_gated_rms_norm(const float *o, int64_t T, int64_t Hv, int64_t dv, const float *z, int64_t ldz,
                            const float *w, float eps, float *out, int threads);
+void kvflow_mamba2_gates(const float *raw, int64_t T, int64_t H, int64_t ld, const float *dt_bias, const float *A_log,
+                         float low, float high, float *dt, float *A);
+void kvflow_gated_group_rms_norm(const float *y, int64_t T, int64_t n, int64_t group, const float *z, int64_t ldz,
+                                 const float *w, float eps, float *out, int threads);

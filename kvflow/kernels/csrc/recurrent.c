@@ -456,3 +456,36 @@ void kvflow_gated_rms_norm(const float *o, int64_t T, int64_t Hv, int64_t dv, co
 #undef NORM
         }
 }
+
+// Mamba2's time steps (Granite 4.0 H): from each row's H raw values (rows ld apart), dt = softplus(raw + dt_bias)
+// (past 20 as it is) clamped to [low, high], [T, H]; and A = -e^A_log [H]. libm's expf and log1pf.
+void kvflow_mamba2_gates(const float *raw, int64_t T, int64_t H, int64_t ld, const float *dt_bias, const float *A_log,
+                         float low, float high, float *dt, float *A) {
+    for (int64_t h = 0; h < H; h++) A[h] = -expf(A_log[h]);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            const float a = raw[t * ld + h] + dt_bias[h];
+            const float v = a > 20.0f ? a : log1pf(expf(a));
+            dt[t * H + h] = fminf(fmaxf(v, low), high);
+        }
+}
+
+// Mamba2's output norm (Granite 4.0 H's RMSNormGated, the gate first): per row t and group of `group` channels,
+//   h = y * silu(z);  out = w * (h / sqrt(mean(h^2) + eps))
+// y, out [T, n]; z's rows ldz apart. Rows on OpenMP's threads past a prefill's worth.
+void kvflow_gated_group_rms_norm(const float *y, int64_t T, int64_t n, int64_t group, const float *z, int64_t ldz,
+                                 const float *w, float eps, float *out, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T > POOL_ROWS)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g0 = 0; g0 < n; g0 += group) {
+            const float *ys = y + t * n + g0, *zs = z + t * ldz + g0, *ws = w + g0;
+            float *o = out + t * n + g0;
+#define GATE(i, m) store_n(o + (i), _mm256_mul_ps(load_n(ys + (i), m), silu8(load_n(zs + (i), m))), m)
+            LANES_OVER(group, GATE);
+#undef GATE
+            const __m256 r = _mm256_set1_ps(1.0f / sqrtf(sum_squares(o, group) / (float)group + eps));
+#define NORM(i, m) store_n(o + (i), _mm256_mul_ps(load_n(ws + (i), m), _mm256_mul_ps(load_n(o + (i), m), r)), m)
+            LANES_OVER(group, NORM);
+#undef NORM
+        }
+}
