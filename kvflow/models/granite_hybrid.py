@@ -20,8 +20,9 @@ Both recurrences are kernels/recurrent.py's sequential definitions, for prefill 
 token's arithmetic does not depend on how the scheduler split its prompt or what shares its step.
 
 LoRA adapters adapt the attention layers' q/k/v/o_proj and the shared MLP's input_linear / output_linear
-(`LORA_TARGETS`); the Mamba2 layers' in_proj / out_proj take none (refused: models/lora_modules.py). Not here: tensor
-parallelism, compiled decode graphs and the native decoder step (refused or off, saying why).
+(`LORA_TARGETS`); the Mamba2 layers' in_proj / out_proj take none (refused: models/lora_modules.py). The native
+decoder step computes every layer (`native_layer`). Not here: tensor parallelism and compiled decode graphs (refused
+or off, saying why).
 """
 from __future__ import annotations
 
