@@ -268,10 +268,12 @@ def test_conditional_generation_folder_serves_the_text_model(tiny_qwen3_5, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ftype", ["f32", "q8_0"])
+# (transformers reads no Q5_0/Q5_1; the tiny widths are not the K-quants' 256: test_native_step.py runs Q4_K here)
+@pytest.mark.parametrize("ftype", ["f32", "f16", "bf16", "q4_0", "q8_0"])
 def test_gguf_matches_transformers_gguf_load(tiny_qwen3_5, tmp_path, ftype):
-    """llama.cpp's layout (norms as 1 + w, ssm_a = -exp(A_log), squeezed taps, value heads tiled since Hk < Hv):
-    kvflow's float32 load of the file gives transformers' own GGUF load's logits (the file's values)."""
+    """llama.cpp's layout (norms as 1 + w, ssm_a = -exp(A_log), squeezed taps, value heads tiled since Hk < Hv), in
+    each weight format the dense models take: kvflow's float32 load of the file gives transformers' own GGUF load's
+    logits (the file's values)."""
     from transformers import AutoModelForCausalLM
 
     gguf_path = write_gguf_from_hf(tiny_qwen3_5, tmp_path / f"qwen3_5-{ftype}.gguf", ftype=ftype)
