@@ -268,7 +268,7 @@ def test_conditional_generation_folder_serves_the_text_model(tiny_qwen3_5, tmp_p
 
 
 @pytest.mark.slow
-# (transformers reads no Q5_0/Q5_1; the tiny widths are not the K-quants' 256: test_native_step.py runs Q4_K here)
+# (transformers reads no Q5_0/Q5_1, and the tiny model's widths are not the K-quants' multiple of 256)
 @pytest.mark.parametrize("ftype", ["f32", "f16", "bf16", "q4_0", "q8_0"])
 def test_gguf_matches_transformers_gguf_load(tiny_qwen3_5, tmp_path, ftype):
     """llama.cpp's layout (norms as 1 + w, ssm_a = -exp(A_log), squeezed taps, value heads tiled since Hk < Hv), in
