@@ -8,6 +8,8 @@ parses its own tool-call syntax with a parser chosen by name, as vLLM's `--tool-
   json         a bare JSON object {"name", "arguments"} or a list of them (optionally in a ``` fence)
   qwen3_coder  <tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>
   qwen3_xml      (Qwen3-Coder, Qwen3.5; one format, vLLM's two names: qwen3_xml_tool_calls.py)
+  llama3_json  {"name": ..., "parameters": {...}}; ...  (Llama 3.x, optionally after <|python_tag|>;
+  llama4_json    llama3_json_tool_calls.py)
 Every mode yields OpenAI `tool_calls` entries, whole (`extract_tool_calls`) or as stream deltas
 (`ToolCallStreamer`: a first chunk with index, id, type, name and arguments "", then argument fragments).
 """
@@ -15,26 +17,17 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from kvflow.errors import InvalidRequestError
+from kvflow.server.serving.llama3_json_tool_calls import NAMES as LLAMA3_JSON_NAMES, Llama3JsonToolParser
 from kvflow.server.serving.qwen3_xml_tool_calls import NAMES as QWEN3_XML_NAMES, ScanMemo, scan_calls
+from kvflow.server.serving.tool_call_text import (ExtractedToolCalls, PartialCall, call_from_json, held_back,
+                                                  scan_call, scan_call_list, tool_call, tool_call_id)
 from kvflow.structured_output.spec import StructuredSpec, json_schema_spec
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")   # OpenAI's rule for function names
-_DECODER = json.JSONDecoder()
-
-
-def tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def tool_call(name: str, arguments: Any, call_id: str | None = None) -> dict:
-    """One OpenAI tool_calls entry; arguments as a JSON string."""
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": call_id or tool_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 
 # ---------------------------------------------------------------------------------------------- request
@@ -122,50 +115,6 @@ def template_supports_tools(chat_template: str | None) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- parsing
-@dataclass
-class PartialCall:
-    name: str | None      # known once its JSON string is complete
-    arguments: str        # the raw JSON text of the arguments so far
-    done: bool            # the arguments value is complete
-
-
-@dataclass
-class ExtractedToolCalls:
-    content: str | None
-    tool_calls: list[dict] = field(default_factory=list)
-
-
-def _scan_call(body: str) -> PartialCall:
-    """Name and raw arguments of a (possibly unfinished) {"name": ..., "arguments": ...} object.
-
-    Until the arguments value parses, everything after `"arguments":` belongs to it: a JSON value's
-    prefix never holds its own end. raw_decode finds the end once it is there.
-    """
-    args = re.search(r'"(?:arguments|parameters)"\s*:\s*', body)
-    head = body[: args.start()] if args else body
-    arguments, done, end = "", False, len(body)
-    if args:
-        try:
-            _, end = _DECODER.raw_decode(body, args.end())
-            arguments, done = body[args.end():end], True
-        except json.JSONDecodeError:
-            arguments = body[args.end():]
-    name = re.search(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")', head) or (done and re.search(
-        r'"name"\s*:\s*("(?:[^"\\]|\\.)*")', body[end:]))
-    return PartialCall(json.loads(name.group(1)) if name else None, arguments, done)
-
-
-def _call_from_json(obj: Any) -> dict | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    return tool_call(obj["name"], obj.get("arguments", obj.get("parameters", {})))
-
-
-def _held_back(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that could be the start of tag."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
-
-
 class HermesToolParser:
     """<tool_call>{"name": "f", "arguments": {...}}</tool_call>, any number of them, text around them."""
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -175,7 +124,7 @@ class HermesToolParser:
         calls, content, pos = [], [], 0
         for m in self._BLOCK.finditer(text):
             try:
-                call = _call_from_json(json.loads(m.group(1)))
+                call = call_from_json(json.loads(m.group(1)))
             except json.JSONDecodeError:
                 call = None
             if call is None:   # not a call after all: leave the text as the model wrote it
@@ -193,10 +142,10 @@ class HermesToolParser:
         content, calls, pos = [], [], 0
         for m in self._BLOCK.finditer(text):
             content.append(text[pos: m.start()])
-            calls.append(_scan_call(m.group(1)))
+            calls.append(scan_call(m.group(1)))
             pos = m.end()
         tail = text[pos:]
-        content.append(tail[: len(tail) - _held_back(tail, self.OPEN)])
+        content.append(tail[: len(tail) - held_back(tail, self.OPEN)])
         return "".join(content), calls
 
 
@@ -213,7 +162,7 @@ class JsonToolParser:
             obj = json.loads(self._unfence(text))
         except json.JSONDecodeError:
             return ExtractedToolCalls(text or None)
-        calls = [_call_from_json(o) for o in (obj if isinstance(obj, list) else [obj])]
+        calls = [call_from_json(o) for o in (obj if isinstance(obj, list) else [obj])]
         if not calls or None in calls:
             return ExtractedToolCalls(text or None)
         return ExtractedToolCalls(None, calls)
@@ -228,19 +177,8 @@ class JsonToolParser:
         if body[0] not in "{[":
             return text, []          # prose: stream it as content
         if body[0] == "{":
-            return "", [_scan_call(body)]
-        calls, pos = [], 1
-        while True:
-            while pos < len(body) and body[pos] in " \t\r\n,":
-                pos += 1
-            if pos >= len(body) or body[pos] == "]":
-                return "", calls
-            try:
-                _, end = _DECODER.raw_decode(body, pos)
-            except json.JSONDecodeError:
-                return "", calls + [_scan_call(body[pos:])]
-            calls.append(_scan_call(body[pos:end]))
-            pos = end
+            return "", [scan_call(body)]
+        return "", scan_call_list(body)
 
 
 class Qwen3XmlToolParser:
@@ -267,6 +205,7 @@ TOOL_PARSERS: dict[str, Callable[[Mapping[str, dict]], Any]] = {
     "hermes": lambda functions: HermesToolParser(),
     "json": lambda functions: JsonToolParser(),
     **dict.fromkeys(QWEN3_XML_NAMES, Qwen3XmlToolParser),
+    **dict.fromkeys(LLAMA3_JSON_NAMES, lambda functions: Llama3JsonToolParser()),
 }
 
 
@@ -302,12 +241,14 @@ class ToolCallStreamer:
 
     def __init__(self, request: ToolRequest):
         self._partial: Callable[[str, bool], tuple[str, list[PartialCall]]]
+        self._call_id: Callable[[], str] = tool_call_id
         if request.mode == "function":
             self._partial = lambda text, final=False: ("", [PartialCall(request.name, text, False)])
         elif request.mode == "required":
             self._partial = JsonToolParser().partial
         elif request.mode == "auto":
-            self._partial = get_tool_parser(request.parser, request.functions).partial
+            parser = get_tool_parser(request.parser, request.functions)
+            self._partial, self._call_id = parser.partial, getattr(parser, "call_id", tool_call_id)
         else:
             self._partial = lambda text, final=False: (text, [])
         self.text = ""
@@ -343,7 +284,7 @@ class ToolCallStreamer:
             if call.name is None:
                 break                  # announce calls in order, each once its name is known
             if i == len(self.ids):
-                self.ids.append(tool_call_id())
+                self.ids.append(self._call_id())
                 self.names.append(call.name)
                 self._args_sent.append(0)
                 deltas.append({"tool_calls": [{"index": i, "id": self.ids[i], "type": "function",
