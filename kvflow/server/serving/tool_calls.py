@@ -10,6 +10,7 @@ parses its own tool-call syntax with a parser chosen by name, as vLLM's `--tool-
   qwen3_xml      (Qwen3-Coder, Qwen3.5; one format, vLLM's two names: qwen3_xml_tool_calls.py)
   llama3_json  {"name": ..., "parameters": {...}}; ...  (Llama 3.x, optionally after <|python_tag|>;
   llama4_json    llama3_json_tool_calls.py)
+  pythonic     [get_weather(city="Paris"), ...]  (Llama 3.2 / 4; read with ast: pythonic_tool_calls.py)
 Every mode yields OpenAI `tool_calls` entries, whole (`extract_tool_calls`) or as stream deltas
 (`ToolCallStreamer`: a first chunk with index, id, type, name and arguments "", then argument fragments).
 """
@@ -22,6 +23,7 @@ from typing import Any, Callable, Mapping
 
 from kvflow.errors import InvalidRequestError
 from kvflow.server.serving.llama3_json_tool_calls import NAMES as LLAMA3_JSON_NAMES, Llama3JsonToolParser
+from kvflow.server.serving.pythonic_tool_calls import NAMES as PYTHONIC_NAMES, PythonicToolParser
 from kvflow.server.serving.qwen3_xml_tool_calls import NAMES as QWEN3_XML_NAMES, ScanMemo, scan_calls
 from kvflow.server.serving.tool_call_text import (ExtractedToolCalls, PartialCall, call_from_json, held_back,
                                                   scan_call, scan_call_list, tool_call, tool_call_id)
@@ -206,6 +208,7 @@ TOOL_PARSERS: dict[str, Callable[[Mapping[str, dict]], Any]] = {
     "json": lambda functions: JsonToolParser(),
     **dict.fromkeys(QWEN3_XML_NAMES, Qwen3XmlToolParser),
     **dict.fromkeys(LLAMA3_JSON_NAMES, lambda functions: Llama3JsonToolParser()),
+    **dict.fromkeys(PYTHONIC_NAMES, lambda functions: PythonicToolParser()),
 }
 
 
