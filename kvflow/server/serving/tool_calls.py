@@ -11,6 +11,8 @@ parses its own tool-call syntax with a parser chosen by name, as vLLM's `--tool-
   llama3_json  {"name": ..., "parameters": {...}}; ...  (Llama 3.x, optionally after <|python_tag|>;
   llama4_json    llama3_json_tool_calls.py)
   pythonic     [get_weather(city="Paris"), ...]  (Llama 3.2 / 4; read with ast: pythonic_tool_calls.py)
+  mistral      [TOOL_CALLS][{"name", "arguments"}, ...] or [TOOL_CALLS]name[ARGS]{...}  (9-character call ids:
+                 mistral_tool_calls.py)
 Every mode yields OpenAI `tool_calls` entries, whole (`extract_tool_calls`) or as stream deltas
 (`ToolCallStreamer`: a first chunk with index, id, type, name and arguments "", then argument fragments).
 """
@@ -23,6 +25,7 @@ from typing import Any, Callable, Mapping
 
 from kvflow.errors import InvalidRequestError
 from kvflow.server.serving.llama3_json_tool_calls import NAMES as LLAMA3_JSON_NAMES, Llama3JsonToolParser
+from kvflow.server.serving.mistral_tool_calls import NAMES as MISTRAL_NAMES, MistralToolParser, mistral_call_id
 from kvflow.server.serving.pythonic_tool_calls import NAMES as PYTHONIC_NAMES, PythonicToolParser
 from kvflow.server.serving.qwen3_xml_tool_calls import NAMES as QWEN3_XML_NAMES, ScanMemo, scan_calls
 from kvflow.server.serving.tool_call_text import (ExtractedToolCalls, PartialCall, call_from_json, held_back,
@@ -40,6 +43,7 @@ class ToolRequest:
     name: str | None = None           # the forced function when mode == "function"
     parser: str | None = None         # the auto-mode parser name
     parallel: bool = True             # parallel_tool_calls: false allows one call at most
+    call_id: Callable[[], str] = tool_call_id   # the server's parser's call ids, in every mode
 
     def spec(self) -> StructuredSpec | None:
         """The grammar constraint for this tool choice (None for "none" and "auto")."""
@@ -95,7 +99,7 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, *, tool_parser: str 
                                       "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
         if name not in functions:
             raise InvalidRequestError(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
-        return ToolRequest(functions, "function", name)
+        return ToolRequest(functions, "function", name, call_id=CALL_IDS.get(tool_parser, tool_call_id))
     if tool_choice not in ("none", "auto", "required"):
         raise InvalidRequestError(f"unknown tool_choice {tool_choice!r}", param="tool_choice")
     if tool_choice == "auto":
@@ -108,7 +112,7 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, *, tool_parser: str 
                                       'function (the grammar allows one call), not with "auto"',
                                       param="parallel_tool_calls")
     return ToolRequest(functions, tool_choice, parser=tool_parser if tool_choice == "auto" else None,
-                       parallel=parallel_tool_calls is not False)
+                       parallel=parallel_tool_calls is not False, call_id=CALL_IDS.get(tool_parser, tool_call_id))
 
 
 def template_supports_tools(chat_template: str | None) -> bool:
@@ -155,6 +159,9 @@ class JsonToolParser:
     """A bare {"name", "arguments"} object or a list of them, possibly in a ```json fence."""
     _FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*(?:```\s*)?$", re.S)
 
+    def __init__(self, call_id: Callable[[], str] = tool_call_id):
+        self.call_id = call_id
+
     def _unfence(self, text: str) -> str:
         m = self._FENCE.match(text)
         return m.group(1) if m else text.strip()
@@ -164,7 +171,7 @@ class JsonToolParser:
             obj = json.loads(self._unfence(text))
         except json.JSONDecodeError:
             return ExtractedToolCalls(text or None)
-        calls = [call_from_json(o) for o in (obj if isinstance(obj, list) else [obj])]
+        calls = [call_from_json(o, self.call_id) for o in (obj if isinstance(obj, list) else [obj])]
         if not calls or None in calls:
             return ExtractedToolCalls(text or None)
         return ExtractedToolCalls(None, calls)
@@ -209,7 +216,11 @@ TOOL_PARSERS: dict[str, Callable[[Mapping[str, dict]], Any]] = {
     **dict.fromkeys(QWEN3_XML_NAMES, Qwen3XmlToolParser),
     **dict.fromkeys(LLAMA3_JSON_NAMES, lambda functions: Llama3JsonToolParser()),
     **dict.fromkeys(PYTHONIC_NAMES, lambda functions: PythonicToolParser()),
+    **dict.fromkeys(MISTRAL_NAMES, lambda functions: MistralToolParser()),
 }
+# a parser whose model family needs its own call ids (in every tool_choice: the ids come back in the history, where
+# the family's template checks them)
+CALL_IDS: dict[str, Callable[[], str]] = dict.fromkeys(MISTRAL_NAMES, mistral_call_id)
 
 
 def get_tool_parser(name: str, functions: Mapping[str, dict] | None = None):
@@ -223,9 +234,9 @@ def get_tool_parser(name: str, functions: Mapping[str, dict] | None = None):
 def extract_tool_calls(request: ToolRequest, text: str) -> ExtractedToolCalls:
     """The whole generated text -> content and tool_calls (finish_reason "tool_calls" if any)."""
     if request.mode == "function":
-        return ExtractedToolCalls(None, [tool_call(request.name, json.loads(text))])
+        return ExtractedToolCalls(None, [tool_call(request.name, json.loads(text), request.call_id())])
     if request.mode == "required":
-        return JsonToolParser().extract(text)
+        return JsonToolParser(request.call_id).extract(text)
     if request.mode == "auto":
         return get_tool_parser(request.parser, request.functions).extract(text)
     return ExtractedToolCalls(text)
@@ -244,14 +255,14 @@ class ToolCallStreamer:
 
     def __init__(self, request: ToolRequest):
         self._partial: Callable[[str, bool], tuple[str, list[PartialCall]]]
-        self._call_id: Callable[[], str] = tool_call_id
+        self._call_id = request.call_id
         if request.mode == "function":
             self._partial = lambda text, final=False: ("", [PartialCall(request.name, text, False)])
         elif request.mode == "required":
             self._partial = JsonToolParser().partial
         elif request.mode == "auto":
             parser = get_tool_parser(request.parser, request.functions)
-            self._partial, self._call_id = parser.partial, getattr(parser, "call_id", tool_call_id)
+            self._partial = parser.partial
         else:
             self._partial = lambda text, final=False: (text, [])
         self.text = ""
