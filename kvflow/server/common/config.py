@@ -9,7 +9,7 @@ from kvflow.config import parse_bytes
 
 # --tool-call-parser's names: the parsers serving/tool_calls.py implements (TOOL_PARSERS, keyed by these; a test
 # checks the two agree). Named here so that the config, below every surface, needs nothing of the chat route.
-TOOL_PARSERS = ("hermes", "json", "qwen3_coder", "qwen3_xml", "llama3_json", "llama4_json", "pythonic", "mistral")
+TOOL_PARSERS = ("hermes", "json", "qwen3_coder", "qwen3_xml", "llama3_json", "llama4_json", "pythonic", "mistral", "granite")
 # --reasoning-parser's names, vLLM's: the splitters serving/reasoning.py implements (SPLITTERS, keyed by these)
 REASONING_PARSERS = ("deepseek_r1", "granite", "qwen3")
 

@@ -13,6 +13,7 @@ parses its own tool-call syntax with a parser chosen by name, as vLLM's `--tool-
   pythonic     [get_weather(city="Paris"), ...]  (Llama 3.2 / 4; read with ast: pythonic_tool_calls.py)
   mistral      [TOOL_CALLS][{"name", "arguments"}, ...] or [TOOL_CALLS]name[ARGS]{...}  (9-character call ids:
                  mistral_tool_calls.py)
+  granite      <|tool_call|>[{"name", "arguments"}, ...]  (Granite 3.x; or <tool_call>: granite_tool_calls.py)
 Every mode yields OpenAI `tool_calls` entries, whole (`extract_tool_calls`) or as stream deltas
 (`ToolCallStreamer`: a first chunk with index, id, type, name and arguments "", then argument fragments).
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from kvflow.errors import InvalidRequestError
+from kvflow.server.serving.granite_tool_calls import NAMES as GRANITE_NAMES, GraniteToolParser
 from kvflow.server.serving.llama3_json_tool_calls import NAMES as LLAMA3_JSON_NAMES, Llama3JsonToolParser
 from kvflow.server.serving.mistral_tool_calls import NAMES as MISTRAL_NAMES, MistralToolParser, mistral_call_id
 from kvflow.server.serving.pythonic_tool_calls import NAMES as PYTHONIC_NAMES, PythonicToolParser
@@ -217,6 +219,7 @@ TOOL_PARSERS: dict[str, Callable[[Mapping[str, dict]], Any]] = {
     **dict.fromkeys(LLAMA3_JSON_NAMES, lambda functions: Llama3JsonToolParser()),
     **dict.fromkeys(PYTHONIC_NAMES, lambda functions: PythonicToolParser()),
     **dict.fromkeys(MISTRAL_NAMES, lambda functions: MistralToolParser()),
+    **dict.fromkeys(GRANITE_NAMES, lambda functions: GraniteToolParser()),
 }
 # a parser whose model family needs its own call ids (in every tool_choice: the ids come back in the history, where
 # the family's template checks them)
