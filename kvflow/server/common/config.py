@@ -63,8 +63,11 @@ class ServerConfig:
     enable_auto_tool_choice: bool = _option(False, 'allow tool_choice "auto" (needs --tool-call-parser)')
     tool_call_parser: str | None = _option(None, "how to read the model's own tool calls under tool_choice "
                                                  '"auto": hermes (<tool_call>{...}</tool_call>, Qwen2.5/3), json, '
-                                                 "or qwen3_coder / qwen3_xml (one format: <tool_call><function=NAME>"
-                                                 "<parameter=KEY>...; Qwen3-Coder, Qwen3.5)",
+                                                 "qwen3_coder / qwen3_xml (one format: <tool_call><function=NAME>"
+                                                 "<parameter=KEY>...; Qwen3-Coder, Qwen3.5), llama3_json / "
+                                                 'llama4_json ({"name": ..., "parameters": ...}; Llama 3.x), pythonic '
+                                                 "([f(a=1), ...]; Llama 3.2 / 4), mistral ([TOOL_CALLS]...) or "
+                                                 "granite (<|tool_call|>[...]; Granite 3.x)",
                                            choices=tuple(TOOL_PARSERS))
     reasoning_parser: str | None = _option(None, "split the model's reasoning from its answer (message.reasoning, "
                                                  "Responses reasoning items, Messages thinking blocks): deepseek_r1 "
