@@ -18,7 +18,8 @@ CASES = [
     ("<tool_call>" + PARIS, None, [("get_weather", {"city": "Paris"})]),                 # Granite 3.1 on
     (" \n" + PARIS + "\n", None, [("get_weather", {"city": "Paris"})]),                  # the token skipped
     ('<|tool_call|> <tool_call> [{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, {"name": "add", '
-     '"arguments": {"a": 1, "b": 2}}]', None, [("get_weather", {"city": "Oslo", "days": 2}), ("add", {"a": 1, "b": 2})]),
+     '"arguments": {"a": 1, "b": 2}}]', None,
+     [("get_weather", {"city": "Oslo", "days": 2}), ("add", {"a": 1, "b": 2})]),
     ('<|tool_call|>[{"arguments": {}, "name": "ping"}]</tool_call>', None, [("ping", {})]),   # after: dropped
     # not calls: content as written
     ("The weather is sunny.", "The weather is sunny.", []),

@@ -60,7 +60,8 @@ def test_malformed_arguments_of_the_newer_form_stay_a_call():
     """As vLLM: the model sees what it tried, rather than a call turned into prose."""
     text = '[TOOL_CALLS]add[ARGS]{"a": 1, "b": '
     result = extract_tool_calls(auto("mistral"), text)
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in result.tool_calls] == [("add", '{"a": 1, "b":')]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in result.tool_calls] == [
+        ("add", '{"a": 1, "b":')]
     _, streamed = stream(auto("mistral"), list(text))
     assert [(c["name"], c["arguments"]) for c in streamed] == [("add", '{"a": 1, "b":')]
 

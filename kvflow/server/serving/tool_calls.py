@@ -14,6 +14,7 @@ parses its own tool-call syntax with a parser chosen by name, as vLLM's `--tool-
   mistral      [TOOL_CALLS][{"name", "arguments"}, ...] or [TOOL_CALLS]name[ARGS]{...}  (9-character call ids:
                  mistral_tool_calls.py)
   granite      <|tool_call|>[{"name", "arguments"}, ...]  (Granite 3.x; or <tool_call>: granite_tool_calls.py)
+  gemma4       <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>  (Gemma 4's notation: gemma4_tool_calls.py)
 Every mode yields OpenAI `tool_calls` entries, whole (`extract_tool_calls`) or as stream deltas
 (`ToolCallStreamer`: a first chunk with index, id, type, name and arguments "", then argument fragments).
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from kvflow.errors import InvalidRequestError
+from kvflow.server.serving.gemma4_tool_calls import NAMES as GEMMA4_NAMES, Gemma4ToolParser
 from kvflow.server.serving.granite_tool_calls import NAMES as GRANITE_NAMES, GraniteToolParser
 from kvflow.server.serving.llama3_json_tool_calls import NAMES as LLAMA3_JSON_NAMES, Llama3JsonToolParser
 from kvflow.server.serving.mistral_tool_calls import NAMES as MISTRAL_NAMES, MistralToolParser, mistral_call_id
@@ -220,6 +222,7 @@ TOOL_PARSERS: dict[str, Callable[[Mapping[str, dict]], Any]] = {
     **dict.fromkeys(PYTHONIC_NAMES, lambda functions: PythonicToolParser()),
     **dict.fromkeys(MISTRAL_NAMES, lambda functions: MistralToolParser()),
     **dict.fromkeys(GRANITE_NAMES, lambda functions: GraniteToolParser()),
+    **dict.fromkeys(GEMMA4_NAMES, lambda functions: Gemma4ToolParser()),
 }
 # a parser whose model family needs its own call ids (in every tool_choice: the ids come back in the history, where
 # the family's template checks them)

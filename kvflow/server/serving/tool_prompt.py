@@ -16,14 +16,15 @@ import json
 from typing import Any
 
 from kvflow.server.common.errors import APIError
-from kvflow.server.serving import (granite_tool_calls, llama3_json_tool_calls, mistral_tool_calls,
-                                   pythonic_tool_calls)
+from kvflow.server.serving import (gemma4_tool_calls, granite_tool_calls, llama3_json_tool_calls,
+                                   mistral_tool_calls, pythonic_tool_calls)
 from kvflow.server.serving.qwen3_xml_tool_calls import NAMES as QWEN3_XML_NAMES, xml_tool_call
 from kvflow.server.serving.tool_calls import ToolRequest, template_supports_tools
 
 # parser name -> (earlier calls written in its syntax, how to call in it) for the formats whose module says both
 _FORMATS = {name: (module.written, module.INSTRUCTION)
-            for module in (llama3_json_tool_calls, pythonic_tool_calls, mistral_tool_calls, granite_tool_calls)
+            for module in (llama3_json_tool_calls, pythonic_tool_calls, mistral_tool_calls, granite_tool_calls,
+                           gemma4_tool_calls)
             for name in module.NAMES}
 
 
