@@ -80,7 +80,6 @@ def _json_calls(body: str) -> tuple[list[PartialCall], bool]:
 
 class MistralToolParser:
     """[TOOL_CALLS] and a JSON list of calls, or [TOOL_CALLS]name[ARGS]{...} per call; the text before is content."""
-    call_id = staticmethod(mistral_call_id)
 
     def extract(self, text: str) -> ExtractedToolCalls:
         content, calls, whole = scan(text, final=True)

@@ -3,7 +3,8 @@ reading `{"name": ..., "arguments": {...}}` JSON objects out of a text that may 
 
 A parser has `extract(text) -> ExtractedToolCalls` (the whole output) and `partial(text, final) -> (content,
 [PartialCall])` (a growing output: its content so far and its calls so far, each call's arguments as JSON text that
-only grows as the text does). A parser may name its own `call_id` factory (Mistral's 9-character ids).
+only grows as the text does). The streamer names the calls it announces with the request's `call_id` factory
+(tool_calls.CALL_IDS: Mistral's 9-character ids).
 """
 from __future__ import annotations
 
@@ -76,16 +77,12 @@ def scan_call_list(body: str) -> list[PartialCall]:
         pos = end
 
 
-def call_from_json(obj: Any, call_id: Callable[[], str] = tool_call_id, *,
-                   keys: tuple[str, ...] = ("arguments", "parameters"), required: bool = False) -> dict | None:
-    """A {"name": ..., "arguments" (or another of `keys`): ...} object as an OpenAI entry; None if it is not one
-    (`required`: without one of `keys` it is not one; else the arguments default to {})."""
+def call_from_json(obj: Any, call_id: Callable[[], str] = tool_call_id) -> dict | None:
+    """A {"name": ..., "arguments" (or "parameters"): ...} object as an OpenAI entry (no arguments: {}); None if it
+    is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    key = next((k for k in keys if k in obj), None)
-    if key is None and required:
-        return None
-    return tool_call(obj["name"], obj[key] if key else {}, call_id())
+    return tool_call(obj["name"], obj.get("arguments", obj.get("parameters", {})), call_id())
 
 
 def held_back(text: str, tag: str) -> int:
