@@ -51,6 +51,7 @@ def test_whole(text, content, calls):
 @pytest.mark.parametrize("text, content, calls", [c for c in CASES if c[0] not in (UNFINISHED, REPEATED)])
 def test_streamed_as_whole(text, content, calls):
     tool_calls = check_whole_and_streamed(auto("pythonic"), text, content, calls)
+    check_whole_and_streamed(auto("llama4_pythonic"), text, content, calls, seeds=range(1))   # vLLM's Llama 4 name
     for call in tool_calls:          # the arguments are JSON as json.dumps writes it
         assert call["function"]["arguments"] == json.dumps(json.loads(call["function"]["arguments"]),
                                                            ensure_ascii=False)

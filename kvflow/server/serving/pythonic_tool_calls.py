@@ -1,4 +1,5 @@
-"""Pythonic tool calls (`--tool-call-parser pythonic`, vLLM's name; Llama 3.2's and Llama 4's templates ask for it):
+"""Pythonic tool calls (`--tool-call-parser pythonic` / `llama4_pythonic`, vLLM's names; Llama 3.2's and Llama 4's
+templates ask for them):
 
     [get_weather(city="Paris", days=3), add(a=1, b=2)]
 
@@ -23,7 +24,7 @@ from typing import Any
 from kvflow.server.serving.tool_call_text import (ExtractedToolCalls, PartialCall, dumps, held_back, skip_space,
                                                   tool_call)
 
-NAMES = ("pythonic",)
+NAMES = ("pythonic", "llama4_pythonic")   # vLLM's two parsers differ only in Llama 4's markers, read here
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

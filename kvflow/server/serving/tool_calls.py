@@ -10,7 +10,8 @@ parses its own tool-call syntax with a parser chosen by name, as vLLM's `--tool-
   qwen3_xml      (Qwen3-Coder, Qwen3.5; one format, vLLM's two names: qwen3_xml_tool_calls.py)
   llama3_json  {"name": ..., "parameters": {...}}; ...  (Llama 3.x, optionally after <|python_tag|>;
   llama4_json    llama3_json_tool_calls.py)
-  pythonic     [get_weather(city="Paris"), ...]  (Llama 3.2 / 4; read with ast: pythonic_tool_calls.py)
+  pythonic     [get_weather(city="Paris"), ...]  (Llama 3.2 / 4, optionally in <|python_start|>...<|python_end|>;
+  llama4_pythonic  read with ast: pythonic_tool_calls.py)
   mistral      [TOOL_CALLS][{"name", "arguments"}, ...] or [TOOL_CALLS]name[ARGS]{...}  (9-character call ids:
                  mistral_tool_calls.py)
   granite      <|tool_call|>[{"name", "arguments"}, ...]  (Granite 3.x; or <tool_call>: granite_tool_calls.py)
