@@ -9,7 +9,8 @@ from kvflow.config import parse_bytes
 
 # --tool-call-parser's names: the parsers serving/tool_calls.py implements (TOOL_PARSERS, keyed by these; a test
 # checks the two agree). Named here so that the config, below every surface, needs nothing of the chat route.
-TOOL_PARSERS = ("hermes", "json", "qwen3_coder", "qwen3_xml")
+TOOL_PARSERS = ("hermes", "json", "qwen3_coder", "qwen3_xml", "llama3_json", "llama4_json", "pythonic",
+                "llama4_pythonic", "mistral", "granite", "gemma4")
 # --reasoning-parser's names, vLLM's: the splitters serving/reasoning.py implements (SPLITTERS, keyed by these)
 REASONING_PARSERS = ("deepseek_r1", "granite", "qwen3")
 
@@ -63,8 +64,12 @@ class ServerConfig:
     enable_auto_tool_choice: bool = _option(False, 'allow tool_choice "auto" (needs --tool-call-parser)')
     tool_call_parser: str | None = _option(None, "how to read the model's own tool calls under tool_choice "
                                                  '"auto": hermes (<tool_call>{...}</tool_call>, Qwen2.5/3), json, '
-                                                 "or qwen3_coder / qwen3_xml (one format: <tool_call><function=NAME>"
-                                                 "<parameter=KEY>...; Qwen3-Coder, Qwen3.5)",
+                                                 "qwen3_coder / qwen3_xml (one format: <tool_call><function=NAME>"
+                                                 "<parameter=KEY>...; Qwen3-Coder, Qwen3.5), llama3_json / "
+                                                 'llama4_json ({"name": ..., "parameters": ...}; Llama 3.x), '
+                                                 "pythonic / llama4_pythonic ([f(a=1), ...]; Llama 3.2 / 4), "
+                                                 "mistral ([TOOL_CALLS]...), granite (<|tool_call|>[...]; Granite "
+                                                 "3.x) or gemma4 (<|tool_call>call:NAME{...}; Gemma 4)",
                                            choices=tuple(TOOL_PARSERS))
     reasoning_parser: str | None = _option(None, "split the model's reasoning from its answer (message.reasoning, "
                                                  "Responses reasoning items, Messages thinking blocks): deepseek_r1 "

@@ -8,6 +8,14 @@ parses its own tool-call syntax with a parser chosen by name, as vLLM's `--tool-
   json         a bare JSON object {"name", "arguments"} or a list of them (optionally in a ``` fence)
   qwen3_coder  <tool_call><function=NAME><parameter=KEY>value</parameter>...</function></tool_call>
   qwen3_xml      (Qwen3-Coder, Qwen3.5; one format, vLLM's two names: qwen3_xml_tool_calls.py)
+  llama3_json  {"name": ..., "parameters": {...}}; ...  (Llama 3.x, optionally after <|python_tag|>;
+  llama4_json    llama3_json_tool_calls.py)
+  pythonic     [get_weather(city="Paris"), ...]  (Llama 3.2 / 4, optionally in <|python_start|>...<|python_end|>;
+  llama4_pythonic  read with ast: pythonic_tool_calls.py)
+  mistral      [TOOL_CALLS][{"name", "arguments"}, ...] or [TOOL_CALLS]name[ARGS]{...}  (9-character call ids:
+                 mistral_tool_calls.py)
+  granite      <|tool_call|>[{"name", "arguments"}, ...]  (Granite 3.x; or <tool_call>: granite_tool_calls.py)
+  gemma4       <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>  (Gemma 4's notation: gemma4_tool_calls.py)
 Every mode yields OpenAI `tool_calls` entries, whole (`extract_tool_calls`) or as stream deltas
 (`ToolCallStreamer`: a first chunk with index, id, type, name and arguments "", then argument fragments).
 """
@@ -15,26 +23,21 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from kvflow.errors import InvalidRequestError
+from kvflow.server.serving.gemma4_tool_calls import NAMES as GEMMA4_NAMES, Gemma4ToolParser
+from kvflow.server.serving.granite_tool_calls import NAMES as GRANITE_NAMES, GraniteToolParser
+from kvflow.server.serving.llama3_json_tool_calls import NAMES as LLAMA3_JSON_NAMES, Llama3JsonToolParser
+from kvflow.server.serving.mistral_tool_calls import NAMES as MISTRAL_NAMES, MistralToolParser, mistral_call_id
+from kvflow.server.serving.pythonic_tool_calls import NAMES as PYTHONIC_NAMES, PythonicToolParser
 from kvflow.server.serving.qwen3_xml_tool_calls import NAMES as QWEN3_XML_NAMES, ScanMemo, scan_calls
+from kvflow.server.serving.tool_call_text import (ExtractedToolCalls, PartialCall, call_from_json, held_back,
+                                                  scan_call, scan_call_list, tool_call, tool_call_id)
 from kvflow.structured_output.spec import StructuredSpec, json_schema_spec
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")   # OpenAI's rule for function names
-_DECODER = json.JSONDecoder()
-
-
-def tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def tool_call(name: str, arguments: Any, call_id: str | None = None) -> dict:
-    """One OpenAI tool_calls entry; arguments as a JSON string."""
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": call_id or tool_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 
 # ---------------------------------------------------------------------------------------------- request
@@ -45,6 +48,7 @@ class ToolRequest:
     name: str | None = None           # the forced function when mode == "function"
     parser: str | None = None         # the auto-mode parser name
     parallel: bool = True             # parallel_tool_calls: false allows one call at most
+    call_id: Callable[[], str] = tool_call_id   # the server's parser's call ids, in every mode
 
     def spec(self) -> StructuredSpec | None:
         """The grammar constraint for this tool choice (None for "none" and "auto")."""
@@ -100,7 +104,7 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, *, tool_parser: str 
                                       "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
         if name not in functions:
             raise InvalidRequestError(f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
-        return ToolRequest(functions, "function", name)
+        return ToolRequest(functions, "function", name, call_id=CALL_IDS.get(tool_parser, tool_call_id))
     if tool_choice not in ("none", "auto", "required"):
         raise InvalidRequestError(f"unknown tool_choice {tool_choice!r}", param="tool_choice")
     if tool_choice == "auto":
@@ -113,7 +117,7 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, *, tool_parser: str 
                                       'function (the grammar allows one call), not with "auto"',
                                       param="parallel_tool_calls")
     return ToolRequest(functions, tool_choice, parser=tool_parser if tool_choice == "auto" else None,
-                       parallel=parallel_tool_calls is not False)
+                       parallel=parallel_tool_calls is not False, call_id=CALL_IDS.get(tool_parser, tool_call_id))
 
 
 def template_supports_tools(chat_template: str | None) -> bool:
@@ -122,50 +126,6 @@ def template_supports_tools(chat_template: str | None) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- parsing
-@dataclass
-class PartialCall:
-    name: str | None      # known once its JSON string is complete
-    arguments: str        # the raw JSON text of the arguments so far
-    done: bool            # the arguments value is complete
-
-
-@dataclass
-class ExtractedToolCalls:
-    content: str | None
-    tool_calls: list[dict] = field(default_factory=list)
-
-
-def _scan_call(body: str) -> PartialCall:
-    """Name and raw arguments of a (possibly unfinished) {"name": ..., "arguments": ...} object.
-
-    Until the arguments value parses, everything after `"arguments":` belongs to it: a JSON value's
-    prefix never holds its own end. raw_decode finds the end once it is there.
-    """
-    args = re.search(r'"(?:arguments|parameters)"\s*:\s*', body)
-    head = body[: args.start()] if args else body
-    arguments, done, end = "", False, len(body)
-    if args:
-        try:
-            _, end = _DECODER.raw_decode(body, args.end())
-            arguments, done = body[args.end():end], True
-        except json.JSONDecodeError:
-            arguments = body[args.end():]
-    name = re.search(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")', head) or (done and re.search(
-        r'"name"\s*:\s*("(?:[^"\\]|\\.)*")', body[end:]))
-    return PartialCall(json.loads(name.group(1)) if name else None, arguments, done)
-
-
-def _call_from_json(obj: Any) -> dict | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    return tool_call(obj["name"], obj.get("arguments", obj.get("parameters", {})))
-
-
-def _held_back(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that could be the start of tag."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
-
-
 class HermesToolParser:
     """<tool_call>{"name": "f", "arguments": {...}}</tool_call>, any number of them, text around them."""
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -175,7 +135,7 @@ class HermesToolParser:
         calls, content, pos = [], [], 0
         for m in self._BLOCK.finditer(text):
             try:
-                call = _call_from_json(json.loads(m.group(1)))
+                call = call_from_json(json.loads(m.group(1)))
             except json.JSONDecodeError:
                 call = None
             if call is None:   # not a call after all: leave the text as the model wrote it
@@ -193,16 +153,19 @@ class HermesToolParser:
         content, calls, pos = [], [], 0
         for m in self._BLOCK.finditer(text):
             content.append(text[pos: m.start()])
-            calls.append(_scan_call(m.group(1)))
+            calls.append(scan_call(m.group(1)))
             pos = m.end()
         tail = text[pos:]
-        content.append(tail[: len(tail) - _held_back(tail, self.OPEN)])
+        content.append(tail[: len(tail) - held_back(tail, self.OPEN)])
         return "".join(content), calls
 
 
 class JsonToolParser:
     """A bare {"name", "arguments"} object or a list of them, possibly in a ```json fence."""
     _FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*(?:```\s*)?$", re.S)
+
+    def __init__(self, call_id: Callable[[], str] = tool_call_id):
+        self.call_id = call_id
 
     def _unfence(self, text: str) -> str:
         m = self._FENCE.match(text)
@@ -213,7 +176,7 @@ class JsonToolParser:
             obj = json.loads(self._unfence(text))
         except json.JSONDecodeError:
             return ExtractedToolCalls(text or None)
-        calls = [_call_from_json(o) for o in (obj if isinstance(obj, list) else [obj])]
+        calls = [call_from_json(o, self.call_id) for o in (obj if isinstance(obj, list) else [obj])]
         if not calls or None in calls:
             return ExtractedToolCalls(text or None)
         return ExtractedToolCalls(None, calls)
@@ -228,19 +191,8 @@ class JsonToolParser:
         if body[0] not in "{[":
             return text, []          # prose: stream it as content
         if body[0] == "{":
-            return "", [_scan_call(body)]
-        calls, pos = [], 1
-        while True:
-            while pos < len(body) and body[pos] in " \t\r\n,":
-                pos += 1
-            if pos >= len(body) or body[pos] == "]":
-                return "", calls
-            try:
-                _, end = _DECODER.raw_decode(body, pos)
-            except json.JSONDecodeError:
-                return "", calls + [_scan_call(body[pos:])]
-            calls.append(_scan_call(body[pos:end]))
-            pos = end
+            return "", [scan_call(body)]
+        return "", scan_call_list(body)
 
 
 class Qwen3XmlToolParser:
@@ -267,7 +219,15 @@ TOOL_PARSERS: dict[str, Callable[[Mapping[str, dict]], Any]] = {
     "hermes": lambda functions: HermesToolParser(),
     "json": lambda functions: JsonToolParser(),
     **dict.fromkeys(QWEN3_XML_NAMES, Qwen3XmlToolParser),
+    **dict.fromkeys(LLAMA3_JSON_NAMES, lambda functions: Llama3JsonToolParser()),
+    **dict.fromkeys(PYTHONIC_NAMES, lambda functions: PythonicToolParser()),
+    **dict.fromkeys(MISTRAL_NAMES, lambda functions: MistralToolParser()),
+    **dict.fromkeys(GRANITE_NAMES, lambda functions: GraniteToolParser()),
+    **dict.fromkeys(GEMMA4_NAMES, lambda functions: Gemma4ToolParser()),
 }
+# a parser whose model family needs its own call ids (in every tool_choice: the ids come back in the history, where
+# the family's template checks them)
+CALL_IDS: dict[str, Callable[[], str]] = dict.fromkeys(MISTRAL_NAMES, mistral_call_id)
 
 
 def get_tool_parser(name: str, functions: Mapping[str, dict] | None = None):
@@ -281,9 +241,9 @@ def get_tool_parser(name: str, functions: Mapping[str, dict] | None = None):
 def extract_tool_calls(request: ToolRequest, text: str) -> ExtractedToolCalls:
     """The whole generated text -> content and tool_calls (finish_reason "tool_calls" if any)."""
     if request.mode == "function":
-        return ExtractedToolCalls(None, [tool_call(request.name, json.loads(text))])
+        return ExtractedToolCalls(None, [tool_call(request.name, json.loads(text), request.call_id())])
     if request.mode == "required":
-        return JsonToolParser().extract(text)
+        return JsonToolParser(request.call_id).extract(text)
     if request.mode == "auto":
         return get_tool_parser(request.parser, request.functions).extract(text)
     return ExtractedToolCalls(text)
@@ -302,12 +262,14 @@ class ToolCallStreamer:
 
     def __init__(self, request: ToolRequest):
         self._partial: Callable[[str, bool], tuple[str, list[PartialCall]]]
+        self._call_id = request.call_id
         if request.mode == "function":
             self._partial = lambda text, final=False: ("", [PartialCall(request.name, text, False)])
         elif request.mode == "required":
             self._partial = JsonToolParser().partial
         elif request.mode == "auto":
-            self._partial = get_tool_parser(request.parser, request.functions).partial
+            parser = get_tool_parser(request.parser, request.functions)
+            self._partial = parser.partial
         else:
             self._partial = lambda text, final=False: (text, [])
         self.text = ""
@@ -343,7 +305,7 @@ class ToolCallStreamer:
             if call.name is None:
                 break                  # announce calls in order, each once its name is known
             if i == len(self.ids):
-                self.ids.append(tool_call_id())
+                self.ids.append(self._call_id())
                 self.names.append(call.name)
                 self._args_sent.append(0)
                 deltas.append({"tool_calls": [{"index": i, "id": self.ids[i], "type": "function",

@@ -16,8 +16,16 @@ import json
 from typing import Any
 
 from kvflow.server.common.errors import APIError
+from kvflow.server.serving import (gemma4_tool_calls, granite_tool_calls, llama3_json_tool_calls,
+                                   mistral_tool_calls, pythonic_tool_calls)
 from kvflow.server.serving.qwen3_xml_tool_calls import NAMES as QWEN3_XML_NAMES, xml_tool_call
 from kvflow.server.serving.tool_calls import ToolRequest, template_supports_tools
+
+# parser name -> (earlier calls written in its syntax, how to call in it) for the formats whose module says both
+_FORMATS = {name: (module.written, module.INSTRUCTION)
+            for module in (llama3_json_tool_calls, pythonic_tool_calls, mistral_tool_calls, granite_tool_calls,
+                           gemma4_tool_calls)
+            for name in module.NAMES}
 
 
 def chat_messages(messages: list, tools: ToolRequest | None, chat_template: str | None
@@ -48,6 +56,8 @@ def chat_messages(messages: list, tools: ToolRequest | None, chat_template: str 
                     written = " ".join(f"<tool_call>{_dumps(c)}</tool_call>" for c in calls)
                 elif parser in QWEN3_XML_NAMES:
                     written = "\n".join(xml_tool_call(c["name"], c["arguments"]) for c in calls)
+                elif parser in _FORMATS:
+                    written = _FORMATS[parser][0](calls)
                 else:
                     written = _dumps(calls)
                 msg["content"] = f"{msg['content']}\n{written}" if msg["content"] else written
@@ -79,6 +89,8 @@ def tools_system_prompt(tools: ToolRequest) -> str:
         how = ("To call one, write <tool_call>\n<function=NAME>\n<parameter=PARAMETER>\nVALUE\n</parameter>\n"
                "</function>\n</tool_call>, a <parameter=...> block for each argument (a string as it is, other values "
                "as JSON); otherwise answer normally.")
+    elif tools.parser in _FORMATS:
+        how = _FORMATS[tools.parser][1]
     else:
         how = ('To call one, answer with only {"name": <function name>, "arguments": <arguments object>}; '
                'otherwise answer normally.')
