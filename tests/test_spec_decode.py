@@ -282,3 +282,38 @@ def test_draft_rows_keep_a_step_within_the_largest_compiled_bucket():
     out = sched.schedule()
     assert [len(s.draft_token_ids) for s in out.scheduled] == [4, 1, 0]   # 3 rows + 5 drafts = 8
     assert len(out.step.batch.token_ids) == 8
+
+
+@pytest.mark.slow
+def test_speculation_across_the_end_of_the_reasoning_gives_the_same_output_as_without(smol_llm):
+    """A few-shot prompt the model copies: n-gram drafts run through `</think>` into the answer the shots gave, which
+    the grammar forbids. Greedy and seeded outputs are those without speculation, the answer valid JSON, and drafts
+    were accepted; with a thinking budget too."""
+    import json
+
+    from kvflow.structured_output.thinking import ThinkingSpec
+
+    tok = smol_llm.tokenizer
+    shot = "<think>I add the numbers.</think>The answer is 4.\n"
+    prompt = tok.encode(f"user: What is 2 + 2?\n{shot}{shot}{shot}user: What is 2 + 2?\n<think>")
+    end = tuple(tok.encode("</think>", add_special_tokens=False))
+    schema = {"type": "object", "properties": {"answer": {"enum": [3, 4, 5]}}, "required": ["answer"],
+              "additionalProperties": False}
+    params = []
+    for budget in (None, 3):
+        spec = ThinkingSpec(end, budget=budget, forced_token_ids=end if budget is not None else ())
+        params += [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json": schema}, thinking=spec)]
+        params += [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=40, structured_outputs={"json": schema},
+                                  thinking=spec) for i in range(2)]
+    without = smol_llm.generate([prompt] * len(params), params)
+    llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory="128MiB", speculative_config=NGRAM)
+    with_spec = llm.generate([prompt] * len(params), params)
+    assert [o.outputs[0].token_ids for o in with_spec] == [o.outputs[0].token_ids for o in without]
+    for o, p in zip(with_spec, params):
+        thought, marker, answer = o.outputs[0].text.partition("</think>")
+        assert marker or (p.thinking.budget is None and p.temperature > 0)    # a free sample may reason to the end
+        assert not marker or json.loads(answer)["answer"] in (3, 4, 5), o.outputs[0].text
+        if p.thinking.budget is not None:
+            assert len(tok.encode(thought, add_special_tokens=False)) <= p.thinking.budget + 1
+    assert with_spec[0].outputs[0].text.startswith("I add the numbers.</think>")
+    assert llm.engine.scheduler.spec_num_accepted_tokens > 3
