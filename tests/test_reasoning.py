@@ -447,7 +447,7 @@ def test_sampled_reasoning_is_free_and_every_answer_is_valid(server, client):
     thoughts = [c.message.model_extra["reasoning"] or "" for c in choices]
     assert len(set(thoughts)) >= 5 and all(any(ch.isalpha() for ch in t) for t in thoughts), thoughts
     forced = [t for t in thoughts if t.endswith(BUDGET_MESSAGE)]
-    assert forced, thoughts            # the budget ended some: at most `budget` of the model's tokens before the message
+    assert forced, thoughts       # the budget ended some: at most `budget` of the model's tokens before the message
     tok = server.engine.tokenizer
     assert all(len(tok.encode(t[:-len(BUDGET_MESSAGE)], add_special_tokens=False)) <= budget + 1 for t in forced)
     # streamed: the same holds for every choice

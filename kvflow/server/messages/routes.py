@@ -5,7 +5,8 @@ A Messages request becomes one `ChatCompletionRequest`: `system` -> a system mes
 an assistant's tool_use blocks -> its `tool_calls`, tool_result blocks -> tool messages, consecutive turns of one
 role -> one turn (as Anthropic combines them), a final assistant turn -> a prefill the reply continues,
 `stop_sequences` -> `stop`, `tools` -> function tools, `tool_choice` any -> "required" and tool -> a named function,
-`output_config.format` -> `response_format`, `thinking` enabled -> `thinking_token_budget`. `OpenAIServing.start_chat` submits it, and the reply is read back
+`output_config.format` -> `response_format`, `thinking` enabled -> `thinking_token_budget`.
+`OpenAIServing.start_chat` submits it, and the reply is read back
 through the chat route's own `collect` + `renderer.chat_choice` (whole) or `chunks` (streamed): prompts, sampling,
 structured outputs, tool-call parsing, reasoning (--reasoning-parser: a `thinking` block first), usage and metrics are
 the chat route's. This module renders Anthropic's shapes: content blocks, stop reasons, usage, the SSE event sequence the `anthropic` client's parser reads, and

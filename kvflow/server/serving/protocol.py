@@ -195,7 +195,8 @@ class _SamplingRequest(OpenAIModel):
             raise APIError.bad_request(e, {"beam_width": "n", **self.PARAM_NAMES}) from None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None, thinking_token_budget: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None = None,
+                         thinking_token_budget: int | None = None) -> SamplingParams:
         bad_keys = [k for k in self.logit_bias or {} if not _is_int(k)]
         if bad_keys:       # each one named (the first 10)
             named = ", ".join(map(repr, bad_keys[:10])) + (", ..." if len(bad_keys) > 10 else "")
