@@ -18,6 +18,7 @@ from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvflow.structured_output import Matcher
+    from kvflow.structured_output.thinking import ThinkingState
 
 
 class RequestStatus(enum.IntEnum):
@@ -94,6 +95,9 @@ class Request:
         # the grammar state of a constrained request, fed every sampled token. Preemption keeps the generated
         # tokens (recompute rebuilds only their KV), so it never needs rewinding.
         self.matcher: Matcher | None = (params.structured.matcher() if params.structured is not None else None)
+        # where its reasoning ends (a reasoning model's grammar or thinking budget): fed every output token before
+        # the matcher, which takes only the answer's (structured_output/thinking.py)
+        self.thinking: ThinkingState | None = params.thinking.state() if params.thinking is not None else None
 
     @classmethod
     def from_add_request(cls, add: AddRequest, eos_token_ids: frozenset[int] = frozenset()) -> Request:

@@ -18,6 +18,7 @@ from kvflow.errors import InvalidRequestError
 
 if TYPE_CHECKING:   # llguidance is imported only where grammars are compiled or applied
     from kvflow.structured_output import CompiledGrammar
+    from kvflow.structured_output.thinking import ThinkingSpec
 
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1      # torch.Generator takes a signed/unsigned 64-bit seed
 MAX_TOP_K = 2**31 - 1                          # larger means "all of the vocabulary" anyway
@@ -70,6 +71,12 @@ class SamplingParams:
     # the compiled constraint. Set by the frontend (LLM, the server) before the engine sees the request, so a
     # compile never runs on the step loop; n > 1 children share it, each gets its own matcher in the core.
     structured: CompiledGrammar | None = field(default=None, compare=False, repr=False)
+    # vLLM's: at most this many reasoning tokens; then the end-of-thinking marker is forced and the answer follows.
+    # Needs `thinking` (the server's --reasoning-parser sets it)
+    thinking_token_budget: int | None = None
+    # where the reasoning ends, for the engine: set by the server under --reasoning-parser when a grammar must start
+    # after the reasoning or a budget end it (structured_output/thinking.py); None: the engine does not track it
+    thinking: ThinkingSpec | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # the constructor's own normalization, before the check; frozen from here on
@@ -115,6 +122,7 @@ class SamplingParams:
         integer("seed", MIN_SEED, MAX_SEED, optional=True)
         integer("max_tokens", 1, optional=True)
         integer("min_tokens", 0)
+        integer("thinking_token_budget", 0, optional=True)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         number("presence_penalty", -MAX_PENALTY, MAX_PENALTY)

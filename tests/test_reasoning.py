@@ -219,7 +219,7 @@ def server():
     config = EngineConfig(dtype="float32", max_model_len=1024, kv_cache_memory="128MiB", served_model_name="smol",
                           enforce_eager=True)
     with ServerThread(config, reasoning_parser="deepseek_r1", chat_template=TEMPLATE, enable_auto_tool_choice=True,
-                      tool_call_parser="hermes") as s:
+                      tool_call_parser="hermes", reasoning_budget_message=BUDGET_MESSAGE) as s:
         yield s
 
 
@@ -370,22 +370,198 @@ def test_messages_thinking_blocks_streamed_and_not(server, claude):
         server, QUESTION, enable_thinking=False)
 
 
+# ---------------------------------------------------------------------------------------------- the answer's grammar
+ANSWERS = [3, 4, 5]
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ANSWERS}}, "required": ["answer"],
+          "additionalProperties": False}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "sum", "schema": SCHEMA}}
+BUDGET_MESSAGE = " Time is up."      # the server's --reasoning-budget-message
+
+
+def valid(text) -> bool:
+    """The answer is JSON under SCHEMA."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return False
+    return isinstance(value, dict) and set(value) == {"answer"} and value["answer"] in ANSWERS
+
+
+def marker_ids(server) -> list[int]:
+    return server.engine.tokenizer.encode("</think>", add_special_tokens=False)
+
+
 @pytest.mark.slow
-def test_structured_outputs_are_refused_beside_a_reasoning_parser(server, client, claude):
-    """A grammar would constrain the reasoning too: a 400 naming the field, on every surface."""
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    for body, param in (({"response_format": {"type": "json_object"}}, "response_format"),
-                        ({"structured_outputs": {"regex": "[ab]+"}}, "structured_outputs"),
-                        ({"tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice")):
-        r = httpx.post(server.base_url + "/chat/completions", json={"model": "smol", "messages": QUESTION, **body},
-                       timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
-    r = httpx.post(server.base_url + "/responses", json={"model": "smol", "input": "hi", "text": {
-        "format": {"type": "json_schema", "name": "x", "schema": schema}}}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"].startswith("text.format"), r.text
-    with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
-        claude.messages.create(model="smol", max_tokens=8, messages=QUESTION,
-                               extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
+def test_the_grammar_starts_after_the_reasoning_streamed_and_not(server, client):
+    """The model reasons freely (the few-shot thought, not JSON), writes </think>, and the answer follows the schema;
+    without the schema the same prompt's answer is prose."""
+    kw = dict(model="smol", messages=QUESTION, temperature=0, max_tokens=60)
+    r = client.chat.completions.create(response_format=RESPONSE_FORMAT, **kw)
+    message = r.choices[0].message
+    assert message.model_extra["reasoning"] == THOUGHT and valid(message.content), message
+    assert r.choices[0].finish_reason == "stop"
+    assert 0 < r.usage.completion_tokens_details.reasoning_tokens < r.usage.completion_tokens
+    streamed = chat_streamed(client, response_format=RESPONSE_FORMAT, **kw)
+    assert streamed[:2] == (THOUGHT, message.content) and streamed[3] == "stop"
+    assert not valid(client.chat.completions.create(stop=STOP, **kw).choices[0].message.content)
+    # vLLM's structured_outputs field, the same grammar
+    r = client.chat.completions.create(extra_body={"structured_outputs": {"json": SCHEMA}}, **kw)
+    assert r.choices[0].message.model_extra["reasoning"] == THOUGHT and valid(r.choices[0].message.content)
+
+
+@pytest.mark.slow
+def test_a_prompt_that_closed_the_reasoning_is_constrained_from_its_first_token(server, client):
+    kw = dict(model="smol", messages=QUESTION, temperature=0, max_tokens=40, response_format=RESPONSE_FORMAT,
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True})
+    r = client.chat.completions.create(**kw)
+    message = r.choices[0].message
+    assert message.model_extra["reasoning"] is None and valid(message.content), message
+    first = server.engine.tokenizer.decode(r.choices[0].model_extra["token_ids"][:1])
+    assert first and "{".startswith(first[0]) or first.startswith("{"), first
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0
+    assert chat_streamed(client, **kw)[:2] == (None, message.content)
+
+
+def sampled_choices(client, requests: int, n: int, **kw) -> list:
+    """`requests` chat requests of n choices each, at once (one continuous batch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i):
+        return client.chat.completions.create(model="smol", messages=QUESTION, n=n, seed=1000 * i, **kw).choices
+
+    with ThreadPoolExecutor(requests) as pool:
+        return [c for choices in pool.map(one, range(requests)) for c in choices]
+
+
+@pytest.mark.slow
+def test_sampled_reasoning_is_free_and_every_answer_is_valid(server, client):
+    """50 choices at temperature 1, batched: the reasoning is whatever the model samples (text, not JSON), ended by
+    the model or by its budget, and every answer is valid JSON under the schema."""
+    budget = 6
+    choices = sampled_choices(client, 5, 10, temperature=1.0, max_tokens=60, response_format=RESPONSE_FORMAT,
+                              extra_body={"thinking_token_budget": budget, "return_token_ids": True})
+    assert len(choices) == 50
+    for c in choices:
+        assert valid(c.message.content), (c.message.model_extra["reasoning"], c.message.content)
+        assert c.finish_reason == "stop"
+    thoughts = [c.message.model_extra["reasoning"] or "" for c in choices]
+    assert len(set(thoughts)) >= 5 and all(any(ch.isalpha() for ch in t) for t in thoughts), thoughts
+    forced = [t for t in thoughts if t.endswith(BUDGET_MESSAGE)]
+    assert forced, thoughts       # the budget ended some: at most `budget` of the model's tokens before the message
+    tok = server.engine.tokenizer
+    assert all(len(tok.encode(t[:-len(BUDGET_MESSAGE)], add_special_tokens=False)) <= budget + 1 for t in forced)
+    # streamed: the same holds for every choice
+    for chunk_choices in [chat_streamed(client, model="smol", messages=QUESTION, temperature=1.0, max_tokens=60,
+                                        seed=s, response_format=RESPONSE_FORMAT,
+                                        extra_body={"thinking_token_budget": budget}) for s in range(3)]:
+        assert valid(chunk_choices[1]), chunk_choices
+
+
+@pytest.mark.slow
+def test_responses_text_format_constrains_the_answer(client):
+    kw = dict(model="smol", input="What is 2 + 2?", temperature=0, max_output_tokens=60,
+              text={"format": {"type": "json_schema", "name": "sum", "schema": SCHEMA}})
+    r = client.responses.create(**kw)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert [c.text for c in r.output[0].content] == [THOUGHT] and valid(r.output_text), r.output_text
+    with client.responses.stream(**kw) as stream:
+        final = stream.get_final_response()
+    assert [c.text for c in final.output[0].content] == [THOUGHT] and final.output_text == r.output_text
+
+
+@pytest.mark.slow
+def test_forced_tool_calls_follow_the_reasoning(client, claude):
+    """tool_choice required (chat) and any / tool (Messages): the reasoning, then a call the grammar holds to the
+    tool's schema. The budget ends the reasoning the model writes (its `</think><tool_call>` merges into other
+    tokens than `</think>` alone: the engine sees no end there)."""
+    kw = dict(model="smol", messages=[{"role": "user", "content": "Weather in Paris?"}], temperature=0, max_tokens=80,
+              tools=[WEATHER_TOOL], tool_choice="required", extra_body={"thinking_token_budget": 5})
+    r = client.chat.completions.create(**kw)
+    message = r.choices[0].message
+    assert message.model_extra["reasoning"].startswith("I call the tool")
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+    assert len(calls) >= 1 and all(name == "get_weather" and isinstance(args["city"], str) for name, args in calls)
+    reasoning, _, streamed_calls, finish, _ = chat_streamed(client, **kw)
+    assert reasoning == message.model_extra["reasoning"] and finish == "tool_calls"
+    assert [(name, json.loads(args)) for name, args in streamed_calls] == calls
+    tool = {"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        mkw = dict(model="smol", max_tokens=80, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                   tools=[tool], tool_choice=choice, thinking={"type": "enabled", "budget_tokens": 5},
+                   extra_body={"temperature": 0})
+        m = claude.messages.create(**mkw)
+        assert [b.type for b in m.content][0] == "thinking" and m.stop_reason == "tool_use"
+        uses = [b for b in m.content if b.type == "tool_use"]
+        assert uses and uses[0].name == "get_weather" and isinstance(uses[0].input["city"], str)
+        with claude.messages.stream(**mkw) as stream:
+            final = stream.get_final_message()
+        assert [(b.type, getattr(b, "input", None)) for b in final.content][1:] == [
+            (b.type, getattr(b, "input", None)) for b in m.content][1:]
+
+
+@pytest.mark.slow
+def test_messages_output_format_constrains_the_answer(claude):
+    kw = dict(model="smol", max_tokens=60, messages=QUESTION, extra_body={
+        "temperature": 0, "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
+    m = claude.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.content[0].thinking == THOUGHT
+    assert valid(m.content[1].text), m.content
+    with claude.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[1].text == m.content[1].text
+
+
+# ---------------------------------------------------------------------------------------------- thinking budgets
+@pytest.mark.slow
+def test_a_thinking_budget_forces_the_end_of_the_reasoning(server, client):
+    """At most `budget` tokens of the model's reasoning, then the budget message and </think> (forced), then an
+    answer; a budget the model stays under changes nothing."""
+    tok = server.engine.tokenizer
+    forced = tok.encode(BUDGET_MESSAGE, add_special_tokens=False) + marker_ids(server)
+    kw = dict(model="smol", messages=QUESTION, temperature=0, max_tokens=40, stop=STOP)
+    free = client.chat.completions.create(extra_body={"return_token_ids": True}, **kw).choices[0]
+    for budget in (0, 2):
+        r = client.chat.completions.create(extra_body={"thinking_token_budget": budget, "return_token_ids": True},
+                                           **kw)
+        ids = r.choices[0].model_extra["token_ids"]
+        assert ids[:budget] == free.model_extra["token_ids"][:budget]        # the model's own, up to the budget
+        assert ids[budget:budget + len(forced)] == forced
+        message = r.choices[0].message
+        assert message.model_extra["reasoning"] == tok.decode(ids[:budget]) + BUDGET_MESSAGE
+        assert message.content and r.usage.completion_tokens_details.reasoning_tokens == budget + len(forced)
+        streamed = chat_streamed(client, extra_body={"thinking_token_budget": budget}, **kw)
+        assert streamed[:2] == (message.model_extra["reasoning"], message.content)
+    r = client.chat.completions.create(extra_body={"thinking_token_budget": 30}, **kw)
+    assert r.choices[0].message.model_extra["reasoning"] == THOUGHT and r.choices[0].message.content == ANSWER
+
+
+@pytest.mark.slow
+def test_a_forced_end_is_followed_by_a_valid_answer(client):
+    r = client.chat.completions.create(model="smol", messages=QUESTION, temperature=0, max_tokens=60,
+                                       response_format=RESPONSE_FORMAT, extra_body={"thinking_token_budget": 1})
+    message = r.choices[0].message
+    assert message.model_extra["reasoning"] == "I" + BUDGET_MESSAGE and valid(message.content), message
+
+
+@pytest.mark.slow
+def test_messages_thinking_budget_tokens(claude):
+    kw = dict(model="smol", max_tokens=40, messages=QUESTION, stop_sequences=STOP, extra_body={"temperature": 0})
+    m = claude.messages.create(thinking={"type": "enabled", "budget_tokens": 2}, **kw)
+    assert m.content[0].type == "thinking" and m.content[0].thinking == "I add" + BUDGET_MESSAGE
+    assert claude.messages.create(thinking={"type": "disabled"}, **kw).content[0].thinking == THOUGHT
+    for thinking, param in (({"type": "adaptive"}, "thinking.type"),
+                            ({"type": "enabled", "budget_tokens": -1}, "thinking.budget_tokens"),
+                            ({"type": "enabled", "budget_tokens": 5, "x": 1}, "thinking.x")):
+        with pytest.raises(anthropic.BadRequestError, match=param.replace(".", r"\.")):
+            claude.messages.create(thinking=thinking, **kw)
+
+
+def test_a_thinking_budget_needs_a_reasoning_parser():
+    serving = OpenAIServing(FakeEngine())
+    req = ChatCompletionRequest(model="fake", messages=QUESTION, thinking_token_budget=4)
+    with pytest.raises(APIError) as e:
+        asyncio.run(serving.preparer.prepare_chat(req))
+    assert e.value.param == "thinking_token_budget"
 
 
 def prompt_text(server, messages) -> str:

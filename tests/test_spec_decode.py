@@ -110,6 +110,62 @@ def test_drafts_never_exceed_max_tokens():
     kv.check()
 
 
+def test_a_reasoning_request_drafts_up_to_its_end_marker_and_the_grammar_masks_the_row_after(smollm2_tokenizer):
+    """A draft that ends the reasoning is the last one verified: the rows before it reason freely (no matcher), the
+    row after it is the grammar's (a fresh matcher), and the accepted marker opens the grammar to the next token."""
+    from kvflow.structured_output import GrammarCompiler, spec_from_request
+    from kvflow.structured_output.thinking import ThinkingSpec
+
+    compiler = GrammarCompiler(smollm2_tokenizer)
+    try:
+        compiled = compiler.compile(spec_from_request({"structured_outputs": {"regex": "a+"}}))
+    finally:
+        compiler.close()
+    a = smollm2_tokenizer.encode("a", add_special_tokens=False)[0]
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(EngineConfig(speculative_config=NGRAM), kv, max_model_len=256)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, structured=compiled, thinking=ThinkingSpec((5, 6)))
+    req = Request("a", [1, 2, 5, 6, 9, 8, 1], params, 20)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.step.sampling[0].matcher is None                      # the first token is the reasoning's
+    sched.update(out, SampledTokens([2], [None]))                    # "1 2" came first at 0: 5 6 9 8 follow it
+    out = sched.schedule()
+    assert out.scheduled[0].draft_token_ids == (5, 6)                # up to the end marker, that one included
+    assert [r.matcher is req.matcher for r in out.step.sampling] == [False, False, True]
+    (o,) = sched.update(out, SampledTokens([5, 6, a], [None] * 3))
+    assert o.new_token_ids == [5, 6, a] and not req.thinking.in_reasoning and req.matcher.is_complete()
+    out = sched.schedule()
+    assert out.scheduled[0].draft_token_ids == () and out.step.sampling[0].matcher is req.matcher
+    sched.abort(["a"])
+    kv.check()
+
+
+def test_a_spent_thinking_budget_stops_the_drafts_and_forces_the_marker():
+    from kvflow.structured_output.thinking import ThinkingSpec
+
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(EngineConfig(speculative_config=NGRAM), kv, max_model_len=256)
+    spec = ThinkingSpec((5, 6), budget=3, forced_token_ids=(4, 5, 6))
+    req = Request("a", [1, 2, 9, 8, 7, 1], SamplingParams(max_tokens=20, ignore_eos=True, thinking=spec), 20)
+    sched.add_request(req)
+    sched.update(sched.schedule(), SampledTokens([2], [None]))        # one reasoning token
+    out = sched.schedule()
+    assert out.scheduled[0].draft_token_ids == (9, 8)                # the budget is spent after the second
+    assert [r.forced_token_id for r in out.step.sampling] == [None, None, 4]
+    (o,) = sched.update(out, SampledTokens([9, 8, 4], [None] * 3))
+    assert o.new_token_ids == [9, 8, 4]
+    for forced in (5, 6):                                            # no drafts while tokens are forced
+        out = sched.schedule()
+        assert out.scheduled[0].draft_token_ids == () and out.step.sampling[0].forced_token_id == forced
+        sched.update(out, SampledTokens([forced], [None]))
+    assert not req.thinking.in_reasoning and req.thinking.thought == 3
+    out = sched.schedule()
+    assert out.step.sampling[-1].forced_token_id is None             # the answer: the model's, drafts again
+    sched.abort(["a"])
+    kv.check()
+
+
 # ---- the engine: speculation on against off ----------------------------------------------------------------------
 def prompts(tokenizer) -> list[list[int]]:
     texts = [f"Repeat this code exactly:\n{CODE}\nThe code again:\n",
@@ -226,3 +282,38 @@ def test_draft_rows_keep_a_step_within_the_largest_compiled_bucket():
     out = sched.schedule()
     assert [len(s.draft_token_ids) for s in out.scheduled] == [4, 1, 0]   # 3 rows + 5 drafts = 8
     assert len(out.step.batch.token_ids) == 8
+
+
+@pytest.mark.slow
+def test_speculation_across_the_end_of_the_reasoning_gives_the_same_output_as_without(smol_llm):
+    """A few-shot prompt the model copies: n-gram drafts run through `</think>` into the answer the shots gave, which
+    the grammar forbids. Greedy and seeded outputs are those without speculation, the answer valid JSON, and drafts
+    were accepted; with a thinking budget too."""
+    import json
+
+    from kvflow.structured_output.thinking import ThinkingSpec
+
+    tok = smol_llm.tokenizer
+    shot = "<think>I add the numbers.</think>The answer is 4.\n"
+    prompt = tok.encode(f"user: What is 2 + 2?\n{shot}{shot}{shot}user: What is 2 + 2?\n<think>")
+    end = tuple(tok.encode("</think>", add_special_tokens=False))
+    schema = {"type": "object", "properties": {"answer": {"enum": [3, 4, 5]}}, "required": ["answer"],
+              "additionalProperties": False}
+    params = []
+    for budget in (None, 3):
+        spec = ThinkingSpec(end, budget=budget, forced_token_ids=end if budget is not None else ())
+        params += [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json": schema}, thinking=spec)]
+        params += [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=40, structured_outputs={"json": schema},
+                                  thinking=spec) for i in range(2)]
+    without = smol_llm.generate([prompt] * len(params), params)
+    llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory="128MiB", speculative_config=NGRAM)
+    with_spec = llm.generate([prompt] * len(params), params)
+    assert [o.outputs[0].token_ids for o in with_spec] == [o.outputs[0].token_ids for o in without]
+    for o, p in zip(with_spec, params):
+        thought, marker, answer = o.outputs[0].text.partition("</think>")
+        assert marker or (p.thinking.budget is None and p.temperature > 0)    # a free sample may reason to the end
+        assert not marker or json.loads(answer)["answer"] in (3, 4, 5), o.outputs[0].text
+        if p.thinking.budget is not None:
+            assert len(tok.encode(thought, add_special_tokens=False)) <= p.thinking.budget + 1
+    assert with_spec[0].outputs[0].text.startswith("I add the numbers.</think>")
+    assert llm.engine.scheduler.spec_num_accepted_tokens > 3

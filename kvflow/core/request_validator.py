@@ -44,6 +44,9 @@ class RequestValidator:
         if params.structured_outputs and params.structured is None:
             raise InvalidRequestError("structured_outputs must be compiled before the engine sees the request "
                                       "(LLM and the server do it)", param="structured_outputs")
+        if params.thinking_token_budget is not None and params.thinking is None:
+            raise InvalidRequestError("thinking_token_budget needs to know where the reasoning ends: a server "
+                                      "started with --reasoning-parser NAME sets it", param="thinking_token_budget")
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt",

@@ -144,8 +144,7 @@ class Scheduler:
         """How many drafts the MTP head should make after the token this step samples for `req`: as many as its next
         step could verify (`_drafts`' bounds, one token on); 0 where it will not speculate then (nothing sampled, a
         grammar, no room, more requests running than speculate: the head's logits would be wasted)."""
-        if (not s.samples or req.matcher is not None or req.pooling is not None
-                or len(self.running) > self.spec_max_running):
+        if not s.samples or not self._may_draft(req) or len(self.running) > self.spec_max_running:
             return 0
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 2
         return max(0, min(self.spec_k, room))
@@ -321,14 +320,29 @@ class Scheduler:
         return self.kv.state is None or self.kv.state.take_snapshots(req, len(drafts)) is not None
 
     def _drafts(self, req: Request, budget: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding request, or () where it may not speculate: a grammar (drafts would need
-        the matcher's state after each), or no room (every draft may become an output token: max_tokens and the
-        context bound how many)."""
-        if req.matcher is not None or req.pooling is not None:
+        """Draft tokens for a decoding request, or () where it may not speculate (`_may_draft`), or no room (every
+        draft may become an output token: max_tokens and the context bound how many). A reasoning request's drafts
+        stop at the one that ends its reasoning or spends its thinking budget: the row after it is the grammar's
+        or forced."""
+        if not self._may_draft(req):
             return ()
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
         k = min(self.spec_k, room, budget)
-        return tuple(self.proposer.propose(req.request_id, req.token_ids, k)[:k]) if k > 0 else ()
+        drafts = tuple(self.proposer.propose(req.request_id, req.token_ids, k)[:k]) if k > 0 else ()
+        if drafts and req.thinking is not None and req.thinking.in_reasoning:
+            drafts = drafts[:req.thinking.drafts_to_verify(drafts)]
+        return drafts
+
+    @staticmethod
+    def _may_draft(req: Request) -> bool:
+        """Whether a request's drafts can be verified: not while a grammar decides its tokens (drafts would need
+        the matcher's state after each) or a token is forced, nor for an embedding. A reasoning request's grammar
+        starts after its reasoning: it drafts while it reasons freely."""
+        if req.pooling is not None:
+            return False
+        if req.thinking is not None and req.thinking.in_reasoning:
+            return req.thinking.free
+        return req.matcher is None
 
     def _preempt_for(self, head: Request, out: SchedulerOutput) -> None:
         """Preempt running requests of a higher priority value than the waiting `head` (the newest of the highest
@@ -455,7 +469,15 @@ class Scheduler:
         if p.seed is not None:     # a fresh, reproducible seed per position (see Sampler)
             seed = (p.seed * 6364136223846793005 + num_output * 1442695040888963407) % 2**64
         token_ids = req.token_ids + list(drafts) if drafts else req.token_ids
-        return SamplingRow(p, token_ids, req.num_prompt_tokens, blocked, seed, req.matcher)
+        thinking = req.thinking
+        if thinking is None:
+            return SamplingRow(p, token_ids, req.num_prompt_tokens, blocked, seed, req.matcher)
+        if drafts:
+            thinking = thinking.after(drafts)
+        # the grammar masks the answer only; a matcher is still fresh at the row after the drafts that end the
+        # reasoning (`_drafts` stops there)
+        return SamplingRow(p, token_ids, req.num_prompt_tokens, blocked, seed,
+                           None if thinking.in_reasoning else req.matcher, thinking.forced_token())
 
     @staticmethod
     def _scheduled(req: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
@@ -583,7 +605,8 @@ class Scheduler:
             return []
         for n, token in enumerate(tokens, 1):
             req.token_ids.append(token)
-            req.status = self._check_grammar(req, token) or self._check_stop(req, token) or req.status
+            answer = req.thinking is None or req.thinking.accept(token)    # the reasoning's tokens: not the grammar's
+            req.status = (answer and self._check_grammar(req, token)) or self._check_stop(req, token) or req.status
             if req.status.finished:
                 return tokens[:n]
         return tokens

@@ -8,7 +8,8 @@ recomputes the same ones.
 
 Rows with a grammar matcher (structured outputs) first get every token the grammar forbids set to -inf, in one
 batched call for all of them, before penalties and temperature; the other rows are not touched, and a batch
-without a constrained row pays one Python check. Log-probabilities are the model's, before any of this.
+without a constrained row pays one Python check. Log-probabilities are the model's, before any of this. A row
+with a forced token (a spent thinking budget's end marker) gets that token whatever it drew.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class Sampler:
         else:
             tokens = self._sample(logits, rows)
         token_list = tokens.tolist()
+        if any(r.forced_token_id is not None for r in rows):    # written in place of the draw; logprobs the model's
+            token_list = [t if r.forced_token_id is None else r.forced_token_id for t, r in zip(token_list, rows)]
         return SampledTokens(token_list, self._logprobs(raw_logprobs, token_list, params))
 
     def _apply_grammars(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -60,6 +60,7 @@ class SamplingRow:
     blocked_token_ids: tuple[int, ...]  # may not be sampled yet (EOS and stop ids before min_tokens)
     seed: int | None                    # this step's seed for a seeded request (derived from its position)
     matcher: Matcher | None = None      # the request's grammar state (a reference): masks this row's logits
+    forced_token_id: int | None = None  # the token this row must write (a spent thinking budget's end marker)
 
 
 @dataclass(frozen=True)

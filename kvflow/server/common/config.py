@@ -76,6 +76,9 @@ class ServerConfig:
                                                  "or qwen3 (<think>...</think>), granite ('Here is my thought "
                                                  "process:' ... 'Here is my response:')",
                                            choices=REASONING_PARSERS)
+    reasoning_budget_message: str | None = _option(None, "text forced before the end-of-thinking marker when a "
+                                                         "request's thinking_token_budget is spent (llama-server's "
+                                                         "flag)", metavar="TEXT")
     chat_template: str | None = _option(None, "the chat template to render chats with instead of the model's: a "
                                               "file, or the template itself", metavar="TEMPLATE")
     trust_request_chat_template: bool = _option(False, "let a request bring its own chat_template (a template is "

@@ -166,6 +166,9 @@ class MessagesRequest(MessagesPart):
     tool_choice: MessagesToolChoice | None = None     # unset with tools: "auto", as Anthropic's
     metadata: MessagesMetadata | None = None
     output_config: OutputConfig | None = None
+    # {"type": "enabled", "budget_tokens": N}: the chat route's thinking_token_budget (needs --reasoning-parser);
+    # {"type": "disabled"}: nothing asked (a reasoning model's thinking blocks come back as it writes them)
+    thinking: dict[str, Any] | None = None
     service_tier: Literal["auto", "standard_only"] | None = None   # one tier here, the standard one: either holds
     cache_control: CacheControl | None = None         # a breakpoint on the last cacheable block: see CacheControl
     # vLLM's extra, as on chat: template variables (e.g. enable_thinking: false for Qwen3's template)

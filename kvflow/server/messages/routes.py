@@ -5,7 +5,8 @@ A Messages request becomes one `ChatCompletionRequest`: `system` -> a system mes
 an assistant's tool_use blocks -> its `tool_calls`, tool_result blocks -> tool messages, consecutive turns of one
 role -> one turn (as Anthropic combines them), a final assistant turn -> a prefill the reply continues,
 `stop_sequences` -> `stop`, `tools` -> function tools, `tool_choice` any -> "required" and tool -> a named function,
-`output_config.format` -> `response_format`. `OpenAIServing.start_chat` submits it, and the reply is read back
+`output_config.format` -> `response_format`, `thinking` enabled -> `thinking_token_budget`.
+`OpenAIServing.start_chat` submits it, and the reply is read back
 through the chat route's own `collect` + `renderer.chat_choice` (whole) or `chunks` (streamed): prompts, sampling,
 structured outputs, tool-call parsing, reasoning (--reasoning-parser: a `thinking` block first), usage and metrics are
 the chat route's. This module renders Anthropic's shapes: content blocks, stop reasons, usage, the SSE event sequence the `anthropic` client's parser reads, and
@@ -69,6 +70,7 @@ _PARAM_NAMES = ((re.compile(r"stop(?=$|\[)"), "stop_sequences"),
                 (re.compile(r"parallel_tool_calls$"), "tool_choice.disable_parallel_tool_use"),
                 (re.compile(r"user$"), "metadata.user_id"),
                 (re.compile(r"max_completion_tokens$"), "max_tokens"),
+                (re.compile(r"thinking_token_budget$"), "thinking.budget_tokens"),
                 (re.compile(r"(prompt|continue_final_message|add_generation_prompt|chat_template)$"), "messages"))
 
 
@@ -298,6 +300,29 @@ def chat_tools(req: MessagesRequest) -> dict[str, Any]:
     return out
 
 
+def thinking_budget(thinking: dict | None) -> int | None:
+    """Anthropic's `thinking` as the chat route's thinking_token_budget: enabled -> its budget_tokens (the engine
+    forces the end of the thinking there; Anthropic's floor of 1024 is not kept: a small model thinks less), disabled
+    -> none; adaptive, which would switch a model's thinking on, is a 400 naming it."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    allowed = {"enabled": ("type", "budget_tokens"), "disabled": ("type",)}.get(kind)
+    if allowed is None:
+        raise APIError(400, f"{kind!r} is not supported by kvflow: enabled (with budget_tokens) or disabled "
+                            "(kvflow cannot switch a model's thinking on: that is its chat template's)",
+                       param="thinking.type")
+    extra = next((k for k in thinking if k not in allowed), None)
+    if extra is not None:
+        raise APIError(400, "not supported by kvflow: leave it unset", param=f"thinking.{extra}")
+    if kind == "disabled":
+        return None
+    budget = thinking.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise APIError(400, f"must be an integer >= 0, got {budget!r}", param="thinking.budget_tokens")
+    return budget
+
+
 def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     """The Messages request as the chat route's request (a 400 naming the Messages field for what kvflow refuses)."""
     check(req, "")
@@ -310,13 +335,14 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
             response_format = {"type": "json_schema",
                                "json_schema": {"name": "output", "schema": req.output_config.format.json_schema}}
     messages = chat_messages(req)
+    budget = thinking_budget(req.thinking)
     # a final assistant turn is a prefill: the reply continues it (and does not repeat it)
     prefill = req.messages[-1].role == "assistant"
     body = {"model": req.model, "messages": messages, "max_tokens": req.max_tokens, "stop": req.stop_sequences,
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stream": req.stream,
             "response_format": response_format, "user": req.metadata.user_id if req.metadata else None,
             "request_id": uuid.uuid4().hex, "continue_final_message": prefill, "add_generation_prompt": not prefill,
-            "chat_template_kwargs": req.chat_template_kwargs, **chat_tools(req)}
+            "chat_template_kwargs": req.chat_template_kwargs, "thinking_token_budget": budget, **chat_tools(req)}
     return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
 
 

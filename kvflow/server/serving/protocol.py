@@ -195,7 +195,8 @@ class _SamplingRequest(OpenAIModel):
             raise APIError.bad_request(e, {"beam_width": "n", **self.PARAM_NAMES}) from None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None = None,
+                         thinking_token_budget: int | None = None) -> SamplingParams:
         bad_keys = [k for k in self.logit_bias or {} if not _is_int(k)]
         if bad_keys:       # each one named (the first 10)
             named = ", ".join(map(repr, bad_keys[:10])) + (", ..." if len(bad_keys) > 10 else "")
@@ -227,6 +228,7 @@ class _SamplingRequest(OpenAIModel):
                 allowed_token_ids=self.allowed_token_ids,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
                 truncation_side=self.truncation_side or "left",
+                thinking_token_budget=thinking_token_budget,
             )
         except InvalidRequestError as e:
             raise APIError.bad_request(e, self.PARAM_NAMES) from None
@@ -259,6 +261,8 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: Text | None = None               # for templates that read `reasoning_effort`
     # false: the reasoning is split off and not returned (needs --reasoning-parser: without one nothing is split)
     include_reasoning: bool = True
+    # vLLM's: at most this many reasoning tokens, then the end-of-thinking marker is forced (needs --reasoning-parser)
+    thinking_token_budget: int | None = documented(minimum=0)
     echo: bool = False                       # the reply starts with the last message when it is the assistant's
     # tool calling (kvflow.server.serving.tool_calls.parse_tool_request checks them and names the field)
     tools: list[dict[str, Any]] | None = None
@@ -274,7 +278,7 @@ class ChatCompletionRequest(_SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         # echo with logprobs: the echoed prompt's logprobs too, unless asked for separately (as vLLM)
         echoed = (self.num_logprobs if self.echo and self.prompt_logprobs is None and not self.stream else None)
-        return self._sampling_params(max_tokens, self.num_logprobs, echoed)
+        return self._sampling_params(max_tokens, self.num_logprobs, echoed, self.thinking_token_budget)
 
     @property
     def num_logprobs(self) -> int | None:

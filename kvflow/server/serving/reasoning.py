@@ -21,11 +21,17 @@ tokens. Where vLLM's two paths disagree (text before an opening <think>: dropped
 its response marker: all answer whole, reasoning streamed), kvflow does what vLLM's streaming path does, for both.
 Either way, with `enable_thinking` false, or when the prompt already closed the reasoning (it ends with an end marker:
 a template that writes an empty `<think></think>` itself), the output is all answer (vLLM's `prompt_is_reasoning_end`).
+
+Where the engine must know the reasoning's end too (a grammar constrains the answer only; a thinking budget forces the
+end), `thinking_spec` hands it the parser's end marker (`END_MARKERS`) as token ids with the same `in_reasoning`
+(kvflow/structured_output/thinking.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Mapping
+
+from kvflow.structured_output.thinking import ThinkingSpec
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL, FUNCTION = "<tool_call>", "<function"
@@ -203,6 +209,20 @@ def reasoning_request(parser: str, template_kwargs: Mapping, prompt_text: str,
     thinking_off = parser == "qwen3" and template_kwargs.get("enable_thinking", True) is False
     return ReasoningRequest(parser, not thinking_off and not prompt_ends_reasoning(parser, prompt_text),
                             include_reasoning)
+
+
+# the end-of-thinking marker each parser's engine-side end is (a grammar starts after it; a thinking budget forces it)
+END_MARKERS = {"deepseek_r1": THINK_END, "qwen3": THINK_END, "granite": GRANITE_ENDS[0]}
+
+
+def thinking_spec(reasoning: ReasoningRequest, encode: Callable[[str, bool], list[int]], budget: int | None = None,
+                  budget_message: str | None = None) -> ThinkingSpec:
+    """Where the engine sees a request's reasoning end (structured_output/thinking.py): the parser's end marker as
+    `encode(text, add_special_tokens)` writes it, whether the output starts in the reasoning, and what a spent
+    `budget` forces: `budget_message` (--reasoning-budget-message), then the marker."""
+    end = tuple(encode(END_MARKERS[reasoning.parser], False))
+    forced = (tuple(encode(budget_message, False)) if budget_message else ()) + end
+    return ThinkingSpec(end, reasoning.in_reasoning, budget, forced if budget is not None else ())
 
 
 SPLITTERS: dict[str, Callable[[bool], ReasoningSplitter]] = {   # keys: config.REASONING_PARSERS

@@ -18,7 +18,7 @@ VLLM_FIELDS = {
         "messages", "model", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "max_tokens",
         "max_completion_tokens", "n", "presence_penalty", "response_format", "seed", "stop", "stream",
         "stream_options", "temperature", "top_p", "tools", "tool_choice", "reasoning_effort", "include_reasoning",
-        "parallel_tool_calls", "user",
+        "thinking_token_budget", "parallel_tool_calls", "user",
         "best_of", "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
         "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
         "spaces_between_special_tokens", "truncate_prompt_tokens", "truncation_side", "prompt_logprobs",
@@ -97,7 +97,7 @@ _BEAM_SEARCH_COMMON = {
     "return_tokens_as_token_ids": (False,),  # shapes logprobs, which beam search does not return
 }
 BEAM_SEARCH_REFUSED = {
-    "chat": {**_BEAM_SEARCH_COMMON, "logprobs": (False,), "top_logprobs": (0,)},
+    "chat": {**_BEAM_SEARCH_COMMON, "logprobs": (False,), "top_logprobs": (0,), "thinking_token_budget": ()},
     "completions": {**_BEAM_SEARCH_COMMON, "logprobs": (), "stream": (False,),
                     "stream_options": ()},        # stream_options needs stream
 }
@@ -227,9 +227,8 @@ MESSAGES_FIELDS = {
 }
 
 # kind -> name -> the values that ask for nothing kvflow lacks (unset, or what kvflow does anyway); any other value
-# is a 400 naming the field's path. Why each is refused: thinking (enabled, adaptive): kvflow cannot hold the model to
-# a budget_tokens, nor switch a model's thinking on (what a reasoning model writes between its think markers comes
-# back as thinking blocks under --reasoning-parser, asked for or not); output_config.effort: no effort levels;
+# is a 400 naming the field's path (`thinking` is the request model's own: messages/routes.thinking_budget refuses
+# "adaptive", which would switch a model's thinking on). Why each is refused: output_config.effort: no effort levels;
 # container, mcp_servers, context_management, tool_use.caller, toolset_name, tool.allowed_callers, defer_loading:
 # Anthropic's server-side tools, code execution and context editing, not built; output_format: the beta spelling,
 # kvflow reads output_config.format; inference_geo, speed "fast", workspace_id, user_profile_id: one server, one
@@ -237,7 +236,7 @@ MESSAGES_FIELDS = {
 # kvflow's tool prompt shows the schema only; cache_control.ttl "1h": kvflow's prefix cache evicts by LRU and can
 # promise no lifetime (a breakpoint itself asks for what the prefix cache does for every full block).
 MESSAGES_REFUSED = {
-    "request": {"thinking": ({"type": "disabled"},), "container": (), "context_management": (), "mcp_servers": ([],),
+    "request": {"container": (), "context_management": (), "mcp_servers": ([],),
                 "output_format": (), "inference_geo": (), "speed": ("standard",), "diagnostics": (),
                 "user_profile_id": (), "workspace_id": ()},
     "message": {},

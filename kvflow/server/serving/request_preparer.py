@@ -29,6 +29,7 @@ from kvflow.server.common.request_record import current_record
 from kvflow.server.serving.chat_template import ChatTemplateOptions, template_variables
 from kvflow.server.serving.engine_client import EngineClient
 from kvflow.server.serving.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, random_id
+from kvflow.server.serving.reasoning import ReasoningRequest, reasoning_request, thinking_spec
 from kvflow.server.serving.tool_calls import ToolRequest, parse_tool_request
 from kvflow.server.serving.tool_prompt import chat_messages
 from kvflow.structured_output import GrammarCompiler, spec_from_request
@@ -47,6 +48,7 @@ class PreparedRequest:
     tools: ToolRequest | None = None    # chat: the tools and tool_choice
     prompts: list[str | list[int]] | None = None   # completions: the prompts as given
     beam: BeamSearchParams | None = None   # use_beam_search: a beam search per prompt instead of `params`' sampling
+    reasoning: ReasoningRequest | None = None   # chat under --reasoning-parser: how its choices split
 
     def engine_request_id(self, index: int) -> str:
         return engine_request_id(self.request_id, index, len(self.prompt_ids))
@@ -66,14 +68,16 @@ class RequestPreparer:
     """Checks, templates, encodes and submits requests for one engine, under the server's flags."""
 
     def __init__(self, engine: EngineClient, names: list[str], *, max_n: int, tool_call_parser: str | None,
-                 trust_request_chat_template: bool, reasoning_parser: str | None) -> None:
+                 trust_request_chat_template: bool, reasoning_parser: str | None,
+                 reasoning_budget_message: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.names = names                           # the served model names; the first is the default
         self.max_n = max_n
         self.tool_call_parser = tool_call_parser     # None: tool_choice "auto" is refused
         self.trust_request_chat_template = trust_request_chat_template   # a request may bring its own template
-        self.reasoning_parser = reasoning_parser     # a chat's output constraint is refused under one
+        self.reasoning_parser = reasoning_parser     # a chat's output constraint then starts after the reasoning
+        self.reasoning_budget_message = reasoning_budget_message   # forced before the end marker at a thinking budget
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_compiler_lock = asyncio.Lock()
 
@@ -89,16 +93,26 @@ class RequestPreparer:
         if not req.include_reasoning and self.reasoning_parser is None:
             raise APIError(400, "include_reasoning=false needs a server started with --reasoning-parser NAME: "
                                 "without one no reasoning is split off the answer", param="include_reasoning")
+        if req.thinking_token_budget is not None and self.reasoning_parser is None:
+            raise APIError(400, "thinking_token_budget needs a server started with --reasoning-parser NAME: without "
+                                "one kvflow does not know where the reasoning ends", param="thinking_token_budget")
         if beam is None:
-            params = await self.constrain(params, req, tools, reasoning=self.reasoning_parser is not None)
+            params = await self.constrain(params, req, tools)
         messages, render_args = self.chat_render_args(req, tools)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")   # text, flattened above
         prompt_ids = await asyncio.to_thread(self.chat_prompt_ids, messages, **render_args)
+        reasoning = None
+        if self.reasoning_parser is not None:
+            # the prompt as the template wrote it: one that closed the reasoning itself leaves none to split off
+            prompt_text = await asyncio.to_thread(self.tokenizer.decode, prompt_ids, False)
+            reasoning = reasoning_request(self.reasoning_parser, req.chat_template_kwargs or {}, prompt_text,
+                                          include_reasoning=req.include_reasoning)
+            params = self.bound_reasoning(params, reasoning)
         request_id = f"chatcmpl-{req.request_id}" if req.request_id else random_id("chatcmpl")
         if (record := current_record()) is not None:      # the request log's and the trace's record
             record.note_request(req, request_id, lambda: [m.model_dump(exclude_none=True) for m in req.messages])
         return PreparedRequest(request_id, model, params, [prompt_ids], self.priority(req, priority),
-                               messages=messages, tools=tools, beam=beam)
+                               messages=messages, tools=tools, beam=beam, reasoning=reasoning)
 
     async def prepare_completions(self, req: CompletionRequest, *, priority: int = 0) -> PreparedRequest:
         """A completion request checked and encoded, one prompt's ids per prompt, short of submitting it."""
@@ -169,22 +183,14 @@ class RequestPreparer:
         return req.to_beam_search_params(params)
 
     async def constrain(self, params: SamplingParams, req: ChatCompletionRequest | CompletionRequest,
-                        tools: ToolRequest | None = None, reasoning: bool = False) -> SamplingParams:
+                        tools: ToolRequest | None = None) -> SamplingParams:
         """`params` with the request's output constraint, if any, compiled into `structured` (400 naming the field).
-        `reasoning`: a chat under --reasoning-parser, where a constraint is refused: it would apply to the answer,
-        after the reasoning, but kvflow's grammars constrain the output from its first token, and one that started
-        there would forbid the reasoning (or be broken by it)."""
+        Under --reasoning-parser it constrains the answer only (`bound_reasoning`)."""
         spec = spec_from_request(req.structured_request())
         forced = tools.spec() if tools is not None else None
         if forced is not None and spec is not None:
             raise APIError(400, f"tool_choice {req.tool_choice!r} and {spec.param} both constrain the output; "
                                 "give one of them", param=spec.param)
-        if reasoning and (forced or spec) is not None:
-            what, param = (f"tool_choice {req.tool_choice!r}", "tool_choice") if forced is not None else (
-                spec.param, spec.param)
-            raise APIError(400, f"{what} constrains the output with a grammar from its first token, and with "
-                                "--reasoning-parser the grammar would have to start after the reasoning, which kvflow "
-                                "does not do: leave it unset, or serve without --reasoning-parser", param=param)
         if (record := current_record()) is not None and (forced or spec) is not None:
             record.structured_output = "tool_choice" if forced is not None else spec.kind
         spec = forced or spec
@@ -192,6 +198,15 @@ class RequestPreparer:
             return params
         compiler = await self.grammar_compiler()
         return dataclasses.replace(params, structured=await compiler.compile_async(spec))
+
+    def bound_reasoning(self, params: SamplingParams, reasoning: ReasoningRequest) -> SamplingParams:
+        """A reasoning chat's params with where its reasoning ends, for the engine, when the engine needs it: a
+        grammar then starts after the reasoning (at once when the prompt closed it), a thinking budget forces the
+        end marker (structured_output/thinking.py). The one place a served request gets it."""
+        if params.structured is None and params.thinking_token_budget is None:
+            return params
+        return dataclasses.replace(params, thinking=thinking_spec(
+            reasoning, self.tokenizer.encode, params.thinking_token_budget, self.reasoning_budget_message))
 
     async def grammar_compiler(self) -> GrammarCompiler:
         """The server's one compiler, built on first use (~0.5 s for a 49k vocabulary, off the event loop)."""

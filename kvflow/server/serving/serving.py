@@ -28,7 +28,6 @@ from kvflow.server.serving.protocol import (ChatCompletionChunk, ChatCompletionR
                                             CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard,
                                             ModelList, ModelPermission, TokenizeRequest, TokenizeResponse,
                                             TokenizerInfoResponse)
-from kvflow.server.serving.reasoning import reasoning_request
 from kvflow.server.serving.request_preparer import RequestPreparer, arrival_time
 
 
@@ -39,7 +38,8 @@ class OpenAIServing:
     def __init__(self, engine: EngineClient, *, served_model_names: list[str] | tuple[str, ...] | None = None,
                  max_n: int = DEFAULT_MAX_N, shutdown_grace_period: float = 30.0,
                  tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
-                 return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None) -> None:
+                 return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None,
+                 reasoning_budget_message: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.names = list(served_model_names or [engine.served_model_name])
@@ -49,7 +49,8 @@ class OpenAIServing:
         self.reasoning_parser = reasoning_parser     # None: the output is not split (think markers stay in content)
         self.preparer = RequestPreparer(engine, self.names, max_n=max_n, tool_call_parser=tool_call_parser,
                                         trust_request_chat_template=trust_request_chat_template,
-                                        reasoning_parser=reasoning_parser)
+                                        reasoning_parser=reasoning_parser,
+                                        reasoning_budget_message=reasoning_budget_message)
         self.renderer = ChoiceRenderer(engine.tokenizer)
 
     # ---- routes ------------------------------------------------------------------------------------------------
@@ -120,11 +121,7 @@ class OpenAIServing:
         gen = Generation(prepared.request_id, prepared.model, True, streams, req.num_logprobs, req.include_usage,
                          req.continuous_usage, tools=tools, echo=echo, return_token_ids=bool(req.return_token_ids),
                          tokens_as_ids=self.tokens_as_ids(req))
-        if self.reasoning_parser is not None:
-            # the prompt as the template wrote it: one that closed the reasoning itself leaves none to split off
-            prompt_text = await asyncio.to_thread(self.tokenizer.decode, prepared.prompt_ids[0], False)
-            gen.reasoning = reasoning_request(self.reasoning_parser, req.chat_template_kwargs or {}, prompt_text,
-                                              include_reasoning=req.include_reasoning)
+        gen.reasoning = prepared.reasoning
         return gen
 
     async def start_completions(self, req: CompletionRequest, raw: Request | None = None, *,
