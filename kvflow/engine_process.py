@@ -324,7 +324,8 @@ def main(fd: int) -> int:
         r = core.runner
         conn.send(EngineReady(os.getpid(), int(core.max_model_len), core.validator.vocab_size, r.weights_bytes,
                               r.kv_cache_bytes, core.stats(), r.num_blocks,
-                              r.state_slots.live if r.state_slots is not None else None))
+                              r.state_slots.live if r.state_slots is not None else None,
+                              core.validator.tasks, core.validator.architecture))
         loop = _EngineLoop(conn, core)
         threading.Thread(target=loop.read, name="kvflow-engine-inbox", daemon=True).start()
         loop.run()

@@ -67,10 +67,12 @@ class LLM:
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
               truncate_prompt_tokens: int | None = None) -> list[list[float]]:
         """One vector per prompt (as `generate` takes them), in input order: the final hidden states (after the
-        model's last norm) pooled as the engine's `pooling` says (last token, or mean), L2-normalised unless
-        `PoolingParams(normalize=False)`. Prefill only, in the same continuous batch as any generation."""
+        model's last norm) pooled as the engine's `pooling` says (last token, mean, or cls), L2-normalised unless
+        `PoolingParams(normalize=False)` (or, by default, a sentence-transformers folder without a Normalize
+        module). Prefill only, in the same continuous batch as any generation (an encoder: each prompt whole in one
+        step)."""
         params = SamplingParams(truncate_prompt_tokens=truncate_prompt_tokens)
-        pooling = pooling_params or PoolingParams()
+        pooling = pooling_params or PoolingParams(normalize=self.engine.model_config.normalize)
         encoded = [ids for _, ids in (self._encode(p) for p in self._prompt_list(prompts))]
         admitted = [self.engine.validator.admit(ids, params, pooling) for ids in encoded]
         states = self._drive(OutputProcessor(self.tokenizer),

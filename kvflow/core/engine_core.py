@@ -41,19 +41,23 @@ class EngineCore:
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(f"max_model_len={config.max_model_len} is larger than the model's context "
                              f"length ({model_len})")
-        self.max_model_len = config.max_model_len or model_len
+        self.max_model_len = config.max_model_len or self.model_config.max_model_len
+        mc = self.model_config
+        self.pooling = mc.pooling_for(config.pooling)      # --pooling, else the model's own, else its family's
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None
                                        else self.model_config.eos_token_ids)
-        self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len)
+        self.validator = RequestValidator(mc.vocab_size, self.max_model_len, mc.tasks, mc.architecture)
         self.executor = create_executor(config, self.model_config, files, self.max_model_len)
         self.runner = self.executor.runner            # rank 0's: weights, KV cache sizes, dtype
         state = (StateCache(self.runner.state_slots, self.runner.kv_cache_bytes)
                  if self.runner.state_slots is not None else None)
+        # an encoder keeps no KV across steps: its blocks are bookkeeping only, nothing to reuse
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                               config.enable_prefix_caching, state)
+                                               config.enable_prefix_caching and not mc.encoder_only, state)
         self.lora_slots = LoRASlots(config.max_loras, config.lora_cpu_capacity, self._read_adapter) \
             if config.enable_lora else None
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, self.lora_slots)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, self.lora_slots,
+                                   pooling=self.pooling, whole_prompts=mc.encoder_only)
         self._aborted_outputs: list[EngineOutput] = []
         # as of the last stats: preemptions, prefix-cache queries, hits, then speculative decoding's drafts, draft
         # tokens, accepted tokens and accepted per position

@@ -14,6 +14,7 @@ import numpy as np
 
 from kvflow.models.gguf_reader import GGUFFile, dequantize, read_gguf
 from kvflow.models.model_config import GGUF_CONFIG_KEYS, ModelConfig, gguf_architecture
+from kvflow.models.pooling_config import with_folder_pooling
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def resolve_model_files(model: str | Path | None, tokenizer: str | Path | None =
     if path.is_dir():
         hf_config = read_hf_config(path)
         try:
-            config = ModelConfig.from_hf_dict(hf_config)
+            config = with_folder_pooling(path, ModelConfig.from_hf_dict(hf_config))
         except KeyError as e:
             raise ValueError(f"{path / 'config.json'} lacks the key {e}") from None
     elif path.suffix.lower() != ".gguf":
