@@ -93,11 +93,13 @@ class Tokenizer:
         self.bos_token_id: int | None = hf.bos_token_id
         self.vocab_size: int = len(hf)
 
-    def encode_pair(self, first: str, second: str) -> tuple[list[int], int | None]:
+    def encode_pair(self, first: str, second: str, max_length: int | None = None) -> tuple[list[int], int | None]:
         """A text pair joined as the tokenizer joins one (BERT: [CLS] first [SEP] second [SEP]; a tokenizer
         without a pair template: one after the other), and the position where its token_type_ids turn 1 (the
-        second text's); None where they stay 0 throughout."""
-        encoded = self.hf(first, second)
+        second text's); None where they stay 0 throughout. `max_length`: truncated to it, the longer text first
+        (transformers' longest_first)."""
+        encoded = (self.hf(first, second) if max_length is None
+                   else self.hf(first, second, truncation="longest_first", max_length=max_length))
         types = encoded.get("token_type_ids") or []
         return list(encoded["input_ids"]), (types.index(1) if 1 in types else None)
 

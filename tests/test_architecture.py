@@ -114,7 +114,7 @@ def test_each_layer_imports_only_layers_below():
 SERVER_TIERS = [
     {"common"},
     {"serving"},
-    {"openai", "embeddings", "responses", "messages", "batch", "observe"},
+    {"openai", "embeddings", "score", "responses", "messages", "batch", "observe"},
     {"app", "cli", "run_batch", "testing", "__init__"},
 ]
 SURFACES = SERVER_TIERS[2]
