@@ -269,7 +269,7 @@ class AsyncEngine:
         from kvflow.tokenizer import Tokenizer
 
         t0 = time.perf_counter()
-        files = resolve_model_files(config.model, config.tokenizer)
+        files = resolve_model_files(config.model, config.tokenizer, config.hf_overrides)
         tokenizer = Tokenizer.from_files(files)
         processes = [EngineProcess(config, tokenizer.eos_token_ids) for _ in range(config.data_parallel_size)]
         try:

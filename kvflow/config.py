@@ -1,6 +1,7 @@
 """EngineConfig: every engine setting, built once, validated, frozen."""
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -108,6 +109,10 @@ class EngineConfig:
               '"num_speculative_tokens": 2} (Qwen3.5\'s own multi-token-prediction head); '
               '"disable_by_batch_size": N stops it above N running requests (kvflow/speculative_config.py)',
         type=str, metavar="JSON")
+    hf_overrides: dict | None = _option(
+        None, 'config.json keys to override, vLLM\'s JSON, e.g. a decoder reranker scored by two tokens\' logits: '
+              '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+              '"is_original_qwen3_reranker": true}', type=str, metavar="JSON")
     pooling: str | None = _option(None, "how /v1/embeddings and LLM.embed pool a prompt's final hidden states (after "
                                         "the model's last norm): last (the last token's), mean (over every prompt "
                                         "token) or cls (the first token's); unset: the model's own "
@@ -145,6 +150,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if isinstance(self.hf_overrides, str):
+            try:
+                object.__setattr__(self, "hf_overrides", json.loads(self.hf_overrides))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"hf_overrides must be a JSON object: {e}") from None
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a JSON object, got {self.hf_overrides!r}")
         object.__setattr__(self, "compile_batch_sizes", tuple(sorted({int(b) for b in self.compile_batch_sizes})))
         if self.lora_target_modules is not None:
             given = self.lora_target_modules

@@ -318,7 +318,7 @@ def main(fd: int) -> int:
         from kvflow.structured_output.compiler import grammar_tokenizer, set_rebuild_tokenizer
         from kvflow.tokenizer import Tokenizer
 
-        files = resolve_model_files(config.model, config.tokenizer)
+        files = resolve_model_files(config.model, config.tokenizer, config.hf_overrides)
         set_rebuild_tokenizer(lambda: grammar_tokenizer(Tokenizer.from_files(files)))
         core = EngineCore(config, eos_token_ids, files)
         r = core.runner

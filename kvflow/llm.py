@@ -32,7 +32,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         self.config = EngineConfig(model=model, **engine_args)
-        files = resolve_model_files(self.config.model, self.config.tokenizer)   # fails on the architecture
+        files = resolve_model_files(self.config.model, self.config.tokenizer, self.config.hf_overrides)   # fails on the architecture
         self.tokenizer = Tokenizer.from_files(files)
         self.engine = EngineCore(self.config, eos_token_ids=self.tokenizer.eos_token_ids, files=files)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)

@@ -2,7 +2,9 @@
 (BertForSequenceClassification) against transformers (the pair as its tokenizer joins it, token types included; the
 logit through a sigmoid, as vLLM and sentence-transformers' CrossEncoder for one label); an embedding model scoring
 by cosine similarity; the request shapes (1:1, 1:N, N:N; documents as strings or objects; top_n;
-return_documents; use_activation) and the refusals.
+return_documents; use_activation) and the refusals; a decoder reranker (Qwen3-Reranker's recipe: vLLM's
+hf_overrides with classifier_from_token ["no", "yes"]) against transformers' causal LM: the softmax over the two
+tokens' logits at the pair's last position, P(yes).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from kvflow.config import EngineConfig
 from kvflow.server.serving.request_fields import REFUSED, VLLM_FIELDS
 from kvflow.server.score.protocol import RerankRequest, ScoreRequest
 from kvflow.server.testing import ServerThread
-from tiny_models import make_tiny_bert
+from tiny_models import make_tiny_bert, make_tiny_hf_model
 
 QUERY = "what is the capital of france?"
 DOCS = ["paris is the capital of france.", "cats are small animals", "berlin is the capital of germany",
@@ -141,3 +143,63 @@ def test_an_embedding_model_scores_by_cosine_similarity(tmp_path):
         np.testing.assert_allclose([d["score"] for d in r.json()["data"]], expected, atol=1e-6)
         ranked = post(server, "/rerank", {"query": QUERY, "documents": DOCS[:3]}).json()["results"]
         assert [x["index"] for x in ranked] == list(np.argsort(expected)[::-1])
+
+
+# ---- a decoder reranker: Qwen3 scored by its "no" / "yes" logits ---------------------------------------------------
+QWEN3_RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                  "is_original_qwen3_reranker": True}
+
+
+@pytest.fixture(scope="module")
+def qwen3_path(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny-qwen3-reranker"), family="qwen3", seed=2)
+
+
+def hf_p_yes(path, firsts: list[str], seconds: list[str]) -> list[float]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    no, yes = tok.convert_tokens_to_ids(["no", "yes"])
+    out = []
+    for a, b in zip(firsts, seconds):
+        with torch.no_grad():
+            logits = model(**tok(a, b, return_tensors="pt")).logits[0, -1]
+        out.append(float(torch.softmax(logits[[no, yes]].double(), 0)[1]))
+    return out
+
+
+def test_a_decoder_reranker_scores_p_yes_as_transformers(qwen3_path):
+    config = EngineConfig(model=str(qwen3_path), dtype="float32", kv_cache_memory="8MiB", enforce_eager=True,
+                          max_num_batched_tokens=8, hf_overrides=QWEN3_RERANKER)    # pairs prefilled in chunks
+    expected = hf_p_yes(qwen3_path, [QUERY] * len(DOCS), DOCS)
+    assert max(expected) - min(expected) > 1e-3          # the pairs' scores differ
+    with ServerThread(config) as server:
+        r = post(server, "/score", {"text_1": QUERY, "text_2": DOCS})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose([d["score"] for d in r.json()["data"]], expected, atol=1e-4)
+        ranked = post(server, "/v1/rerank", {"query": QUERY, "documents": DOCS}).json()["results"]
+        assert [x["index"] for x in ranked] == list(np.argsort(expected)[::-1])
+        r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "does not generate text" in r.text
+
+
+def test_a_generative_decoder_cannot_score(qwen3_path):
+    with ServerThread(EngineConfig(model=str(qwen3_path), dtype="float32", kv_cache_memory="8MiB",
+                                   enforce_eager=True)) as server:
+        for path, body in (("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]})):
+            r = post(server, path, body)
+            assert r.status_code == 400 and "does not score text pairs" in r.text, r.text
+            assert r.json()["error"]["param"] == "model"
+
+
+def test_classifier_from_token_needs_a_method_for_two_tokens(qwen3_path):
+    from kvflow.models.model_files import resolve_model_files
+
+    with pytest.raises(ValueError, match="from_2_way_softmax"):
+        resolve_model_files(qwen3_path, hf_overrides={"architectures": ["Qwen3ForSequenceClassification"],
+                                                      "classifier_from_token": ["no", "yes"]})
+    with pytest.raises(ValueError, match="not tokens of the vocabulary"):
+        resolve_model_files(qwen3_path, hf_overrides={**QWEN3_RERANKER, "classifier_from_token": ["no", "y€s☃"]})
+    config = resolve_model_files(qwen3_path, hf_overrides=QWEN3_RERANKER).config
+    assert config.tasks == ("score",) and config.pooling_for(None) == "last" and len(config.classifier_token_ids) == 2

@@ -34,7 +34,7 @@ class EngineCore:
                  files: ModelFiles | None = None):
         """`files`: the model resolved once by the caller (its tokenizer came from the same parse)."""
         self.config = config
-        files = files or resolve_model_files(config.model, config.tokenizer)
+        files = files or resolve_model_files(config.model, config.tokenizer, config.hf_overrides)
         self.model_path = files.path
         self.model_config = files.config
         model_len = self.model_config.max_position_embeddings
@@ -78,6 +78,10 @@ class EngineCore:
             log.info("tensor parallel: %d ranks; rank 0 holds %d of %d KV heads and %d of %d vocabulary rows "
                      "(sizes below are rank 0's)", self.config.tensor_parallel_size, r.model.sizes.num_kv_heads,
                      self.model_config.num_key_value_heads, r.model.sizes.vocab_size, self.model_config.vocab_size)
+        if r.encoder:
+            log.info("no KV cache (an encoder: each prompt computed whole in one step, up to %d running at once; "
+                     "pooling %s)", self.config.max_num_seqs, self.pooling)
+            return
         # vLLM's figures (its "GPU KV cache size" line), which vllm:cache_config_info's labels repeat
         log.info("KV cache %.2f GiB (%s) = %d blocks of %d tokens; KV cache size: %s tokens, maximum concurrency "
                  "for max_model_len=%s tokens per request: %.2fx", r.kv_cache_bytes / 2**30,

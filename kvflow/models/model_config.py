@@ -112,6 +112,8 @@ def qwen3_5_zero_centred(name: str) -> bool:
     return (name.endswith("norm.weight") or ".pre_fc_norm_" in name) and not name.endswith("linear_attn.norm.weight")
 
 
+DECODER_CLASSIFIER = "decoder_classifier:DecoderForSequenceClassification"
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("LlamaForCausalLM", "llama", ("llama",), ("llama",), "llama:LlamaForCausalLM", permuted_qk=True),
     Architecture("MistralForCausalLM", "llama", ("mistral",), ("mistral",), "llama:LlamaForCausalLM",
@@ -158,6 +160,14 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # encoders (models/bert.py): no KV cache, each prompt whole in one step
     Architecture("BertModel", "bert", ("bert",), (), "bert:BertModel", task="embed"),
     Architecture("BertForSequenceClassification", "bert", (), (), "bert:BertForSequenceClassification",
+                 task="score"),
+    # decoder rerankers (models/decoder_classifier.py): a score head on the last position, from the checkpoint's
+    # score.weight or (hf_overrides classifier_from_token, as vLLM's Qwen3-Reranker recipe) from LM head rows
+    Architecture("Qwen3ForSequenceClassification", "qwen3", (), (), DECODER_CLASSIFIER,
+                 qk_norm=True, task="score"),
+    Architecture("Qwen2ForSequenceClassification", "qwen2", (), (), DECODER_CLASSIFIER,
+                 attention_bias=True, task="score"),
+    Architecture("LlamaForSequenceClassification", "llama", (), (), DECODER_CLASSIFIER,
                  task="score"),
 )
 # known architectures refused on purpose: why, and what to use instead
@@ -357,6 +367,11 @@ class ModelConfig:
     # a score model's activation on its logit by default: sigmoid (vLLM's and sentence-transformers' CrossEncoder
     # default for one label), or none where config.json's sentence_transformers.activation_fn is Identity
     score_sigmoid: bool = True
+    # a decoder reranker's score from LM head rows (vLLM's hf_overrides classifier_from_token): the tokens, their
+    # vocabulary ids (model_files resolves them with the tokenizer); two tokens score P(second) of a softmax over
+    # both (from_2_way_softmax: the head row second - first, then the sigmoid); one token, its logit
+    classifier_from_token: tuple[str, ...] = ()
+    classifier_token_ids: tuple[int, ...] = ()
 
     @property
     def arch(self) -> Architecture:
@@ -382,7 +397,7 @@ class ModelConfig:
     def pooling_for(self, setting: str | None) -> str:
         """The pooling the engine runs: `--pooling` where set, else the model's own, else its family's default
         (a score model's is fixed: its head reads one position)."""
-        fixed = {"bert": "cls"}.get(self.family) if self.arch.task == "score" else None
+        fixed = ("cls" if self.family == "bert" else "last") if self.arch.task == "score" else None
         if fixed is not None:
             if setting not in (None, fixed):
                 raise ValueError(f"pooling={setting!r}: {self.architecture} scores from its {fixed} position; "
@@ -440,7 +455,8 @@ class ModelConfig:
                 logger.warning("LongRoPE: serving contexts up to the original %d tokens (short factors), not %d "
                                "(the long factors are not implemented)", original, max_positions)
                 max_positions = original
-        encoder = _encoder_fields(cfg, arch) if family == "bert" else {}
+        encoder = (_encoder_fields(cfg, arch) if family == "bert"
+                   else _classifier_fields(cfg, arch) if arch.task == "score" else {})
         if family == "gemma3" and cfg.get("attn_logit_softcapping"):
             raise ValueError("attn_logit_softcapping is not supported (Gemma 3 has none; Gemma 2 does)")
         sliding_window = cfg.get("sliding_window")
@@ -517,6 +533,24 @@ def _encoder_fields(cfg: dict, arch: Architecture) -> dict:
         activation = str((cfg.get("sentence_transformers") or {}).get("activation_fn") or "")
         fields.update(num_labels=1, score_sigmoid=not activation.endswith("Identity"))
     return fields
+
+
+def _classifier_fields(cfg: dict, arch: Architecture) -> dict:
+    """A decoder reranker's head: LM head rows of `classifier_from_token` (vLLM's hf_overrides; two tokens need its
+    from_2_way_softmax method, which is_original_qwen3_reranker implies), or the checkpoint's one-label score."""
+    tokens = tuple(cfg.get("classifier_from_token") or ())
+    method = cfg.get("method") or ("from_2_way_softmax" if cfg.get("is_original_qwen3_reranker") else None)
+    if tokens:
+        if not (len(tokens) == 1 or (len(tokens) == 2 and method == "from_2_way_softmax")):
+            raise ValueError(f"{arch.name}: classifier_from_token {list(tokens)} with method {method!r}: kvflow scores "
+                             'one token\'s logit, or two tokens with "method": "from_2_way_softmax" (or '
+                             '"is_original_qwen3_reranker": true): P(second) of a softmax over both')
+        return {"classifier_from_token": tokens, "num_labels": 1}
+    labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))
+    if labels != 1:
+        raise ValueError(f"{arch.name} with {labels} labels: kvflow scores with one label (or, from a causal LM's "
+                         "head, --hf-overrides with classifier_from_token)")
+    return {"num_labels": 1}
 
 
 def _hybrid_fields(cfg: dict, family: str, layers: int) -> dict:

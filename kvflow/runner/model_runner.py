@@ -103,7 +103,7 @@ class ModelRunner:
         # an encoder (models/bert.py): no KV cache, each prompt whole in its step, never a decode step
         self.encoder = bool(getattr(model, "encoder_only", False))
         # a score model's head on its pooled state (a cross-encoder's classifier): the runner hands back its logits
-        self.classifies = hasattr(model, "classify")
+        self.classifies = model_config.arch.task == "score"
         # the model's recurrent layers (layers/recurrent_state.py), in layer order, found once (the model finds them
         # by walking its modules); none for a transformer
         self.state_layers = list(getattr(model, "state_layers", ()))
@@ -169,8 +169,9 @@ class ModelRunner:
     def _compiles_decode_steps(self) -> bool:
         """CPU, one rank, not --enforce-eager: decode steps are compiled in the background
         (runner/compiled_decode.py). On CUDA the eager step stays (CUDA graphs are their own piece of work); under
-        tensor parallelism the all-reduces stay outside any graph. An encoder never decodes."""
-        if self.config.enforce_eager or self.device.type != "cpu" or self.tp.size > 1 or self.encoder:
+        tensor parallelism the all-reduces stay outside any graph. An encoder or a score model never decodes."""
+        if (self.config.enforce_eager or self.device.type != "cpu" or self.tp.size > 1 or self.encoder
+                or self.classifies):
             return False
         if self.state_layers:
             log.info("compiled decode steps: off for %s (recurrent layers: the compiled graphs take no state slots)",

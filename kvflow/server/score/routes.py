@@ -42,7 +42,8 @@ class ScoreServing:
     async def score(self, req: ScoreRequest, raw: Request | None = None) -> ScoreResponse:
         request_id = random_id("score")
         model, scores, tokens = await self._run(req, raw, request_id)
-        return ScoreResponse(id=request_id, model=model, data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
+        return ScoreResponse(id=request_id, model=model,
+                             data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
                              usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens))
 
     async def rerank(self, req: RerankRequest, raw: Request | None = None) -> RerankResponse:
