@@ -29,11 +29,12 @@ so while they stream, prompts advance in small chunks; with no one decoding, pro
 `schedule()` hands out the whole step (`SchedulerOutput.step`: rows, token ids, block tables, sampling rows);
 `update()` takes the sampled tokens back and returns what each request produced (`EngineOutput`s).
 
-An embedding request (`Request.pooling`) is a prompt that never samples: its chunks run in the same steps as
-everyone's, each chunk's pooled positions (`--pooling`: the last prompt position, or every one) go out summed in
-`EngineOutput.pooled_sum`, and it finishes after its last chunk, its blocks freed. With mean pooling it takes no
-prefix-cache hits (a hit skips positions whose hidden states it needs); with last pooling it does (the last
-position is always computed, on top of the same cached KV a recompute would write).
+An embedding or score request (`Request.pooling`) is a prompt that never samples: its chunks run in the same steps
+as everyone's, each chunk's pooled positions (the engine's pooling: the last prompt position, every one, or the
+first) go out summed in `EngineOutput.pooled_sum`, and it finishes after its last chunk, its blocks freed. With mean
+or cls pooling it takes no prefix-cache hits (a hit skips positions whose hidden states it needs); with last pooling
+it does (the last position is always computed, on top of the same cached KV a recompute would write). An encoder's
+prompts (`whole_prompts`) are never split: each runs whole in one step, or waits for the next.
 
 LoRA (`Request.lora`, `enable_lora`): a request is admitted only if its adapter is in one of the model's
 `max_loras` slots or can be put in one this step (a free slot, or the least recently used one whose adapter no

@@ -1,18 +1,21 @@
 """A model folder's own pooling, as sentence-transformers saves it (vLLM reads the same files): modules.json lists
 the pipeline (Transformer, then Pooling, then maybe Normalize), the Pooling module's config.json its mode, and
 sentence_bert_config.json the longest input it was trained on (max_seq_length). A module kvflow does not compute
-(Dense projections, max pooling, ...) is refused, naming it, rather than served as a different model.
+(Dense projections, max pooling, ...) is refused, naming it, rather than served as a different model; on a decoder,
+which serves generation too, it is a warning and the folder's pooling is not used.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 from kvflow.models.model_config import ModelConfig
 
 MODULE_PREFIX = "sentence_transformers.models."
 # 1_Pooling/config.json's switches -> kvflow's pooling
+log = logging.getLogger("kvflow")
 POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                  "pooling_mode_lasttoken": "last"}
 
@@ -20,6 +23,17 @@ POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "m
 def with_folder_pooling(folder: Path, config: ModelConfig) -> ModelConfig:
     """`config` with the folder's sentence-transformers pooling, normalization and max_seq_length (unchanged for a
     folder without modules.json)."""
+    try:
+        return _with_folder_pooling(folder, config)
+    except ValueError as e:
+        if config.arch.task != "generate":
+            raise
+        log.warning("%s; /v1/embeddings pools as --pooling says, not as this folder's sentence-transformers "
+                    "pipeline", e)
+        return config
+
+
+def _with_folder_pooling(folder: Path, config: ModelConfig) -> ModelConfig:
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return config
