@@ -19,7 +19,7 @@ LAYERS = [
     {"runner"},
     {"executor"},
     {"core"},
-    {"tokenizer", "detokenizer", "metrics", "outputs", "request_log"},
+    {"tokenizer", "detokenizer", "metrics", "outputs", "request_log", "scoring"},
     {"output_processor", "engine_process", "engine_router"},
     {"llm", "async_engine"},
     {"server", "bench"},

@@ -125,6 +125,24 @@ def test_bad_requests_are_400s_naming_the_field(cross_encoder, path, body, param
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_llm_score_offline(cross_encoder_path, tmp_path):
+    from kvflow import LLM
+
+    with LLM(model=str(cross_encoder_path), dtype="float32", kv_cache_memory="8MiB") as llm:
+        np.testing.assert_allclose(llm.score(QUERY, DOCS), sigmoid(hf_logits(cross_encoder_path, [QUERY] * 4, DOCS)),
+                                   atol=1e-4)
+        np.testing.assert_allclose(llm.score([QUERY, DOCS[1]], DOCS[:2], use_activation=False),
+                                   hf_logits(cross_encoder_path, [QUERY, DOCS[1]], DOCS[:2]), atol=1e-4)
+        with pytest.raises(ValueError, match="1:1, 1:N or N:N"):
+            llm.score(["a", "b"], ["a", "b", "c"])
+        with pytest.raises(ValueError, match="does not generate text"):
+            llm.generate("a")
+    with LLM(model=str(make_tiny_bert(tmp_path / "embedder", seed=3)), dtype="float32",
+             kv_cache_memory="8MiB") as llm:
+        vectors = np.asarray(llm.embed([QUERY] + DOCS[:2]))
+        np.testing.assert_allclose(llm.score(QUERY, DOCS[:2]), vectors[1:] @ vectors[0], atol=1e-6)
+
+
 def test_a_cross_encoder_neither_embeds_nor_generates(cross_encoder):
     r = post(cross_encoder, "/v1/embeddings", {"input": "a"})
     assert r.status_code == 400 and "does not make embeddings" in r.text

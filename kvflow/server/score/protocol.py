@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from kvflow.errors import InvalidRequestError
 from kvflow.sampling_params import SamplingParams
+from kvflow.scoring import pairs
 from kvflow.server.common.errors import APIError
 from kvflow.server.common.schema import OpenAIModel, Text, documented
 from kvflow.server.serving.protocol import PRIORITY_FIELD, apply_field_rule
@@ -55,8 +56,6 @@ class _ScoringRequest(OpenAIModel):
     @staticmethod
     def texts(value: str | list[str], param: str) -> list[str]:
         texts = [value] if isinstance(value, str) else list(value)
-        if not texts:
-            raise APIError(400, f"{param}: give at least one text", param=param, code="invalid_value")
         if len(texts) > MAX_TEXTS:
             raise APIError(400, f"{param} holds {len(texts)} texts, more than {MAX_TEXTS}", param=param,
                            code="invalid_value")
@@ -72,13 +71,7 @@ class ScoreRequest(_ScoringRequest):
 
     def pairs(self) -> tuple[list[str], list[str]]:
         """(firsts, seconds), one pair per score: text_1 repeated when it is one text."""
-        first, second = self.texts(self.text_1, "text_1"), self.texts(self.text_2, "text_2")
-        if len(first) == 1:
-            return first * len(second), second
-        if len(first) != len(second):
-            raise APIError(400, f"text_1 has {len(first)} texts and text_2 {len(second)}: the lengths must be 1:1, "
-                           "1:N or N:N", param="text_2", code="invalid_value")
-        return first, second
+        return pairs(self.texts(self.text_1, "text_1"), self.texts(self.text_2, "text_2"))
 
 
 class RerankDocumentIn(OpenAIModel):
@@ -96,7 +89,7 @@ class RerankRequest(_ScoringRequest):
 
     def pairs(self) -> tuple[list[str], list[str]]:
         docs = [d if isinstance(d, str) else d.text for d in self.documents]
-        return [self.query] * len(self.texts(docs, "documents")), docs
+        return pairs([self.query], self.texts(docs, "documents"), ("query", "documents"))
 
 
 class ScoreData(OpenAIModel):
