@@ -8,8 +8,9 @@ second text on (`token_type_starts`). The output is the last layer's hidden stat
 the runner laid the step out (the runner pools them as a decoder's); a classifier's `classify` takes its pooled
 [CLS] states to logits.
 
-Names and math follow transformers' BertModel (post-norm layers, absolute positions, GELU); parameters carry the
-checkpoint's own names, so loading is a lookup ("bert." prefixes and old gamma/beta names aside).
+Names and math follow transformers' BertModel (post-norm layers, absolute positions, GELU; the LayerNorms' eps is
+config.json's layer_norm_eps, which ModelConfig keeps as `rms_norm_eps`); parameters carry the checkpoint's own
+names, so loading is a lookup ("bert." prefixes and old gamma/beta names aside).
 """
 from __future__ import annotations
 
