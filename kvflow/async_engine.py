@@ -219,7 +219,7 @@ class AsyncEngine:
                                   or model_path.name.split(".")[0])
         self.max_model_len: int = ready.max_model_len
         self.vocab_size: int = ready.vocab_size
-        self.validator = RequestValidator(ready.vocab_size, ready.max_model_len)
+        self.validator = RequestValidator(ready.vocab_size, ready.max_model_len, ready.tasks, ready.architecture)
         self.max_queue_len = max_queue_len
         # the request log's writer thread (request_log.py); it hashes the model for model_version unless labelled
         self.request_log = RequestLog(request_log, model_path=model_path, **(request_log_options or {})) \
@@ -269,7 +269,7 @@ class AsyncEngine:
         from kvflow.tokenizer import Tokenizer
 
         t0 = time.perf_counter()
-        files = resolve_model_files(config.model, config.tokenizer)
+        files = resolve_model_files(config.model, config.tokenizer, config.hf_overrides)
         tokenizer = Tokenizer.from_files(files)
         processes = [EngineProcess(config, tokenizer.eos_token_ids) for _ in range(config.data_parallel_size)]
         try:

@@ -1,6 +1,7 @@
 """EngineConfig: every engine setting, built once, validated, frozen."""
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ SCHEDULING_POLICIES = ("continuous", "fcfs", "priority", "static")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = (None, "none", "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
-POOLING_TYPES = ("last", "mean")     # kvflow/pooling_params.py says what each computes
+POOLING_TYPES = (None, "last", "mean", "cls")     # kvflow/pooling_params.py says what each computes
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # the projections a LoRA adapter may adapt (PEFT's module names), over every family: the Llama family's seven (Qwen3.5's
 # too), LFM2's attention out_proj and MLP w1/w3/w2, Granite 4.0 H's shared MLP input_linear/output_linear. A model
@@ -108,9 +109,15 @@ class EngineConfig:
               '"num_speculative_tokens": 2} (Qwen3.5\'s own multi-token-prediction head); '
               '"disable_by_batch_size": N stops it above N running requests (kvflow/speculative_config.py)',
         type=str, metavar="JSON")
-    pooling: str = _option("last", "how /v1/embeddings and LLM.embed pool a prompt's final hidden states (after the "
-                                   "model's last norm): last (the last token's, vLLM's default for decoder models) "
-                                   "or mean (over every prompt token)", choices=POOLING_TYPES)
+    hf_overrides: dict | None = _option(
+        None, 'config.json keys to override, vLLM\'s JSON, e.g. a decoder reranker scored by two tokens\' logits: '
+              '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+              '"is_original_qwen3_reranker": true}', type=str, metavar="JSON")
+    pooling: str | None = _option(None, "how /v1/embeddings and LLM.embed pool a prompt's final hidden states (after "
+                                        "the model's last norm): last (the last token's), mean (over every prompt "
+                                        "token) or cls (the first token's); unset: the model's own "
+                                        "(sentence-transformers' 1_Pooling/config.json), else last for a decoder, "
+                                        "cls for a BERT", choices=POOLING_TYPES[1:])
     enforce_eager: bool = _option(os.environ.get("KVFLOW_ENFORCE_EAGER", "") == "1",
                                   "run every step eagerly: no torch.compile'd decode steps (the default compiles "
                                   "decode-only steps on CPU in the background and serves eagerly until each batch "
@@ -143,6 +150,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if isinstance(self.hf_overrides, str):
+            try:
+                object.__setattr__(self, "hf_overrides", json.loads(self.hf_overrides))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"hf_overrides must be a JSON object: {e}") from None
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a JSON object, got {self.hf_overrides!r}")
         object.__setattr__(self, "compile_batch_sizes", tuple(sorted({int(b) for b in self.compile_batch_sizes})))
         if self.lora_target_modules is not None:
             given = self.lora_target_modules

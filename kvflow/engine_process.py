@@ -318,13 +318,14 @@ def main(fd: int) -> int:
         from kvflow.structured_output.compiler import grammar_tokenizer, set_rebuild_tokenizer
         from kvflow.tokenizer import Tokenizer
 
-        files = resolve_model_files(config.model, config.tokenizer)
+        files = resolve_model_files(config.model, config.tokenizer, config.hf_overrides)
         set_rebuild_tokenizer(lambda: grammar_tokenizer(Tokenizer.from_files(files)))
         core = EngineCore(config, eos_token_ids, files)
         r = core.runner
         conn.send(EngineReady(os.getpid(), int(core.max_model_len), core.validator.vocab_size, r.weights_bytes,
                               r.kv_cache_bytes, core.stats(), r.num_blocks,
-                              r.state_slots.live if r.state_slots is not None else None))
+                              r.state_slots.live if r.state_slots is not None else None,
+                              core.validator.tasks, core.validator.architecture))
         loop = _EngineLoop(conn, core)
         threading.Thread(target=loop.read, name="kvflow-engine-inbox", daemon=True).start()
         loop.run()

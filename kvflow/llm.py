@@ -9,6 +9,7 @@ import itertools
 import weakref
 from typing import Sequence
 
+from kvflow import scoring
 from kvflow.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from kvflow.config import EngineConfig
 from kvflow.core.engine_core import EngineCore
@@ -32,7 +33,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         self.config = EngineConfig(model=model, **engine_args)
-        files = resolve_model_files(self.config.model, self.config.tokenizer)   # fails on the architecture
+        files = resolve_model_files(self.config.model, self.config.tokenizer, self.config.hf_overrides)   # fails on the architecture
         self.tokenizer = Tokenizer.from_files(files)
         self.engine = EngineCore(self.config, eos_token_ids=self.tokenizer.eos_token_ids, files=files)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
@@ -67,10 +68,12 @@ class LLM:
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
               truncate_prompt_tokens: int | None = None) -> list[list[float]]:
         """One vector per prompt (as `generate` takes them), in input order: the final hidden states (after the
-        model's last norm) pooled as the engine's `pooling` says (last token, or mean), L2-normalised unless
-        `PoolingParams(normalize=False)`. Prefill only, in the same continuous batch as any generation."""
+        model's last norm) pooled as the engine's `pooling` says (last token, mean, or cls), L2-normalised unless
+        `PoolingParams(normalize=False)` (or, by default, a sentence-transformers folder without a Normalize
+        module). Prefill only, in the same continuous batch as any generation (an encoder: each prompt whole in one
+        step)."""
         params = SamplingParams(truncate_prompt_tokens=truncate_prompt_tokens)
-        pooling = pooling_params or PoolingParams()
+        pooling = pooling_params or PoolingParams(normalize=self.engine.model_config.normalize)
         encoded = [ids for _, ids in (self._encode(p) for p in self._prompt_list(prompts))]
         admitted = [self.engine.validator.admit(ids, params, pooling) for ids in encoded]
         states = self._drive(OutputProcessor(self.tokenizer),
@@ -80,6 +83,36 @@ class LLM:
         if failed is not None:
             raise RuntimeError(f"embedding request {failed.request_id} failed: {failed.choices[0].stop_reason}")
         return [state.embedding for state in states]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], truncate_prompt_tokens: int | None = None,
+              use_activation: bool = True) -> list[float]:
+        """vLLM's LLM.score: one relevance score per pair of `text_1` against `text_2` (1:1, 1:N or N:N in order), in
+        pair order. A score model (a cross-encoder, a decoder reranker) scores each pair as one prompt, its logit
+        through a sigmoid unless `use_activation` is off; an embedding model by the cosine of the two vectors
+        (`kvflow/scoring.py`). Prefill only, in the same continuous batch as anything else."""
+        firsts, seconds = scoring.pairs([text_1] if isinstance(text_1, str) else list(text_1),
+                                        [text_2] if isinstance(text_2, str) else list(text_2))
+        method = scoring.scoring_method(self.engine.validator)
+        params = SamplingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        if method == scoring.CROSS_ENCODING:
+            k = truncate_prompt_tokens
+            prompts, pooling = scoring.pair_prompts(self.tokenizer, firsts, seconds,
+                                                    self.engine.max_model_len if k == -1 else k,
+                                                    use_activation and self.engine.model_config.score_sigmoid)
+        else:
+            texts = scoring.distinct_texts(firsts, seconds)
+            prompts, pooling = [self.tokenizer.encode(t) for t in texts], [PoolingParams()] * len(texts)
+        admitted = [self.engine.validator.admit(ids, params, p) for ids, p in zip(prompts, pooling)]
+        states = self._drive(OutputProcessor(self.tokenizer),
+                             [AddRequest(str(next(self._ids)), ids, params, max_tokens=max_tokens, pooling=p)
+                              for (ids, max_tokens), p in zip(admitted, pooling)])
+        failed = next((state for state in states if state.embedding is None), None)
+        if failed is not None:
+            raise RuntimeError(f"scoring request {failed.request_id} failed: {failed.choices[0].stop_reason}")
+        outputs = [state.embedding for state in states]
+        if method == scoring.CROSS_ENCODING:
+            return [out[0] for out in outputs]
+        return scoring.cosine_scores(firsts, seconds, texts, outputs)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

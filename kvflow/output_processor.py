@@ -7,7 +7,8 @@ step's `EngineOutput`s into per-request `CompletionDelta`s and says which core r
 string matched). An exception while handling one request's outputs fails that request only.
 
 An embedding request (`pooling`) has no text: its outputs carry sums of pooled hidden states, added up here
-(float64) until the last one, whose delta carries the finished vector (`CompletionDelta.embedding`).
+(float64) until the last one, whose delta carries the finished vector, or a score request's [score]
+(`CompletionDelta.embedding`, finished by `PoolingParams.output`).
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ class CompletionDelta:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or string; the message when "error"
-    embedding: list[float] | None = None  # an embedding request's vector, on its last delta
+    # a pooling request's output, on its last delta: an embedding's vector, or a score request's [score]
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -201,7 +203,7 @@ class OutputProcessor:
         if out.finish_reason == "stop":
             if state.pooled_sum is None:
                 raise RuntimeError("the engine finished an embedding request without pooling any position")
-            state.embedding = state.pooling.embedding(state.pooled_sum, state.num_pooled)
+            state.embedding = state.pooling.output(state.pooled_sum, state.num_pooled)
             t.first_token = t.last_token = when
             if t.scheduled is None:
                 t.scheduled = when

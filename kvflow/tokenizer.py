@@ -82,11 +82,26 @@ class Tokenizer:
     def __init__(self, hf: Any, extra_eos_ids: Iterable[int] = ()):
         self.hf = hf
         self._backend = getattr(hf, "backend_tokenizer", None)  # the Rust tokenizer: fast encode/decode
+        if self._backend is not None:
+            # tokenizer.json may carry padding and truncation (sentence-transformers' exports pad to 128):
+            # transformers sets both per call, kvflow encodes with the backend itself, so neither may apply
+            self._backend.no_padding()
+            self._backend.no_truncation()
         eos = hf.eos_token_id
         self.eos_token_id: int | None = eos
         self.eos_token_ids: set[int] = ({eos} if eos is not None else set()) | {int(i) for i in extra_eos_ids}
         self.bos_token_id: int | None = hf.bos_token_id
         self.vocab_size: int = len(hf)
+
+    def encode_pair(self, first: str, second: str, max_length: int | None = None) -> tuple[list[int], int | None]:
+        """A text pair joined as the tokenizer joins one (BERT: [CLS] first [SEP] second [SEP]; a tokenizer
+        without a pair template: one after the other), and the position where its token_type_ids turn 1 (the
+        second text's); None where they stay 0 throughout. `max_length`: truncated to it, the longer text first
+        (transformers' longest_first)."""
+        encoded = (self.hf(first, second) if max_length is None
+                   else self.hf(first, second, truncation="longest_first", max_length=max_length))
+        types = encoded.get("token_type_ids") or []
+        return list(encoded["input_ids"]), (types.index(1) if 1 in types else None)
 
     @classmethod
     def from_model(cls, path: str | Path) -> "Tokenizer":

@@ -19,7 +19,7 @@ LAYERS = [
     {"runner"},
     {"executor"},
     {"core"},
-    {"tokenizer", "detokenizer", "metrics", "outputs", "request_log"},
+    {"tokenizer", "detokenizer", "metrics", "outputs", "request_log", "scoring"},
     {"output_processor", "engine_process", "engine_router"},
     {"llm", "async_engine"},
     {"server", "bench"},
@@ -114,7 +114,7 @@ def test_each_layer_imports_only_layers_below():
 SERVER_TIERS = [
     {"common"},
     {"serving"},
-    {"openai", "embeddings", "responses", "messages", "batch", "observe"},
+    {"openai", "embeddings", "score", "responses", "messages", "batch", "observe"},
     {"app", "cli", "run_batch", "testing", "__init__"},
 ]
 SURFACES = SERVER_TIERS[2]

@@ -139,8 +139,9 @@ def test_architecture_table_and_its_errors():
     assert ModelConfig.from_hf_dict({**base, "model_type": "gemma3_text"}).family == "gemma3"
     with pytest.raises(ValueError, match="'gpt2'"):
         ModelConfig.from_hf_dict({**base, "model_type": "gpt2"})
-    for arch in ARCHITECTURES:      # every row's model class imports
-        assert arch.load_class().__name__.endswith("ForCausalLM")
+    suffix = {"generate": "ForCausalLM", "embed": "Model", "score": "ForSequenceClassification"}
+    for arch in ARCHITECTURES:      # every row's model class imports, and is one for the row's task
+        assert arch.load_class().__name__.endswith(suffix[arch.task])
 
 
 # ---- the same models as GGUF files (llama.cpp's names and conventions) --------------------------------------------

@@ -644,3 +644,57 @@ def _finish(w, out_path: Path, longrope: dict | None) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out_path
+
+
+# a tiny WordPiece vocabulary for the random-weight BERTs: BERT's special tokens, letters (and their ## pieces), words
+BERT_WORDS = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("abcdefghijklmnopqrstuvwxyz0123456789.,?!'-")
+              + ["##" + c for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+              + ("the quick brown fox jumps over lazy dog what is a paris capital of france cats are small animals "
+                 "kvflow serves embeddings and reranks documents query relevant answer city river berlin germany "
+                 "paged attention keeps cache in blocks").split())
+
+
+def make_tiny_bert(out_dir: Path, architecture: str = "BertModel", seed: int = 0, pooling: str | None = "mean",
+                   normalize: bool = True, max_seq_length: int | None = None, **overrides) -> Path:
+    """A random-weight BERT folder (float32 safetensors, a WordPiece tokenizer of BERT_WORDS): `BertModel`, or
+    `BertForSequenceClassification` with one label (a cross-encoder). `pooling` ("mean", "cls", "lasttoken"): a
+    sentence-transformers layout (modules.json, 1_Pooling/config.json, a Normalize module when `normalize`,
+    sentence_bert_config.json with `max_seq_length`); None: a plain transformers folder."""
+    import transformers
+
+    out_dir = Path(out_dir)
+    kwargs = dict(vocab_size=len(BERT_WORDS), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64, type_vocab_size=2, layer_norm_eps=1e-12,
+                  hidden_act="gelu")
+    if architecture == "BertForSequenceClassification":
+        kwargs["num_labels"] = 1
+    kwargs.update(overrides)
+    config = transformers.BertConfig(**kwargs)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():      # distinct random values everywhere (LayerNorms near 1) so mix-ups show
+        for name, p in model.named_parameters():
+            if "LayerNorm.weight" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_((0.5 if "embeddings" in name else 0.1) * torch.randn(p.shape, generator=gen))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    transformers.BertTokenizer(vocab={w: i for i, w in enumerate(BERT_WORDS)}).save_pretrained(out_dir)
+    if pooling is not None:
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        if normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                            "type": "sentence_transformers.models.Normalize"})
+        (out_dir / "modules.json").write_text(json.dumps(modules, indent=2))
+        (out_dir / "1_Pooling").mkdir(exist_ok=True)
+        (out_dir / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "cls",
+            "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
+            "pooling_mode_lasttoken": pooling == "lasttoken"}))
+        (out_dir / "sentence_bert_config.json").write_text(json.dumps(
+            {"max_seq_length": max_seq_length or kwargs["max_position_embeddings"], "do_lower_case": False}))
+    return out_dir

@@ -34,26 +34,30 @@ class EngineCore:
                  files: ModelFiles | None = None):
         """`files`: the model resolved once by the caller (its tokenizer came from the same parse)."""
         self.config = config
-        files = files or resolve_model_files(config.model, config.tokenizer)
+        files = files or resolve_model_files(config.model, config.tokenizer, config.hf_overrides)
         self.model_path = files.path
         self.model_config = files.config
         model_len = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(f"max_model_len={config.max_model_len} is larger than the model's context "
                              f"length ({model_len})")
-        self.max_model_len = config.max_model_len or model_len
+        self.max_model_len = config.max_model_len or self.model_config.max_model_len
+        mc = self.model_config
+        self.pooling = mc.pooling_for(config.pooling)      # --pooling, else the model's own, else its family's
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None
                                        else self.model_config.eos_token_ids)
-        self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len)
+        self.validator = RequestValidator(mc.vocab_size, self.max_model_len, mc.tasks, mc.architecture)
         self.executor = create_executor(config, self.model_config, files, self.max_model_len)
         self.runner = self.executor.runner            # rank 0's: weights, KV cache sizes, dtype
         state = (StateCache(self.runner.state_slots, self.runner.kv_cache_bytes)
                  if self.runner.state_slots is not None else None)
+        # an encoder keeps no KV across steps: its blocks are bookkeeping only, nothing to reuse
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                               config.enable_prefix_caching, state)
+                                               config.enable_prefix_caching and not mc.encoder_only, state)
         self.lora_slots = LoRASlots(config.max_loras, config.lora_cpu_capacity, self._read_adapter) \
             if config.enable_lora else None
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, self.lora_slots)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len, self.lora_slots,
+                                   pooling=self.pooling, whole_prompts=mc.encoder_only)
         self._aborted_outputs: list[EngineOutput] = []
         # as of the last stats: preemptions, prefix-cache queries, hits, then speculative decoding's drafts, draft
         # tokens, accepted tokens and accepted per position
@@ -74,6 +78,10 @@ class EngineCore:
             log.info("tensor parallel: %d ranks; rank 0 holds %d of %d KV heads and %d of %d vocabulary rows "
                      "(sizes below are rank 0's)", self.config.tensor_parallel_size, r.model.sizes.num_kv_heads,
                      self.model_config.num_key_value_heads, r.model.sizes.vocab_size, self.model_config.vocab_size)
+        if r.encoder:
+            log.info("no KV cache (an encoder: each prompt computed whole in one step, up to %d running at once; "
+                     "pooling %s)", self.config.max_num_seqs, self.pooling)
+            return
         # vLLM's figures (its "GPU KV cache size" line), which vllm:cache_config_info's labels repeat
         log.info("KV cache %.2f GiB (%s) = %d blocks of %d tokens; KV cache size: %s tokens, maximum concurrency "
                  "for max_model_len=%s tokens per request: %.2fx", r.kv_cache_bytes / 2**30,

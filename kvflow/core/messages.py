@@ -49,6 +49,8 @@ class EngineReady:
     stats: StepStats                  # the gauges before the first step
     num_blocks: int = 0               # KV cache blocks the core hands out (vLLM's num_gpu_blocks)
     num_state_slots: int | None = None   # a hybrid's live recurrent-state slots: requests that can run at once
+    tasks: tuple[str, ...] = ("generate", "embed")     # what the model serves (ModelConfig.tasks)
+    architecture: str = ""
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,30 @@ from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 
+# why a model refuses a kind of request, by the task it lacks
+TASK_REFUSALS = {
+    "generate": "it does not generate text (serve a decoder for completions and chat)",
+    "embed": "it does not make embeddings (serve an embedding model, e.g. BertModel, or a decoder)",
+    "score": "it does not score text pairs (serve a cross-encoder such as BertForSequenceClassification, a decoder "
+             "reranker with --hf-overrides classifier_from_token, or an embedding model, which scores by cosine "
+             "similarity)",
+}
+
+
 @dataclass(frozen=True)
 class RequestValidator:
     vocab_size: int
     max_model_len: int
+    # what the model serves (ModelConfig.tasks) and its architecture, named when a request asks for something else
+    tasks: tuple[str, ...] = ("generate", "embed")
+    architecture: str = ""
+
+    def check_task(self, task: str) -> None:
+        """InvalidRequestError (param "model") when the model does not serve `task`, saying why."""
+        if task not in self.tasks:
+            raise InvalidRequestError(f"the model ({self.architecture or 'this model'}) serves "
+                                      f"{', '.join(self.tasks)}: {TASK_REFUSALS[task]}", param="model",
+                                      code="model_not_supported")
 
     def admit(self, prompt_token_ids: list[int], params: SamplingParams,
               pooling: PoolingParams | None = None) -> tuple[list[int], int]:
@@ -33,6 +53,7 @@ class RequestValidator:
                  pooling: PoolingParams | None = None) -> int:
         """Raise InvalidRequestError for anything the engine cannot run; return max_tokens, resolved."""
         params.validate()
+        self.check_task("generate" if pooling is None else pooling.task)
         if pooling is not None and (params.n != 1 or params.prompt_logprobs is not None):
             name = "n" if params.n != 1 else "prompt_logprobs"
             raise InvalidRequestError(f"an embedding request samples nothing: {name} does not apply to it",

@@ -29,11 +29,12 @@ so while they stream, prompts advance in small chunks; with no one decoding, pro
 `schedule()` hands out the whole step (`SchedulerOutput.step`: rows, token ids, block tables, sampling rows);
 `update()` takes the sampled tokens back and returns what each request produced (`EngineOutput`s).
 
-An embedding request (`Request.pooling`) is a prompt that never samples: its chunks run in the same steps as
-everyone's, each chunk's pooled positions (`--pooling`: the last prompt position, or every one) go out summed in
-`EngineOutput.pooled_sum`, and it finishes after its last chunk, its blocks freed. With mean pooling it takes no
-prefix-cache hits (a hit skips positions whose hidden states it needs); with last pooling it does (the last
-position is always computed, on top of the same cached KV a recompute would write).
+An embedding or score request (`Request.pooling`) is a prompt that never samples: its chunks run in the same steps
+as everyone's, each chunk's pooled positions (the engine's pooling: the last prompt position, every one, or the
+first) go out summed in `EngineOutput.pooled_sum`, and it finishes after its last chunk, its blocks freed. With mean
+or cls pooling it takes no prefix-cache hits (a hit skips positions whose hidden states it needs); with last pooling
+it does (the last position is always computed, on top of the same cached KV a recompute would write). An encoder's
+prompts (`whole_prompts`) are never split: each runs whole in one step, or waits for the next.
 
 LoRA (`Request.lora`, `enable_lora`): a request is admitted only if its adapter is in one of the model's
 `max_loras` slots or can be put in one this step (a free slot, or the least recently used one whose adapter no
@@ -73,11 +74,17 @@ def _priority(req: Request) -> int:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 lora_slots: LoRASlots | None = None):
+                 lora_slots: LoRASlots | None = None, pooling: str | None = None, whole_prompts: bool = False):
+        """`pooling`: the positions an embedding request pools (the engine's, resolved with the model's; default
+        `config.pooling` or last); `whole_prompts`: an encoder's, each prompt computed in one step."""
         self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        # an encoder's prompt is never split: a step holds at least one of max_model_len
+        self.whole_prompts = whole_prompts
+        self.max_num_batched_tokens = (max(config.max_num_batched_tokens, max_model_len) if whole_prompts
+                                       else config.max_num_batched_tokens)
         self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
-        self.pool_every_position = config.pooling == "mean"     # else only the last prompt position
+        self.pooling = pooling or config.pooling or "last"
+        self.pool_every_position = self.pooling == "mean"     # else one position: the last, or the first (cls)
         self.max_model_len = max_model_len
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}   # every unfinished request, by id
@@ -237,6 +244,10 @@ class Scheduler:
             computed_blocks, num_cached = self.kv.get_computed_blocks(req) if queried else ([], 0)
             remaining = req.num_tokens - num_cached
             num_new = min(remaining, room, budget.prefill_tokens)
+            if self.whole_prompts and num_new < remaining:
+                if out.scheduled:
+                    break                      # the next step takes it whole
+                num_new = remaining            # alone in its step: past the caps rather than never
             req.num_computed_tokens = num_cached
             if not self.kv.allocate_slots(req, remaining if whole else num_new, computed_blocks):
                 req.num_computed_tokens = 0
@@ -357,14 +368,15 @@ class Scheduler:
 
     def _takes_prefix_hits(self, req: Request) -> bool:
         """Whether cached blocks may stand in for the request's first positions: not when it needs something of
-        every prompt position (prompt logprobs, as vLLM; mean pooling)."""
-        return req.params.prompt_logprobs is None and not (req.pooling is not None and self.pool_every_position)
+        every prompt position (prompt logprobs, as vLLM; mean pooling) or its first (cls pooling)."""
+        return req.params.prompt_logprobs is None and not (req.pooling is not None and self.pooling != "last")
 
     def _model_step(self, scheduled: list[ScheduledRequest]) -> ModelStep:
         token_ids: list[int] = []
         sampling = []
         spans, prompt_rows = [], []
         pooling_spans, pools = [], False
+        token_type_starts, pairs = [], False
         num_computed, num_new, tables, samples = [], [], [], []
         lora_slots, any_lora = [], False
         state = self.kv.state
@@ -407,6 +419,7 @@ class Scheduler:
                     sampling.append(self._sampling_row(req, s.draft_token_ids[:j]))
                 spans += [(0, 0)] * len(rows)
                 pooling_spans += [(0, 0)] * len(rows)
+                token_type_starts += [-1] * len(rows)
                 continue
             num_computed.append(s.num_computed_tokens)
             num_new.append(s.num_new_tokens)
@@ -424,11 +437,15 @@ class Scheduler:
             pooling_span = self._pooling_span(req, s) if req.pooling is not None else (0, 0)
             pooling_spans.append(pooling_span)
             pools = pools or pooling_span[1] > 0
+            start = req.pooling.token_type_start if req.pooling is not None else None
+            token_type_starts.append(-1 if start is None else start)
+            pairs = pairs or start is not None
         batch = StepBatch(num_decodes=sum(n == 1 for n in num_new), token_ids=token_ids,
                           num_computed_tokens=num_computed, num_new_tokens=num_new, block_tables=tables,
                           samples=samples,
                           prompt_logprob_spans=tuple(spans) if prompt_rows else (),
                           pooling_spans=tuple(pooling_spans) if pools else (),
+                          token_type_starts=tuple(token_type_starts) if pairs else (),
                           lora_slots=tuple(lora_slots) if any_lora else (),
                           state_slots=tuple(state_slots), state_copies=state.take_copies() if state else (),
                           state_snapshots=tuple(snapshots), next_token_ids=tuple(next_token_ids),
@@ -440,6 +457,8 @@ class Scheduler:
         of the chunk not sent yet (a recompute after a preemption skips what was sent); last, the prompt's last
         position, in the chunk that reaches it."""
         end = s.num_computed_tokens + s.num_new_tokens
+        if self.pooling == "cls":
+            return (0, 1) if s.num_computed_tokens == 0 and req.num_pooled_tokens == 0 else (0, 0)
         if not self.pool_every_position:
             return (s.num_new_tokens - 1, 1) if end == req.num_prompt_tokens else (0, 0)
         first = max(s.num_computed_tokens, req.num_pooled_tokens)

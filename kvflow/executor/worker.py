@@ -50,7 +50,7 @@ def run_worker(config: EngineConfig, placement: Placement, check_local_workers=N
     try:
         # rank 0's settings, not this node's command line: every rank must build the same model and cache
         config, max_model_len = tp.broadcast_from_first()
-        files = resolve_model_files(config.model)
+        files = resolve_model_files(config.model, hf_overrides=config.hf_overrides)
         runner = ModelRunner(config, files.config, files, max_model_len, tp=tp)
         log.info("rank %d of %d ready: %d of %d KV heads, %d KV blocks", tp.rank, tp.size,
                  runner.model.sizes.num_kv_heads, runner.model_config.num_key_value_heads, runner.num_blocks)

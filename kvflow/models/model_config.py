@@ -40,6 +40,9 @@ class Architecture:
     # whether llama.cpp renormalises the top-k weights of this architecture's GGUF (its build_moe_ffn norm_w),
     # unless the file says so (`{arch}.expert_weights_norm`)
     gguf_norm_topk_prob: bool = False
+    # what the model is for: "generate" (a decoder: generation, and embeddings from its hidden states), "embed" (an
+    # encoder's embeddings only) or "score" (a cross-encoder or reranker: a relevance score per text pair)
+    task: str = "generate"
 
     def load_class(self):
         module, cls = self.model_class.split(":")
@@ -109,6 +112,8 @@ def qwen3_5_zero_centred(name: str) -> bool:
     return (name.endswith("norm.weight") or ".pre_fc_norm_" in name) and not name.endswith("linear_attn.norm.weight")
 
 
+DECODER_CLASSIFIER = "decoder_classifier:DecoderForSequenceClassification"
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("LlamaForCausalLM", "llama", ("llama",), ("llama",), "llama:LlamaForCausalLM", permuted_qk=True),
     Architecture("MistralForCausalLM", "llama", ("mistral",), ("mistral",), "llama:LlamaForCausalLM",
@@ -152,6 +157,18 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  gguf_tensor_names=(("ssm_in", "mamba.in_proj"), ("ssm_conv1d", "mamba.conv1d"),
                                     ("ssm_dt.bias", "mamba.dt_bias"), ("ssm_a", "mamba.A"), ("ssm_d", "mamba.D"),
                                     ("ssm_norm", "mamba.norm"), ("ssm_out", "mamba.out_proj"))),
+    # encoders (models/bert.py): no KV cache, each prompt whole in one step
+    Architecture("BertModel", "bert", ("bert",), (), "bert:BertModel", task="embed"),
+    Architecture("BertForSequenceClassification", "bert", (), (), "bert:BertForSequenceClassification",
+                 task="score"),
+    # decoder rerankers (models/decoder_classifier.py): a score head on the last position, from the checkpoint's
+    # score.weight or (hf_overrides classifier_from_token, as vLLM's Qwen3-Reranker recipe) from LM head rows
+    Architecture("Qwen3ForSequenceClassification", "qwen3", (), (), DECODER_CLASSIFIER,
+                 qk_norm=True, task="score"),
+    Architecture("Qwen2ForSequenceClassification", "qwen2", (), (), DECODER_CLASSIFIER,
+                 attention_bias=True, task="score"),
+    Architecture("LlamaForSequenceClassification", "llama", (), (), DECODER_CLASSIFIER,
+                 task="score"),
 )
 # known architectures refused on purpose: why, and what to use instead
 REFUSED = {
@@ -214,6 +231,10 @@ MOE_REFUSED_KEYS = {
 }
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+
+# a family's pooling where neither --pooling nor the model's folder says one: BERT's [CLS] (vLLM's default for
+# BertModel), a decoder's last position
+POOLING_DEFAULTS = {"bert": "cls"}
 
 # a hybrid's recurrent layer kinds (RecurrentConfig.kind)
 SHORT_CONV, GATED_DELTA_NET, MAMBA2 = "short_conv", "gated_delta_net", "mamba2"
@@ -334,10 +355,55 @@ class ModelConfig:
     # the checkpoint's multi-token-prediction layers (Qwen3.5's mtp.* block, config.json's mtp_num_hidden_layers, a
     # GGUF's nextn_predict_layers): a drafter for speculative decoding's "mtp" method; 0: none
     mtp_layers: int = 0
+    # encoders (BERT): token type embeddings (0: none); a classifier's labels (a cross-encoder scores with one)
+    type_vocab_size: int = 0
+    num_labels: int = 0
+    # the model's own pooling where its folder says it (sentence-transformers' 1_Pooling/config.json: "mean",
+    # "cls", "last"; None: the family's default, POOLING_DEFAULTS) and whether its vectors are L2-normalised (a
+    # Normalize module; True where no sentence-transformers folder says otherwise)
+    pooling: str | None = None
+    normalize: bool = True
+    max_seq_length: int | None = None  # sentence-transformers' max_seq_length: the context it was trained for
+    # a score model's activation on its logit by default: sigmoid (vLLM's and sentence-transformers' CrossEncoder
+    # default for one label), or none where config.json's sentence_transformers.activation_fn is Identity
+    score_sigmoid: bool = True
+    # a decoder reranker's score from LM head rows (vLLM's hf_overrides classifier_from_token): the tokens, their
+    # vocabulary ids (model_files resolves them with the tokenizer); two tokens score P(second) of a softmax over
+    # both (from_2_way_softmax: the head row second - first, then the sigmoid); one token, its logit
+    classifier_from_token: tuple[str, ...] = ()
+    classifier_token_ids: tuple[int, ...] = ()
 
     @property
     def arch(self) -> Architecture:
         return _BY_NAME[self.architecture]
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """What requests the model serves: "generate" (completions, chat), "embed" (/v1/embeddings), "score" (a
+        relevance score per text pair: /score, /rerank). A decoder embeds from its hidden states as well."""
+        task = self.arch.task
+        return ("generate", "embed") if task == "generate" else (task,)
+
+    @property
+    def encoder_only(self) -> bool:
+        return self.family == "bert"
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest context the model serves by default: its position table's, or sentence-transformers'
+        max_seq_length where its folder sets a shorter one (as sentence-transformers and vLLM truncate to it)."""
+        return min(self.max_position_embeddings, self.max_seq_length or self.max_position_embeddings)
+
+    def pooling_for(self, setting: str | None) -> str:
+        """The pooling the engine runs: `--pooling` where set, else the model's own, else its family's default
+        (a score model's is fixed: its head reads one position)."""
+        fixed = ("cls" if self.family == "bert" else "last") if self.arch.task == "score" else None
+        if fixed is not None:
+            if setting not in (None, fixed):
+                raise ValueError(f"pooling={setting!r}: {self.architecture} scores from its {fixed} position; "
+                                 f"leave --pooling unset")
+            return fixed
+        return setting or self.pooling or POOLING_DEFAULTS.get(self.family, "last")
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -389,6 +455,8 @@ class ModelConfig:
                 logger.warning("LongRoPE: serving contexts up to the original %d tokens (short factors), not %d "
                                "(the long factors are not implemented)", original, max_positions)
                 max_positions = original
+        encoder = (_encoder_fields(cfg, arch) if family == "bert"
+                   else _classifier_fields(cfg, arch) if arch.task == "score" else {})
         if family == "gemma3" and cfg.get("attn_logit_softcapping"):
             raise ValueError("attn_logit_softcapping is not supported (Gemma 3 has none; Gemma 2 does)")
         sliding_window = cfg.get("sliding_window")
@@ -427,7 +495,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-6)),
+            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("norm_eps", cfg.get("layer_norm_eps", 1e-6))),
             rope_theta=float(rope_theta or (1_000_000.0 if gemma or family == "lfm2" else 10000.0)),
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
@@ -446,8 +514,43 @@ class ModelConfig:
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             clip_qkv=float(cfg["clip_qkv"]) if cfg.get("clip_qkv") is not None else None,
-            recurrent=recurrent, **moe, **scalings, **hybrid,
+            recurrent=recurrent, **moe, **scalings, **hybrid, **encoder,
         )
+
+
+def _encoder_fields(cfg: dict, arch: Architecture) -> dict:
+    """A BERT's token types and, for a cross-encoder, its one label and default activation; what kvflow's BERT does
+    not compute is refused, naming it."""
+    kind = cfg.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ValueError(f"{arch.name} with position_embedding_type={kind!r} is not supported (absolute only)")
+    fields = {"type_vocab_size": int(cfg.get("type_vocab_size", 2))}
+    if arch.task == "score":
+        labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))
+        if labels != 1:
+            raise ValueError(f"{arch.name} with {labels} labels: kvflow scores with one-label cross-encoders "
+                             "(a relevance logit per pair)")
+        activation = str((cfg.get("sentence_transformers") or {}).get("activation_fn") or "")
+        fields.update(num_labels=1, score_sigmoid=not activation.endswith("Identity"))
+    return fields
+
+
+def _classifier_fields(cfg: dict, arch: Architecture) -> dict:
+    """A decoder reranker's head: LM head rows of `classifier_from_token` (vLLM's hf_overrides; two tokens need its
+    from_2_way_softmax method, which is_original_qwen3_reranker implies), or the checkpoint's one-label score."""
+    tokens = tuple(cfg.get("classifier_from_token") or ())
+    method = cfg.get("method") or ("from_2_way_softmax" if cfg.get("is_original_qwen3_reranker") else None)
+    if tokens:
+        if not (len(tokens) == 1 or (len(tokens) == 2 and method == "from_2_way_softmax")):
+            raise ValueError(f"{arch.name}: classifier_from_token {list(tokens)} with method {method!r}: kvflow scores "
+                             'one token\'s logit, or two tokens with "method": "from_2_way_softmax" (or '
+                             '"is_original_qwen3_reranker": true): P(second) of a softmax over both')
+        return {"classifier_from_token": tokens, "num_labels": 1}
+    labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))
+    if labels != 1:
+        raise ValueError(f"{arch.name} with {labels} labels: kvflow scores with one label (or, from a causal LM's "
+                         "head, --hf-overrides with classifier_from_token)")
+    return {"num_labels": 1}
 
 
 def _hybrid_fields(cfg: dict, family: str, layers: int) -> dict:

@@ -4,6 +4,7 @@ tokenizer, the ModelConfig and the weight loader, which no longer decide for the
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -14,6 +15,7 @@ import numpy as np
 
 from kvflow.models.gguf_reader import GGUFFile, dequantize, read_gguf
 from kvflow.models.model_config import GGUF_CONFIG_KEYS, ModelConfig, gguf_architecture
+from kvflow.models.pooling_config import with_folder_pooling
 
 logger = logging.getLogger(__name__)
 
@@ -33,28 +35,49 @@ class ModelFiles:
     tokenizer_gguf: GGUFFile | None  # its parsed header when that is a GGUF (the model's, when the same file)
 
 
-def resolve_model_files(model: str | Path | None, tokenizer: str | Path | None = None) -> ModelFiles:
+def resolve_model_files(model: str | Path | None, tokenizer: str | Path | None = None,
+                        hf_overrides: dict | None = None) -> ModelFiles:
     """None -> the embedded default; a folder with no config.json but one .gguf -> that file. FileNotFoundError
-    for a missing path, ValueError (naming the file) for anything unreadable or unsupported."""
+    for a missing path, ValueError (naming the file) for anything unreadable or unsupported. `hf_overrides`
+    (vLLM's): config.json keys replaced before it is read (a Hugging Face folder's only)."""
     path = locate_model(model)
     gguf = hf_config = None
     if path.is_dir():
-        hf_config = read_hf_config(path)
+        hf_config = {**read_hf_config(path), **(hf_overrides or {})}
         try:
-            config = ModelConfig.from_hf_dict(hf_config)
+            config = with_folder_pooling(path, ModelConfig.from_hf_dict(hf_config))
         except KeyError as e:
             raise ValueError(f"{path / 'config.json'} lacks the key {e}") from None
     elif path.suffix.lower() != ".gguf":
         raise ValueError(f"{path}: cannot tell the model format; expected a Hugging Face folder or a .gguf file")
+    elif hf_overrides:
+        raise ValueError(f"{path}: hf_overrides apply to a Hugging Face folder's config.json, not a GGUF file")
     else:
         gguf = read_gguf(path)
         config = gguf_model_config(gguf)
     tok_path = locate_tokenizer(tokenizer if tokenizer is not None else path)
+    if config.classifier_from_token:
+        config = dataclasses.replace(config, classifier_token_ids=_token_ids(tok_path, config.classifier_from_token))
     if tok_path == path:
         tok_gguf = gguf
     else:       # a tokenizer from elsewhere: a .gguf file's metadata, or a folder
         tok_gguf = read_gguf(tok_path) if tok_path.is_file() and tok_path.suffix.lower() == ".gguf" else None
     return ModelFiles(path, "hf" if gguf is None else "gguf", gguf, hf_config, config, tok_path, tok_gguf)
+
+
+def _token_ids(tokenizer_path: Path, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """The vocabulary ids of `tokens` (classifier_from_token), as the tokenizer's convert_tokens_to_ids reads them."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    file = tokenizer_path / "tokenizer.json"
+    if not file.is_file():
+        raise ValueError(f"classifier_from_token needs the tokenizer's tokenizer.json, not found in {tokenizer_path}")
+    vocab = RustTokenizer.from_file(str(file))
+    ids = [vocab.token_to_id(t) for t in tokens]
+    unknown = [t for t, i in zip(tokens, ids) if i is None]
+    if unknown:
+        raise ValueError(f"classifier_from_token: {unknown} are not tokens of the vocabulary in {file}")
+    return tuple(ids)
 
 
 def default_model_path() -> Path:

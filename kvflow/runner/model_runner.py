@@ -67,6 +67,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         spec = config.speculative_config
         mtp = spec is not None and spec.method == "mtp"
+        if model_config.encoder_only and (config.enable_lora or tp.size > 1 or spec is not None):
+            raise ValueError(f"{model_config.architecture} is an encoder: LoRA, tensor parallelism and speculative "
+                             "decoding do not apply to it")
         with torch.device(self.device), without_weight_init():
             model = model_config.arch.load_class()(model_config, max_model_len, tp, plan)
             if mtp:         # before the weights: the MTP block's tensors are loaded, not skipped
@@ -97,6 +100,10 @@ class ModelRunner:
             log.info("LoRA: %d slot(s) of rank %d on %s (%s)", *self.lora, ", ".join(targets or ("every attention and "
                      "MLP projection",)), str(self.dtype).removeprefix("torch."))
         self.model.eval()
+        # an encoder (models/bert.py): no KV cache, each prompt whole in its step, never a decode step
+        self.encoder = bool(getattr(model, "encoder_only", False))
+        # a score model's head on its pooled state (a cross-encoder's classifier): the runner hands back its logits
+        self.classifies = model_config.arch.task == "score"
         # the model's recurrent layers (layers/recurrent_state.py), in layer order, found once (the model finds them
         # by walking its modules); none for a transformer
         self.state_layers = list(getattr(model, "state_layers", ()))
@@ -162,8 +169,9 @@ class ModelRunner:
     def _compiles_decode_steps(self) -> bool:
         """CPU, one rank, not --enforce-eager: decode steps are compiled in the background
         (runner/compiled_decode.py). On CUDA the eager step stays (CUDA graphs are their own piece of work); under
-        tensor parallelism the all-reduces stay outside any graph."""
-        if self.config.enforce_eager or self.device.type != "cpu" or self.tp.size > 1:
+        tensor parallelism the all-reduces stay outside any graph. An encoder or a score model never decodes."""
+        if (self.config.enforce_eager or self.device.type != "cpu" or self.tp.size > 1 or self.encoder
+                or self.classifies):
             return False
         if self.state_layers:
             log.info("compiled decode steps: off for %s (recurrent layers: the compiled graphs take no state slots)",
@@ -243,6 +251,12 @@ class ModelRunner:
 
     # ---- KV cache ------------------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
+        if self.encoder:
+            # no KV tensors: the blocks the manager hands out are bookkeeping only, enough for max_num_seqs prompts
+            # of max_model_len (each prompt lives one step)
+            self.state_slots, self.kv_cache_bytes = None, 0
+            self.scratch_block = num_blocks = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+            return num_blocks
         cfg = self.model_config
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         # a row: one token's K (or V) of one KV head; int8 rows carry their scale (layers/kv_int8.py)
@@ -443,6 +457,8 @@ class ModelRunner:
         if threads != torch.get_num_threads():     # only when it changes: the call is not free
             torch.set_num_threads(threads)
         ops.set_threads(kernel_threads)
+        if self.encoder:
+            return self._encode(batch)
         if batch.state_copies:
             self._copy_states(batch.state_copies)
         hidden = None
@@ -458,8 +474,29 @@ class ModelRunner:
         # every rank holds the whole hidden state (the residual stream is all-reduced, the final norm replicated):
         # rank 0 pools its own
         pooled = self.pool(hidden, batch) if batch.pooling_spans and self.tp.is_first else None
+        if pooled is not None and self.classifies:
+            pooled = self.model.classify(pooled)
         logits = self.model.compute_logits(hidden[logits_indices]) if len(logits_indices) else None
         return logits, pooled, (ids, pos, meta, hidden)
+
+    def _encode(self, batch: StepBatch):
+        """An encoder's step: every row a whole prompt (positions from 0), attended both ways within itself; its
+        pooled rows (a classifier's logits); no logits to sample."""
+        lens = torch.tensor(batch.num_new_tokens)
+        row_seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        pos = torch.arange(len(row_seq)) - (torch.cumsum(lens, 0) - lens)[row_seq]
+        if batch.token_type_starts:
+            starts = torch.tensor(batch.token_type_starts)[row_seq]
+            types = ((starts >= 0) & (pos >= starts)).long()
+        else:
+            types = torch.zeros_like(pos)
+        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+        pos, types = pos.to(self.device), types.to(self.device)
+        hidden = self.model(ids, pos, types, batch.num_new_tokens)
+        pooled = self.pool(hidden, batch) if batch.pooling_spans else None
+        if pooled is not None and self.classifies:
+            pooled = self.model.classify(pooled)
+        return None, pooled, (ids, pos, None, hidden)
 
     def pool(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """[rows with a pooling span, hidden size] float32: the sum of each span's final hidden states (the model's

@@ -29,6 +29,9 @@ class StepBatch:
     # per row: (offset in the chunk, count) of the positions whose final hidden states an embedding request pools
     # (summed: the scheduler picks the positions, the frontend divides); empty: no row pools this step
     pooling_spans: tuple[tuple[int, int], ...] = ()
+    # encoders: per row, the prompt position from which token_type_ids are 1 (a text pair's second text; -1: all 0);
+    # empty: every row's are 0
+    token_type_starts: tuple[int, ...] = ()
     # per row: the LoRA slot its request's adapter sits in (-1: the base model); empty: no row has an adapter (or
     # LoRA is off)
     lora_slots: tuple[int, ...] = ()

@@ -1,6 +1,6 @@
 """The app: one FastAPI application that mounts every surface's router, in OpenAI's error shape, with an OpenAPI
 document that says what the server does (400 for invalid requests, the value limits, /health and /metrics' content
-types). The surfaces (`openai/`, `embeddings/`, `responses/`, `messages/`, `batch/`, `observe/`) never import one
+types). The surfaces (`openai/`, `embeddings/`, `score/`, `responses/`, `messages/`, `batch/`, `observe/`) never import one
 another: what one needs of another (the Batch API's line routes, the Messages API's error shape at the edge) is
 handed over here.
 
@@ -32,6 +32,7 @@ from kvflow.server.common.middleware import AuthAndArrival, BodySizeLimit, LoadC
 from kvflow.server.common.request_record import GENERATE_PATHS, OpenRecords, RequestObserver
 from kvflow.server.embeddings.protocol import EmbeddingRequest
 from kvflow.server.embeddings.routes import EmbeddingsServing, embeddings_router
+from kvflow.server.score.routes import ScoreServing, score_router
 from kvflow.server.messages import routes as messages
 from kvflow.server.messages.protocol import MESSAGES_PATH
 from kvflow.server.observe.dashboard import DashboardHub, dashboard_router
@@ -132,6 +133,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     # ---- the surfaces -------------------------------------------------------------------------------------------
     app.include_router(openai_router(serving, config))      # chat, completions, /invocations, tokenize, LoRA routes
     app.include_router(embeddings_router(embeddings))
+    app.include_router(score_router(ScoreServing(serving)))
     app.include_router(responses_router(serving))           # OpenAI's Responses API, an adapter over the chat route
     app.include_router(messages.messages_router(serving))   # Anthropic's Messages API: errors in its own shape
     app.include_router(files_router(batch_store, config))                  # OpenAI's Files API, for batches

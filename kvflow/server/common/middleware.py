@@ -13,7 +13,8 @@ from starlette.exceptions import HTTPException
 from kvflow.server.common.errors import APIError
 
 ErrorShapes = dict[str, Callable[[APIError], dict]]
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations")   # /tokenize covers /tokenizer_info
+# /tokenize covers /tokenizer_info
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations", "/score", "/rerank")
 
 
 class AuthAndArrival:

@@ -31,7 +31,8 @@ class EmbeddingRequest(OpenAIModel):
                                                     "(-1: the last max_model_len)")
     truncation_side: Literal["left", "right"] | None = None     # "right": keep each input's first k tokens
     add_special_tokens: bool = True      # the tokenizer's BOS etc. when encoding a text input
-    normalize: bool | None = None        # L2-normalise the vector; None: yes, as vLLM's embedding runners
+    normalize: bool | None = None        # L2-normalise the vector; None: the model's (yes, unless its
+                                         # sentence-transformers folder has no Normalize module)
     use_activation: bool | None = None   # vLLM's later name for normalize (the embedding pooler's activation)
     endianness: Literal["native", "little", "big"] = "native"   # of base64's bytes (native: little on x86 and ARM)
     request_id: Text | None = documented(description="the response's id is built from it (embd-ID)")
@@ -52,12 +53,13 @@ class EmbeddingRequest(OpenAIModel):
                            code="invalid_value")
         return inputs
 
-    def pooling_params(self) -> PoolingParams:
+    def pooling_params(self, normalize_default: bool = True) -> PoolingParams:
+        """`normalize_default`: the model's (a sentence-transformers folder without a Normalize module: off)."""
         if None not in (self.normalize, self.use_activation) and self.normalize != self.use_activation:
             raise APIError(400, "normalize and use_activation are one switch here, and they disagree: give one",
                            param="use_activation")
         normalize = self.normalize if self.normalize is not None else self.use_activation
-        return PoolingParams(normalize=normalize is not False)
+        return PoolingParams(normalize=normalize_default if normalize is None else normalize)
 
     def sampling_params(self) -> SamplingParams:
         """What the validator reads of an embedding request: its prompt truncation (nothing is sampled)."""

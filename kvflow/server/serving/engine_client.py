@@ -14,6 +14,7 @@ from kvflow.beam_search import BeamSearchParams
 from kvflow.config import EngineConfig
 from kvflow.core.request_validator import RequestValidator
 from kvflow.lora_request import LoRARequest
+from kvflow.models.model_config import ModelConfig
 from kvflow.tokenizer import Tokenizer
 
 
@@ -26,6 +27,7 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
     validator: RequestValidator           # the /render routes' check of a prompt, the one `submit` makes
+    model_config: ModelConfig             # the model's tasks and pooling defaults (normalize, a score's activation)
     loras: dict[str, LoRARequest]         # the LoRA adapters served now, by name (empty without --enable-lora)
 
     @property

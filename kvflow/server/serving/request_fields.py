@@ -150,6 +150,18 @@ REFUSED["embeddings"] = {
 }
 
 
+# ---- /score and /rerank (server/score/routes.py) -------------------------------------------------------------------
+# vLLM's ScoreRequest and RerankRequest (`entrypoints/pooling/score/protocol.py`; `softmax` and `activation` are
+# `use_activation`'s former names), and Jina's / Cohere's `return_documents`, written down by hand. Why refused:
+# mm_processor_kwargs: text only, no multimodal processor.
+VLLM_FIELDS["score"] = ("model", "text_1", "text_2", "truncate_prompt_tokens", "mm_processor_kwargs", "priority",
+                        "softmax", "activation", "use_activation")
+VLLM_FIELDS["rerank"] = ("model", "query", "documents", "top_n", "truncate_prompt_tokens", "mm_processor_kwargs",
+                         "priority", "softmax", "activation", "use_activation", "return_documents")
+REFUSED["score"] = {"mm_processor_kwargs": None}
+REFUSED["rerank"] = {"mm_processor_kwargs": None}
+
+
 def refused_field(route: str, data: dict) -> str | None:
     """The first field of `data` this route refuses (set to something but its default), or None."""
     refused = REFUSED[route]

@@ -283,11 +283,12 @@ class RequestPreparer:
 
     # ---- prompt -> engine ------------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, arrival: float,
-               param_names: dict[str, str], pooling: PoolingParams | None = None,
+               param_names: dict[str, str], pooling: PoolingParams | list[PoolingParams] | None = None,
                priority: int = 0, model: str | None = None,
                beam: BeamSearchParams | None = None) -> list[RequestStream]:
         """One engine request per prompt; all or none (the ones already submitted are closed on failure).
-        `pooling`: embedding requests (server/embeddings/routes.py); `priority`: the scheduler's (lower first); `beam`:
+        `pooling`: pooling requests (server/embeddings/routes.py; a list: one per prompt, as a text pair's token
+        types differ: server/score/routes.py); `priority`: the scheduler's (lower first); `beam`:
         a beam search per prompt instead (AsyncEngine.beam_search; `params` gives its prompt's truncation)."""
         streams: list[RequestStream] = []
         lora = self.lora_for(model) if model is not None else None     # `model`: a LoRA adapter's name selects it
@@ -296,7 +297,8 @@ class RequestPreparer:
         try:
             for k, ids in enumerate(prompts):
                 request = AddRequest(engine_request_id(request_id, k, len(prompts)), ids, params, arrival,
-                                     pooling=pooling, priority=priority, lora=lora)
+                                     pooling=pooling[k] if isinstance(pooling, list) else pooling,
+                                     priority=priority, lora=lora)
                 streams.append(self.engine.submit(request) if beam is None else self.engine.beam_search(request, beam))
         except BaseException as e:
             for s in streams:
