@@ -87,10 +87,40 @@ def test_config_reads_granite_4_h(granite_dir):
         assert ModelConfig.from_hf_dict(other).recurrent.layers == MAMBA_LAYERS
 
 
-def test_moe_variants_are_refused(granite_dir):
+def test_moe_variants_read_experts_beside_the_shared_mlp(granite_dir):
     cfg = json.loads((granite_dir / "config.json").read_text())
-    with pytest.raises(ValueError, match="num_local_experts=4"):
-        ModelConfig.from_hf_dict({**cfg, "num_local_experts": 4})
+    moe = ModelConfig.from_hf_dict({**cfg, "num_local_experts": 4, "num_experts_per_tok": 2})
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size, moe.intermediate_size) == (4, 2, 32,
+                                                                                                          128)
+    assert all(moe.is_moe_layer(i) for i in range(6)) and moe.norm_topk_prob
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf_dict({**cfg, "num_local_experts": 4, "num_experts_per_tok": 5})
+
+
+@pytest.mark.slow
+def test_moe_variant_matches_transformers(tmp_path, monkeypatch):
+    """Granite 4.0 H Tiny's layout, small: experts (GraniteMoE's router: the top k logits, then their softmax) beside
+    the shared MLP in every layer, their sums added; float32 against transformers, batched and chunked, and on
+    kvflow's kernels (int4 codes) the native step's bits equal the layer-by-layer path's."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_hf_model(tmp_path / "granite-moe", "granitemoehybrid", num_local_experts=4,
+                              num_experts_per_tok=2, intermediate_size=32, seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [[5, 6, 7], list(range(100, 190)), [42]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", max_model_len=256, kv_cache_memory="32MiB", max_num_batched_tokens=32)
+    assert all(layer.block_sparse_moe is not None for layer in llm.engine.runner.model.layers)
+    for p, out in zip(prompts, llm.generate(prompts, greedy)):
+        assert_greedy_matches(hf, p, out.outputs[0].token_ids, "granite 4.0 h moe, ", MAX_TOKENS)
+    results = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("KVFLOW_NATIVE_STEP", native)
+        with LLM(str(path), quantization="int4", max_model_len=256, kv_cache_memory="32MiB",
+                 max_num_batched_tokens=32) as quantized:
+            assert (quantized.engine.runner.native_step is not None) == (native == "1")
+            results.append([o.outputs[0].token_ids for o in quantized.generate(prompts, greedy)])
+    assert results[0] == results[1]
 
 
 def test_model_refuses_what_it_does_not_do(model, granite_dir):

@@ -1,11 +1,13 @@
-"""Granite 4.0 H (dense: 350M, 1B): Mamba2 layers with a few attention layers between them, as transformers'
-GraniteMoeHybridForCausalLM computes it with `num_local_experts = 0` (the MoE variants are refused by ModelConfig).
+"""Granite 4.0 H (350M, 1B, Micro; Tiny and Small with experts): Mamba2 layers with a few attention layers between
+them, as transformers' GraniteMoeHybridForCausalLM computes it.
 
 Every layer is pre-norm mixer then pre-norm MLP, each block's output times `residual_multiplier` before its residual
 add. The mixer is a Mamba2 layer (`Mamba2Mixer`, a RecurrentLayer: its state per request lives in the slots the
 runner binds) or llama.py's attention, which rotates nothing here (`position_embedding_type: "nope"`: the layers in
 `ModelConfig.nope_layers` get no rotary table). The MLP is llama.py's (`shared_mlp.input_linear` is gate ‖ up, split
-at load into llama's fused gate_up_proj; `output_linear` is its down_proj). Granite's other scalings: the embedding
+at load into llama's fused gate_up_proj; `output_linear` is its down_proj); with `num_local_experts` (Tiny, Small)
+each layer also has experts (`block_sparse_moe`: layers/moe.py's SparseMoE with GraniteMoE's router, the top k
+logits then their softmax), whose sum is added to the shared MLP's. Granite's other scalings: the embedding
 times `embedding_multiplier`, `attention_multiplier` as the attention scale (llama.py's Attention reads it), the
 logits divided by `logits_scaling`.
 
@@ -36,11 +38,12 @@ from kvflow.kernels.group_quant import CODES
 from kvflow.kernels.plan import KernelPlan
 from kvflow.kernels.recurrent import causal_conv1d, gated_group_rms_norm, mamba2_gates, ssm_scan
 from kvflow.layers.attention_metadata import AttentionMetadata
+from kvflow.layers.moe import SparseMoE
 from kvflow.layers.native_layers import NativeLayer, NativeMamba2
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.recurrent_state import RecurrentLayer
 from kvflow.layers.rotary import RotaryEmbedding
-from kvflow.models.llama import MLP, Attention, LlamaForCausalLM, TensorParallelSizes
+from kvflow.models.llama import _ACTIVATIONS, MLP, Attention, LlamaForCausalLM, TensorParallelSizes
 from kvflow.models.hybrid import HybridForCausalLM
 from kvflow.models.model_config import MAMBA2, ModelConfig
 
@@ -129,7 +132,11 @@ class GraniteHybridDecoderLayer(nn.Module):
         self.self_attn = None if recurrent else Attention(cfg, None if layer in cfg.nope_layers else rotary, tp,
                                                            sizes, layer, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = MLP(cfg, tp, sizes)
+        self.mlp = MLP(cfg, tp, sizes)          # the shared MLP (shared_mlp)
+        # Granite 4.0 H Tiny / Small: experts beside it, GraniteMoE's router (the top k logits, then their softmax)
+        self.block_sparse_moe = (SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                           cfg.num_experts_per_tok, "topk_softmax", True, _ACTIVATIONS[cfg.hidden_act])
+                                 if cfg.is_moe_layer(layer) else None)
         self.residual_multiplier = cfg.residual_multiplier
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor] | None, h: torch.Tensor,
@@ -137,18 +144,22 @@ class GraniteHybridDecoderLayer(nn.Module):
         x = self.input_layernorm(h)
         out = self.mamba(x, meta) if self.mamba is not None else self.self_attn(rope, x, meta)
         h = h + (out if self.residual_multiplier is None else out * self.residual_multiplier)
-        out = self.mlp(self.post_attention_layernorm(h), meta)
+        x = self.post_attention_layernorm(h)
+        out = self.mlp(x, meta)
+        if self.block_sparse_moe is not None:       # the experts' sum, then the shared MLP's (transformers' order)
+            out = self.block_sparse_moe(x) + out
         return h + (out if self.residual_multiplier is None else out * self.residual_multiplier)
 
     def native_layer(self, model: LlamaForCausalLM) -> NativeLayer:
         """This layer as the native step computes it: Mamba2 or attention (NoPE where it is), then the MLP, each
         block's output times the residual multiplier."""
         scale = 1.0 if self.residual_multiplier is None else self.residual_multiplier
+        mlp = dict(self.mlp.native(), moe=self.block_sparse_moe)        # experts (or None) beside the shared MLP
         if self.mamba is not None:
             return NativeLayer(None, self.input_layernorm, self.post_attention_layernorm, residual_scale=scale,
-                               recurrent=self.mamba.native(), **self.mlp.native())
+                               recurrent=self.mamba.native(), **mlp)
         return NativeLayer(self.self_attn.native(self.self_attn.rotary), self.input_layernorm,
-                           self.post_attention_layernorm, residual_scale=scale, **self.mlp.native())
+                           self.post_attention_layernorm, residual_scale=scale, **mlp)
 
 
 class GraniteHybridForCausalLM(HybridForCausalLM):
@@ -177,6 +188,11 @@ class GraniteHybridForCausalLM(HybridForCausalLM):
             h = layer(rope, h, meta)
         return self.norm(h)
 
+    def _shard_sizes(self, name: str) -> list[int]:
+        if ".experts." in name and "gate_up_proj" in name:
+            return [self.config.moe_intermediate_size] * 2
+        return super()._shard_sizes(name)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF checkpoints and GGUF files (loader.py's names) alike: the shared MLP's fused gate ‖ up split into
@@ -193,6 +209,9 @@ class GraniteHybridForCausalLM(HybridForCausalLM):
                 yield name.replace("shared_mlp.input_linear", "mlp.up_proj"), up
                 continue
             name = name.replace(".shared_mlp.output_linear.", ".mlp.down_proj.")
+            # the experts and their router (loader.canonical_experts gave them models/moe.py's names under `mlp`)
+            name = name.replace(".mlp.experts.", ".block_sparse_moe.experts.").replace(".mlp.gate.",
+                                                                                      ".block_sparse_moe.gate.")
             if ".mamba." not in name:
                 yield name, w
                 continue

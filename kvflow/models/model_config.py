@@ -555,7 +555,7 @@ def _classifier_fields(cfg: dict, arch: Architecture) -> dict:
 
 def _hybrid_fields(cfg: dict, family: str, layers: int) -> dict:
     """The hybrid families' other differences from a Llama: LFM2's real MLP width, Qwen3.5's gated attention output,
-    Granite 4.0 H's attention without RoPE and its dense MLP's width (its MoE variants are refused)."""
+    Granite 4.0 H's attention without RoPE, its shared MLP's width and (Tiny, Small) its experts."""
     if family == "lfm2":
         # transformers reads block_ff_dim over intermediate_size, tie_embedding over tie_word_embeddings (True
         # when neither is there: LiquidAI's config.json files)
@@ -572,13 +572,17 @@ def _hybrid_fields(cfg: dict, family: str, layers: int) -> dict:
         return {"attn_output_gate": bool(cfg.get("attn_output_gate", True)),
                 "mtp_layers": int(cfg.get("mtp_num_hidden_layers") or 0)}
     if family == "granitemoehybrid":
-        if cfg.get("num_local_experts"):
-            raise ValueError("GraniteMoeHybridForCausalLM with experts (num_local_experts="
-                             f"{cfg['num_local_experts']}: Granite 4.0 H Tiny / Small) is not supported yet; kvflow "
-                             "serves the dense Granite 4.0 H models (350M, 1B)")
         nope = cfg.get("position_embedding_type") != "rope"
-        return {"intermediate_size": cfg.get("shared_intermediate_size") or cfg["intermediate_size"],
-                "nope_layers": tuple(range(layers)) if nope else ()}
+        fields = {"intermediate_size": cfg.get("shared_intermediate_size") or cfg["intermediate_size"],
+                  "nope_layers": tuple(range(layers)) if nope else ()}
+        experts, top_k = int(cfg.get("num_local_experts") or 0), int(cfg.get("num_experts_per_tok") or 0)
+        if experts:         # Granite 4.0 H Tiny / Small: experts (GraniteMoE's router) beside the shared MLP
+            if not 0 < top_k <= experts:
+                raise ValueError(f"GraniteMoeHybridForCausalLM needs 0 < num_experts_per_tok <= num_local_experts; "
+                                 f"got {top_k} and {experts}")
+            fields.update(num_experts=experts, num_experts_per_tok=top_k,
+                          moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+        return fields
     return {}
 
 

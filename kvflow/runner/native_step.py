@@ -208,11 +208,12 @@ class NativeDecoderStep:
     def __init__(self, decoder: NativeDecoder, hidden: int, kv_dtype: torch.dtype, block_size: int):
         self.decoder = decoder
         self.lib = build.library()
-        if decoder.hidden_act not in _ACTS and any(layer.moe is None for layer in decoder.layers):
+        if decoder.hidden_act not in _ACTS and any(layer.gate_up is not None for layer in decoder.layers):
             raise NotNative(f"an MLP of {decoder.hidden_act}")
         layers = [self._layer(layer, hidden, kv_dtype) for layer in decoder.layers]
         attentions = [layer.attention for layer in decoder.layers if layer.attention is not None]
-        intermediates = {layer.intermediate for layer in decoder.layers if layer.moe is None}   # step_shape holds one
+        # step_shape holds one dense (or shared) MLP width
+        intermediates = {layer.intermediate for layer in decoder.layers if layer.gate_up is not None}
         rotated = [a for a in attentions if a.rotary is not None]          # not NoPE layers
         if (len({(a.heads, a.kv_heads, a.head_dim) for a in attentions}) > 1
                 or len({a.rotary.cos.shape[1] for a in rotated}) > 1):
@@ -242,10 +243,14 @@ class NativeDecoderStep:
         if layer.moe is not None:
             if type(layer.moe) is not SparseMoE:
                 raise NotNative(f"a {type(layer.moe).__name__} mixture of experts")
-            moe, gate_up, down = _moe(layer.moe, H), _Linear(), _Linear()
+            moe = _moe(layer.moe, H)
         else:
             moe = _Moe()
+        gate_up, down = _Linear(), _Linear()
+        if layer.gate_up is not None:       # a dense MLP, or beside the experts a shared one (Granite 4.0 H)
             gate_up, down = _linear(layer.gate_up, H), _linear(layer.down, layer.intermediate)
+            if gate_up.rows != 2 * layer.intermediate or down.rows != H:
+                raise NotNative("an MLP of unexpected shapes")
         if layer.recurrent is not None:
             rec, in_proj, out_proj = _recurrent(layer.recurrent, H)
             return _Layer(input=_norm(layer.input_norm, H), mlp_in=_norm(layer.mlp_in_norm, H),
@@ -275,8 +280,7 @@ class NativeDecoderStep:
                         moe=moe, gated=int(attn.output_gate))
         if attn.output_gate and whole:
             raise NotNative("a gated attention with Q/K norms over the whole projection")
-        if (native.qkv.rows != (2 if attn.output_gate else 1) * q_size + 2 * kv_size or native.o.rows != H
-                or (not moe.router and (gate_up.rows != 2 * layer.intermediate or down.rows != H))):
+        if native.qkv.rows != (2 if attn.output_gate else 1) * q_size + 2 * kv_size or native.o.rows != H:
             raise NotNative("projections of unexpected shapes")
         return native
 

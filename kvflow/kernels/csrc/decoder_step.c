@@ -303,8 +303,10 @@ static int64_t widest_recurrent_row(const step_shape *s, const step_layer *layer
     return widest;
 }
 
+// (a layer with experts beside a dense MLP, Granite 4.0 H's shared one, keeps the experts' sum in one more
+// [T, hidden] while the MLP runs)
 int64_t kvflow_decoder_step_scratch(const step_shape *s, const step_layer *layers, int64_t T) {
-    return T * (s->hidden + widest_projection(s, layers) + 2 * s->heads * s->head_dim + s->intermediate
+    return T * (2 * s->hidden + widest_projection(s, layers) + 2 * s->heads * s->head_dim + s->intermediate
                 + widest_recurrent_row(s, layers))
            + (2 * s->heads + 2 * s->kv_heads) * s->head_dim;
 }
@@ -444,7 +446,7 @@ int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h,
     const int64_t widest = widest_projection(s, layers);
     float *normed = scratch, *proj = normed + T * H, *q = proj + T * widest, *attn = q + T * Hq * D;
     float *act = attn + T * Hq * D, *work = act + T * I, *heads = work + T * widest_recurrent_row(s, layers);
-    float *k = heads + (Hq + Hkv) * D, *query = k + Hkv * D;
+    float *k = heads + (Hq + Hkv) * D, *query = k + Hkv * D, *experts = query + Hq * D;
     int err = 0;
     for (int64_t l = 0; l < s->layers && !err; l++) {
         const step_layer *L = &layers[l];
@@ -456,11 +458,12 @@ int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h,
         if (err) break;
         add_block_output(h, proj, T, H, L->o.width, L, &L->attn_out, normed, threads);
         kvflow_rms_norm(h, T, H, L->mlp_in.weight, L->mlp_in.eps, normed, threads);
-        if (L->moe.router) {
+        if (L->moe.router && !L->gate_up.codes) {
             if ((err = moe_block(&L->moe, normed, T, H, proj, threads))) break;
             add_block_output(h, proj, T, H, H, L, &L->mlp_out, normed, threads);
             continue;
         }
+        if (L->moe.router && (err = moe_block(&L->moe, normed, T, H, experts, threads))) break;
         if ((err = linear(&L->gate_up, normed, T, H, proj, threads))) break;
         for (int64_t t = 0; t < T; t++) {
             const float *gate = proj + t * L->gate_up.width;
@@ -470,6 +473,11 @@ int kvflow_decoder_step(const step_shape *s, const step_layer *layers, float *h,
                 silu_mul(gate, gate + I, I, act + t * I, s);
         }
         if ((err = linear(&L->down, act, T, I, proj, threads))) break;
+        if (L->moe.router)           // the experts' sum plus the shared MLP's output (as the module adds them)
+            for (int64_t t = 0; t < T; t++) {
+                float *y = proj + t * L->down.width;
+                for (int64_t j = 0; j < H; j++) y[j] = experts[t * H + j] + y[j];
+            }
         add_block_output(h, proj, T, H, L->down.width, L, &L->mlp_out, normed, threads);
     }
     if (!err) kvflow_rms_norm(h, T, H, s->final_norm, s->final_eps, out, threads);
