@@ -94,7 +94,7 @@ async def stream_chunks(gen: Generation, renderer: ChoiceRenderer
         if not deltas and finish is None and not wants_logprobs and not opening and not sends_ids:
             continue
         logprobs, choice.text_offset = renderer.logprobs(gen, tokens, choice.text_offset)
-        deltas = deltas or [DeltaMessage() if gen.chat else ""]
+        deltas = deltas or [empty_delta(choice) if gen.chat else ""]
         for j, delta in enumerate(deltas):    # logprobs and token ids on the first chunk, the finish on the last
             last = j == len(deltas) - 1
             end = {"finish_reason": finish if last else None}
@@ -109,6 +109,14 @@ async def stream_chunks(gen: Generation, renderer: ChoiceRenderer
             yield chunk(gen, [streamed], running_usage())
     if gen.include_usage:
         yield chunk(gen, [], usage(gen))
+
+
+def empty_delta(choice: StreamedChoice) -> DeltaMessage:
+    """The delta of a chat chunk that carries no text (the finish after a stop token, logprobs of a held-back
+    token), as vLLM sends it: `content: ""` when nothing parses the text (vLLM sends each step's text as content,
+    empty or not; a client that concatenates delta.content relies on it), `{}` when a tool-call parser or a
+    reasoning parser had nothing to say."""
+    return DeltaMessage() if choice.tool_calls is not None or choice.reasoning is not None else DeltaMessage(content="")
 
 
 def chunk(gen: Generation, choices: list, usage: UsageInfo | None = None, **fields):
