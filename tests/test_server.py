@@ -202,6 +202,14 @@ def test_a_chat_streams_finish_chunk_has_string_content_as_vllms(server, client)
     assert text == ""
 
 
+def test_without_enable_per_request_metrics_no_response_has_metrics(http):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and "metrics" not in r.json()
+    r = http.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and '"usage"' in r.text and '"metrics"' not in r.text
+
+
 def test_stop_strings(client):
     base = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0,
                                      extra_body={"ignore_eos": True})

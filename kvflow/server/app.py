@@ -60,7 +60,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                             tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
                             trust_request_chat_template=config.trust_request_chat_template,
                             return_tokens_as_token_ids=config.return_tokens_as_token_ids,
-                            reasoning_parser=config.reasoning_parser)
+                            reasoning_parser=config.reasoning_parser,
+                            enable_per_request_metrics=config.enable_per_request_metrics)
     if config.chat_template is not None:      # --chat-template: the server's chats render with it, /tokenize too
         engine.tokenizer.hf.chat_template = config.chat_template_text()
 

@@ -91,6 +91,11 @@ class ServerConfig:
                                                        "code the server runs); off: such a request is a 400")
     return_tokens_as_token_ids: bool = _option(False, "logprobs' tokens as 'token_id:N' unless a request says "
                                                       "otherwise (its return_tokens_as_token_ids)")
+    enable_per_request_metrics: bool = _option(False, "put vLLM's per-request timings (metrics: time_to_first_token_ms, "
+                                                      "generation_time_ms, queue_time_ms, mean_itl_ms, "
+                                                      "tokens_per_second) into chat and completion responses with one "
+                                                      "choice; streamed, on the usage chunk (stream_options."
+                                                      "include_usage)")
     enable_server_load_tracking: bool = _option(False, "count the requests in flight on the routes that run the "
                                                        "model, for GET /load (vLLM's; off: it says 0)")
     enable_tokenizer_info_endpoint: bool = _option(False, "serve GET /tokenizer_info: the tokenizer's configuration "

@@ -23,6 +23,7 @@ from kvflow.server.serving.choice_renderer import ChoiceRenderer, token_ids, usa
 from kvflow.server.serving.generation import Generation, merge
 from kvflow.server.serving.protocol import (ChatCompletionChunk, ChatCompletionStreamChoice, CompletionChoice,
                                             CompletionChunk, DeltaMessage, UsageInfo)
+from kvflow.server.serving.request_metrics import request_metrics
 from kvflow.server.serving.reasoning import ReasoningRequest, ReasoningSplitter
 from kvflow.server.serving.tool_calls import ToolCallStreamer
 
@@ -107,8 +108,8 @@ async def stream_chunks(gen: Generation, renderer: ChoiceRenderer
             else:
                 streamed = CompletionChoice(index=index, text=delta, logprobs=lp, **end, **ids)
             yield chunk(gen, [streamed], running_usage())
-    if gen.include_usage:
-        yield chunk(gen, [], usage(gen))
+    if gen.include_usage:      # vLLM's per-request metrics ride on the usage chunk (none without it)
+        yield chunk(gen, [], usage(gen), **request_metrics(gen))
 
 
 def empty_delta(choice: StreamedChoice) -> DeltaMessage:

@@ -445,6 +445,19 @@ class ChatCompletionChoice(OpenAIModel):
     token_ids: list[int] | None = None          # return_token_ids
 
 
+class PerRequestTimingMetrics(OpenAIModel):
+    """vLLM's per-request timings (--enable-per-request-metrics), in milliseconds, each null when a timestamp it
+    needs is missing: time_to_first_token_ms from the request's first scheduled step (queue time excluded) to its
+    first token; generation_time_ms first to last token; queue_time_ms in the waiting queue until first scheduled;
+    mean_itl_ms the mean gap between tokens; tokens_per_second all generated tokens over first scheduled step to
+    last token."""
+    time_to_first_token_ms: float | None = None
+    generation_time_ms: float | None = None
+    queue_time_ms: float | None = None
+    mean_itl_ms: float | None = None
+    tokens_per_second: float | None = None
+
+
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
@@ -475,6 +488,8 @@ class ChatCompletionChunk(OpenAIModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None   # return_token_ids: on the first chunk
+    # --enable-per-request-metrics (vLLM's); absent without it
+    metrics: PerRequestTimingMetrics | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -488,6 +503,8 @@ class ChatCompletionResponse(OpenAIModel):
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None   # return_token_ids
+    # --enable-per-request-metrics (vLLM's); absent without it
+    metrics: PerRequestTimingMetrics | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionLogprobs(OpenAIModel):
@@ -517,6 +534,8 @@ class CompletionResponse(OpenAIModel):
     usage: UsageInfo
     service_tier: str | None = None             # always null, as vLLM's
     system_fingerprint: str | None = None
+    # --enable-per-request-metrics (vLLM's); absent without it
+    metrics: PerRequestTimingMetrics | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionChunk(OpenAIModel):
@@ -528,6 +547,8 @@ class CompletionChunk(OpenAIModel):
     system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # --enable-per-request-metrics (vLLM's); absent without it
+    metrics: PerRequestTimingMetrics | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TokenizeResponse(OpenAIModel):

@@ -39,7 +39,8 @@ class OpenAIServing:
     def __init__(self, engine: EngineClient, *, served_model_names: list[str] | tuple[str, ...] | None = None,
                  max_n: int = DEFAULT_MAX_N, shutdown_grace_period: float = 30.0,
                  tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
-                 return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None) -> None:
+                 return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None,
+                 enable_per_request_metrics: bool = False) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.names = list(served_model_names or [engine.served_model_name])
@@ -47,6 +48,7 @@ class OpenAIServing:
         self._shutdown: asyncio.Future | None = None
         self.return_tokens_as_token_ids = return_tokens_as_token_ids     # the default of the request field
         self.reasoning_parser = reasoning_parser     # None: the output is not split (think markers stay in content)
+        self.enable_per_request_metrics = enable_per_request_metrics     # responses carry vLLM's `metrics`
         self.preparer = RequestPreparer(engine, self.names, max_n=max_n, tool_call_parser=tool_call_parser,
                                         trust_request_chat_template=trust_request_chat_template,
                                         reasoning_parser=reasoning_parser)
@@ -119,7 +121,8 @@ class OpenAIServing:
         tools = prepared.tools if prepared.tools is not None and prepared.tools.mode != "none" else None
         gen = Generation(prepared.request_id, prepared.model, True, streams, req.num_logprobs, req.include_usage,
                          req.continuous_usage, tools=tools, echo=echo, return_token_ids=bool(req.return_token_ids),
-                         tokens_as_ids=self.tokens_as_ids(req))
+                         tokens_as_ids=self.tokens_as_ids(req),
+                         per_request_metrics=self.enable_per_request_metrics and prepared.beam is None)
         if self.reasoning_parser is not None:
             # the prompt as the template wrote it: one that closed the reasoning itself leaves none to split off
             prompt_text = await asyncio.to_thread(self.tokenizer.decode, prepared.prompt_ids[0], False)
@@ -140,7 +143,8 @@ class OpenAIServing:
                 for p, ids, s in zip(prompts, prompt_ids, streams)] if req.echo else None
         gen = Generation(prepared.request_id, prepared.model, False, streams, req.num_logprobs, req.include_usage,
                          req.continuous_usage, echo=echo, return_token_ids=bool(req.return_token_ids),
-                         tokens_as_ids=self.tokens_as_ids(req))
+                         tokens_as_ids=self.tokens_as_ids(req),
+                         per_request_metrics=self.enable_per_request_metrics and prepared.beam is None)
         return gen
 
     def tokens_as_ids(self, req: ChatCompletionRequest | CompletionRequest) -> bool:
