@@ -61,7 +61,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                             trust_request_chat_template=config.trust_request_chat_template,
                             return_tokens_as_token_ids=config.return_tokens_as_token_ids,
                             reasoning_parser=config.reasoning_parser,
-                            enable_per_request_metrics=config.enable_per_request_metrics)
+                            enable_per_request_metrics=config.enable_per_request_metrics,
+                            sse_ping_interval=config.sse_ping_interval if config.sse_ping_interval > 0 else None)
     if config.chat_template is not None:      # --chat-template: the server's chats render with it, /tokenize too
         engine.tokenizer.hf.chat_template = config.chat_template_text()
 

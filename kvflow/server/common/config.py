@@ -91,6 +91,10 @@ class ServerConfig:
                                                        "code the server runs); off: such a request is a 400")
     return_tokens_as_token_ids: bool = _option(False, "logprobs' tokens as 'token_id:N' unless a request says "
                                                       "otherwise (its return_tokens_as_token_ids)")
+    sse_ping_interval: float = _option(30.0, "send an SSE comment (': ping') on a stream that has had nothing to "
+                                             "send for this many seconds (a long prefill, a wait in the queue), so "
+                                             "clients and proxies see it alive; -1: never (llama-server's flag)",
+                                       metavar="SECONDS")
     enable_per_request_metrics: bool = _option(False, "put vLLM's per-request timings (metrics: time_to_first_token_ms, "
                                                       "generation_time_ms, queue_time_ms, mean_itl_ms, "
                                                       "tokens_per_second) into chat and completion responses with one "

@@ -416,7 +416,7 @@ class MessagesAPI:
         gen = await self.serving.start_chat(chat, raw)
         message_id = f"msg_{chat.request_id}"
         if req.stream:
-            return EventStream(self.events(gen, message_id), gen.streams)
+            return EventStream(self.events(gen, message_id), gen.streams, self.serving.sse_ping_interval)
         result = (await self.serving.collect(gen, raw))[0]
         choice = self.serving.renderer.chat_choice(gen, 0, result)
         reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason)

@@ -71,7 +71,8 @@ class ResponsesServing:
         gen = await self.start(req, rid, raw)
         head = response_head(req, rid, gen)
         if req.stream:
-            return EventStream(self.events(gen, head, req.include_logprobs), gen.streams)
+            return EventStream(self.events(gen, head, req.include_logprobs), gen.streams,
+                               self.serving.sse_ping_interval)
         results = await self.serving.collect(gen, raw)
         choice = self.serving.renderer.chat_choice(gen, 0, results[0])
         incomplete = choice.finish_reason == "length"

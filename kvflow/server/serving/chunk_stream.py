@@ -24,6 +24,7 @@ from kvflow.server.serving.generation import Generation, merge
 from kvflow.server.serving.protocol import (ChatCompletionChunk, ChatCompletionStreamChoice, CompletionChoice,
                                             CompletionChunk, DeltaMessage, UsageInfo)
 from kvflow.server.serving.request_metrics import request_metrics
+from kvflow.server.serving.sse_pings import with_pings
 from kvflow.server.serving.reasoning import ReasoningRequest, ReasoningSplitter
 from kvflow.server.serving.tool_calls import ToolCallStreamer
 
@@ -168,10 +169,13 @@ async def sse_events(chunks: AsyncIterator[ChatCompletionChunk | CompletionChunk
 
 
 class EventStream(StreamingResponse):
-    """SSE response that closes (aborts) its request streams however it ends, even if never iterated."""
+    """SSE response that closes (aborts) its request streams however it ends, even if never iterated; with
+    `ping_interval`, an SSE comment whenever it has had nothing to send for that long (sse_pings.py)."""
 
-    def __init__(self, content, streams: list[RequestStream]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream],
+                 ping_interval: float | None = None) -> None:
+        super().__init__(with_pings(content, ping_interval), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
         self._streams = streams
 
     async def __call__(self, scope, receive, send) -> None:

@@ -57,6 +57,11 @@ VLLM_FORMER_FIELDS = {"chat": ("early_stopping",), "completions": ("early_stoppi
 OPENAI_ONLY = ("store", "metadata", "modalities", "audio", "prediction", "service_tier", "web_search_options",
                "functions", "function_call", "verbosity", "safety_identifier", "prompt_cache_key")
 
+# llama-server's request fields that agent harnesses send to OpenAI-compatible servers; refused the same way when
+# set. return_progress: llama-server's prompt-processing progress events (`prompt_progress`); kvflow's engine reports
+# a request only when it samples, so it has no progress to send (a stream keeps alive by --sse-ping-interval instead)
+LLAMA_SERVER_ONLY = {"return_progress": False}
+
 _MISSING = object()
 
 # name -> the value that means "not asked for" (vLLM's default); anything else is refused
@@ -70,7 +75,7 @@ _COMMON = {
     "early_stopping": None, "spaces_between_special_tokens": True,
     "structural_tag": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
     "logits_processors": None, "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None,
-    **{name: None for name in OPENAI_ONLY},
+    **{name: None for name in OPENAI_ONLY}, **LLAMA_SERVER_ONLY,
 }
 REFUSED = {
     "chat": {**_COMMON, "best_of": None, "mm_processor_kwargs": None},

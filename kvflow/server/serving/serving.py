@@ -30,6 +30,7 @@ from kvflow.server.serving.protocol import (ChatCompletionChunk, ChatCompletionR
                                             TokenizerInfoResponse)
 from kvflow.server.serving.reasoning import reasoning_request
 from kvflow.server.serving.request_preparer import RequestPreparer, arrival_time
+from kvflow.server.serving.sse_pings import DEFAULT_SSE_PING_INTERVAL
 
 
 class OpenAIServing:
@@ -40,7 +41,8 @@ class OpenAIServing:
                  max_n: int = DEFAULT_MAX_N, shutdown_grace_period: float = 30.0,
                  tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
                  return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None,
-                 enable_per_request_metrics: bool = False) -> None:
+                 enable_per_request_metrics: bool = False,
+                 sse_ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.names = list(served_model_names or [engine.served_model_name])
@@ -49,6 +51,7 @@ class OpenAIServing:
         self.return_tokens_as_token_ids = return_tokens_as_token_ids     # the default of the request field
         self.reasoning_parser = reasoning_parser     # None: the output is not split (think markers stay in content)
         self.enable_per_request_metrics = enable_per_request_metrics     # responses carry vLLM's `metrics`
+        self.sse_ping_interval = sse_ping_interval   # every stream's keep-alive (sse_pings.py); None: none
         self.preparer = RequestPreparer(engine, self.names, max_n=max_n, tool_call_parser=tool_call_parser,
                                         trust_request_chat_template=trust_request_chat_template,
                                         reasoning_parser=reasoning_parser)
@@ -155,7 +158,8 @@ class OpenAIServing:
     # ---- Generation -> response: one path for chat and completions ---------------------------------------------
     async def respond(self, gen: Generation, stream: bool, raw: Request | None):
         if stream:
-            return EventStream(sse_events(self.chunks(gen), gen.streams, self.failure), gen.streams)
+            return EventStream(sse_events(self.chunks(gen), gen.streams, self.failure), gen.streams,
+                               self.sse_ping_interval)
         return self.renderer.response(gen, await self.collect(gen, raw))
 
     async def collect(self, gen: Generation, raw: Request | None) -> list[ChoiceResult]:
