@@ -11,6 +11,10 @@ structured outputs, tool-call parsing, reasoning (--reasoning-parser: a `thinkin
 the chat route's. This module renders Anthropic's shapes: content blocks, stop reasons, usage, the SSE event sequence the `anthropic` client's parser reads, and
 errors as `{"type": "error", "error": {"type", "message"}}`, whatever raised them (`MessagesRoute`).
 
+/v1/messages/count_tokens takes the same body (max_tokens optional) down the same path, `chat_request` then the
+chat route's `prepare_chat`, and answers with the size of the prompt it built, submitting nothing: the count is the
+prompt /v1/messages runs for that body, tools, system and template included.
+
 The field rule, as on the other routes: each field of Anthropic's request is implemented (a field of the models
 below) or refused with a 400 naming its path (request_fields.MESSAGES_REFUSED); a field nobody defines is ignored
 and logged once. Refused fields land in a model's `model_extra` (extra="allow") until `check` reads them, so
