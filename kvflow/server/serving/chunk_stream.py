@@ -10,6 +10,7 @@ search is done, so a streamed chat gets each beam's text in one chunk, as vLLM's
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -22,7 +23,7 @@ from kvflow.server.common.request_record import current_record
 from kvflow.server.serving.choice_renderer import ChoiceRenderer, token_ids, usage
 from kvflow.server.serving.generation import Generation, merge
 from kvflow.server.serving.protocol import (ChatCompletionChunk, ChatCompletionStreamChoice, CompletionChoice,
-                                            CompletionChunk, DeltaMessage, UsageInfo)
+                                            CompletionChunk, DeltaMessage, PromptProgressInfo, UsageInfo)
 from kvflow.server.serving.request_metrics import request_metrics
 from kvflow.server.serving.sse_pings import with_pings
 from kvflow.server.serving.reasoning import ReasoningRequest, ReasoningSplitter
@@ -67,6 +68,11 @@ async def stream_chunks(gen: Generation, renderer: ChoiceRenderer
                 index=i, delta=DeltaMessage(content=gen.echo[0]), logprobs=None, finish_reason=None)],
                 running_usage(opening=True))
     async for index, d in merge(gen.streams):
+        if d.prompt_progress is not None and gen.return_progress:     # llama-server's: a chunk without choices
+            yield chunk(gen, [], running_usage(opening=True),
+                        prompt_progress=PromptProgressInfo(**dataclasses.asdict(d.prompt_progress)))
+            if not d.token_ids and not d.text and d.finish_reason is None:
+                continue
         choice = choices[index]
         tokens = list(zip(d.token_ids, d.logprobs or [None] * len(d.token_ids)))
         wants_logprobs = gen.num_logprobs is not None and bool(d.token_ids)

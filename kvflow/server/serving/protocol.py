@@ -133,6 +133,10 @@ class _SamplingRequest(OpenAIModel):
                                                         "(prompt + output tokens) ** length_penalty")
     return_token_ids: bool | None = None             # prompt_token_ids and each choice's token_ids
     return_tokens_as_token_ids: bool | None = None   # logprobs' tokens as "token_id:N"
+    # llama-server's: a stream's prompt_progress chunks while its prompt is computed (each prompt chunk's step)
+    return_progress: bool = documented(False, description="streams only: a chunk with prompt_progress {total, cache, "
+                                                          "processed, time_ms} after each step that computed some of "
+                                                          "the prompt (llama-server's)")
     # structured outputs (kvflow.structured_output.spec_from_request checks their shape and names the field)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -458,6 +462,15 @@ class PerRequestTimingMetrics(OpenAIModel):
     tokens_per_second: float | None = None
 
 
+class PromptProgressInfo(OpenAIModel):
+    """llama-server's prompt_progress: of the prompt's `total` tokens, `cache` came from the prefix cache and
+    `processed` have been computed (the cached ones included); `time_ms` since the request's first step began."""
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
@@ -490,6 +503,8 @@ class ChatCompletionChunk(OpenAIModel):
     prompt_token_ids: list[int] | None = None   # return_token_ids: on the first chunk
     # --enable-per-request-metrics (vLLM's); absent without it
     metrics: PerRequestTimingMetrics | None = Field(default=None, exclude_if=lambda v: v is None)
+    # return_progress (llama-server's): on the chunks, without choices, that say how far the prompt is
+    prompt_progress: PromptProgressInfo | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -549,6 +564,8 @@ class CompletionChunk(OpenAIModel):
     usage: UsageInfo | None = None
     # --enable-per-request-metrics (vLLM's); absent without it
     metrics: PerRequestTimingMetrics | None = Field(default=None, exclude_if=lambda v: v is None)
+    # return_progress (llama-server's): on the chunks, without choices, that say how far the prompt is
+    prompt_progress: PromptProgressInfo | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TokenizeResponse(OpenAIModel):

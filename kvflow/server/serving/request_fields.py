@@ -57,11 +57,6 @@ VLLM_FORMER_FIELDS = {"chat": ("early_stopping",), "completions": ("early_stoppi
 OPENAI_ONLY = ("store", "metadata", "modalities", "audio", "prediction", "service_tier", "web_search_options",
                "functions", "function_call", "verbosity", "safety_identifier", "prompt_cache_key")
 
-# llama-server's request fields that agent harnesses send to OpenAI-compatible servers; refused the same way when
-# set. return_progress: llama-server's prompt-processing progress events (`prompt_progress`); kvflow's engine reports
-# a request only when it samples, so it has no progress to send (a stream keeps alive by --sse-ping-interval instead)
-LLAMA_SERVER_ONLY = {"return_progress": False}
-
 _MISSING = object()
 
 # name -> the value that means "not asked for" (vLLM's default); anything else is refused
@@ -75,7 +70,7 @@ _COMMON = {
     "early_stopping": None, "spaces_between_special_tokens": True,
     "structural_tag": None, "guided_decoding_backend": None, "guided_whitespace_pattern": None,
     "logits_processors": None, "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None,
-    **{name: None for name in OPENAI_ONLY}, **LLAMA_SERVER_ONLY,
+    **{name: None for name in OPENAI_ONLY},
 }
 REFUSED = {
     "chat": {**_COMMON, "best_of": None, "mm_processor_kwargs": None},
@@ -100,6 +95,7 @@ _BEAM_SEARCH_COMMON = {
     "response_format": ({"type": "text"},), "structured_outputs": (), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "guided_json_object": (False,),
     "return_tokens_as_token_ids": (False,),  # shapes logprobs, which beam search does not return
+    "return_progress": (False,),             # llama-server's prompt progress: a beam search's prompts send none
 }
 BEAM_SEARCH_REFUSED = {
     "chat": {**_BEAM_SEARCH_COMMON, "logprobs": (False,), "top_logprobs": (0,)},

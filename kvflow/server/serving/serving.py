@@ -33,6 +33,14 @@ from kvflow.server.serving.request_preparer import RequestPreparer, arrival_time
 from kvflow.server.serving.sse_pings import DEFAULT_SSE_PING_INTERVAL
 
 
+def streamed_progress(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """return_progress (llama-server's), which only a stream can carry: a 400 naming it otherwise."""
+    if req.return_progress and not req.stream:
+        raise APIError(400, "return_progress sends prompt_progress chunks: it needs stream: true",
+                       param="return_progress")
+    return req.return_progress
+
+
 class OpenAIServing:
     """The routes, and one path for chat and completions over one engine: `preparer` readies and submits a request,
     `renderer` shapes its choices whole, `chunks` streams them."""
@@ -117,7 +125,7 @@ class OpenAIServing:
         prepared = await self.preparer.prepare_chat(req, priority=priority)
         streams = self.preparer.submit(prepared.request_id, prepared.prompt_ids, prepared.params, arrival,
                                        req.PARAM_NAMES, priority=prepared.priority, model=prepared.model,
-                                       beam=prepared.beam)
+                                       beam=prepared.beam, return_progress=streamed_progress(req))
         # vLLM's echo: the reply starts with the last message when that is the assistant's (a prefill to continue)
         echo = [prepared.messages[-1]["content"]] if req.echo and req.messages[-1].role == "assistant" else None
         # the tools whose calls are parsed back out of the text (tool_choice "none": no calls to parse)
@@ -125,7 +133,8 @@ class OpenAIServing:
         gen = Generation(prepared.request_id, prepared.model, True, streams, req.num_logprobs, req.include_usage,
                          req.continuous_usage, tools=tools, echo=echo, return_token_ids=bool(req.return_token_ids),
                          tokens_as_ids=self.tokens_as_ids(req),
-                         per_request_metrics=self.enable_per_request_metrics and prepared.beam is None)
+                         per_request_metrics=self.enable_per_request_metrics and prepared.beam is None,
+                         return_progress=req.return_progress)
         if self.reasoning_parser is not None:
             # the prompt as the template wrote it: one that closed the reasoning itself leaves none to split off
             prompt_text = await asyncio.to_thread(self.tokenizer.decode, prepared.prompt_ids[0], False)
@@ -139,7 +148,8 @@ class OpenAIServing:
         prepared = await self.preparer.prepare_completions(req, priority=priority)
         prompts, prompt_ids = prepared.prompts, prepared.prompt_ids
         streams = self.preparer.submit(prepared.request_id, prompt_ids, prepared.params, arrival, req.PARAM_NAMES,
-                                       priority=prepared.priority, model=prepared.model, beam=prepared.beam)
+                                       priority=prepared.priority, model=prepared.model, beam=prepared.beam,
+                                       return_progress=streamed_progress(req))
         # echo: the prompt as given, or as the engine runs it when that is token ids or truncated
         echo = [p if isinstance(p, str) and len(s.prompt_token_ids) == len(ids)
                 else self.tokenizer.decode(s.prompt_token_ids, False)
@@ -147,7 +157,8 @@ class OpenAIServing:
         gen = Generation(prepared.request_id, prepared.model, False, streams, req.num_logprobs, req.include_usage,
                          req.continuous_usage, echo=echo, return_token_ids=bool(req.return_token_ids),
                          tokens_as_ids=self.tokens_as_ids(req),
-                         per_request_metrics=self.enable_per_request_metrics and prepared.beam is None)
+                         per_request_metrics=self.enable_per_request_metrics and prepared.beam is None,
+                         return_progress=req.return_progress)
         return gen
 
     def tokens_as_ids(self, req: ChatCompletionRequest | CompletionRequest) -> bool:
