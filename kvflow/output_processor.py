@@ -29,6 +29,16 @@ logger = logging.getLogger("kvflow")
 
 
 @dataclass(frozen=True)
+class PromptProgress:
+    """How far a request's prompt is (llama-server's `prompt_progress`): of its `total` tokens, `cache` came from the
+    prefix cache and `processed` have their KV (the cached ones included); `time_ms` since its first step began."""
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+
+@dataclass(frozen=True)
 class CompletionDelta:
     """What one step added to one choice of a request, as text and tokens."""
     index: int
@@ -39,6 +49,8 @@ class CompletionDelta:
     stop_reason: int | str | None = None  # the stop token id or string; the message when "error"
     # a pooling request's output, on its last delta: an embedding's vector, or a score request's [score]
     embedding: list[float] | None = None
+    # return_progress: the prompt's progress after a step that computed some of it (choice 0; the prompt is shared)
+    prompt_progress: PromptProgress | None = None
 
 
 @dataclass
@@ -72,6 +84,8 @@ class RequestState:
     pooled_sum: np.ndarray | None = None          # its pooled hidden states so far, summed (float64)
     num_pooled: int = 0                           # over how many prompt positions
     embedding: list[float] | None = None          # the finished vector
+    return_progress: bool = False                 # its prompt's progress goes out (CompletionDelta.prompt_progress)
+    num_progress_sent: int = 0                    # prompt tokens the progress sent so far said were processed
 
     @property
     def finished(self) -> bool:
@@ -107,7 +121,7 @@ class OutputProcessor:
             raise ValueError(f"request id {request_id!r} is already running")
         state = RequestState(request_id, list(request.prompt_token_ids), params, [],
                              prompt_logprobs=None if params.prompt_logprobs is None else [None],
-                             pooling=request.pooling)
+                             pooling=request.pooling, return_progress=request.return_progress)
         core = []
         for i in range(params.n):
             child = request if params.n == 1 else dataclasses.replace(
@@ -158,6 +172,7 @@ class OutputProcessor:
             state.prompt_logprobs += out.prompt_logprobs
         if state.pooling is not None:
             return self._pooled(state, choice, out, t_end)
+        progress = self._progress(state, choice, out, t_end)
         new_ids = list(out.new_token_ids)
         if new_ids:
             if t.first_token is None:
@@ -185,9 +200,24 @@ class OutputProcessor:
         if finish_reason is not None:
             choice.finish_reason, choice.stop_reason = finish_reason, stop_reason
             t.finished = t_end
-        if not text and not new_ids and finish_reason is None:
+        if not text and not new_ids and finish_reason is None and progress is None:
             return None
-        return CompletionDelta(choice.index, text, new_ids, out.new_logprobs, finish_reason, stop_reason)
+        return CompletionDelta(choice.index, text, new_ids, out.new_logprobs, finish_reason, stop_reason,
+                               prompt_progress=progress)
+
+    @staticmethod
+    def _progress(state: RequestState, choice: ChoiceState, out: EngineOutput, when: float) -> PromptProgress | None:
+        """return_progress: the prompt's progress, when this output says it went further than the last one sent (a
+        preemption computes the prompt again: that is not sent twice)."""
+        if not state.return_progress or choice.index != 0:
+            return None
+        processed = min(out.num_computed_tokens, state.num_prompt_tokens)
+        if processed <= state.num_progress_sent:
+            return None
+        state.num_progress_sent = processed
+        start = choice.timings.scheduled if choice.timings.scheduled is not None else when
+        return PromptProgress(state.num_prompt_tokens, min(out.num_cached_tokens, processed), processed,
+                              max(0.0, when - start) * 1000)
 
     @staticmethod
     def _pooled(state: RequestState, choice: ChoiceState, out: EngineOutput, when: float) -> CompletionDelta | None:

@@ -58,6 +58,8 @@ class AddRequest:
     priority: int = 0                 # the scheduler's: a lower value first (interactive 0, batch work higher)
     lora: LoRARequest | None = None   # the LoRA adapter it runs under (the engine reads it from its path when needed)
     cache_prefix: bool = False        # prefix caching for this request even when the engine's is off (beam search)
+    # an output after each prompt chunk it computes, saying how far its prompt is (llama-server's return_progress)
+    return_progress: bool = False
 
 
 class Request:
@@ -66,7 +68,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, arrival_time: float | None = None, pooling: PoolingParams | None = None,
-                 priority: int = 0, lora: LoRARequest | None = None, cache_prefix: bool = False):
+                 priority: int = 0, lora: LoRARequest | None = None, cache_prefix: bool = False,
+                 return_progress: bool = False):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)   # prompt + generated
@@ -77,6 +80,7 @@ class Request:
         # its full blocks join the prefix cache and it takes prefix-cache hits even when the engine's prefix caching
         # is off (beam search's one-token steps: every beam shares its prompt's blocks, beam_search.py)
         self.cache_prefix = cache_prefix
+        self.return_progress = return_progress    # an output after each prompt chunk too (AddRequest's)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0              # tokens whose KV is in the cache
         self.num_cached_tokens = 0                # prompt tokens that came from the prefix cache
@@ -105,7 +109,7 @@ class Request:
         if add.max_tokens is None:
             raise ValueError(f"request {add.request_id!r} has no resolved max_tokens: admit it first")
         req = cls(add.request_id, add.prompt_token_ids, add.params, add.max_tokens, add.arrival_time, add.pooling,
-                  add.priority, add.lora, add.cache_prefix)
+                  add.priority, add.lora, add.cache_prefix, add.return_progress)
         req.eos_token_ids = eos_token_ids
         return req
 

@@ -350,6 +350,50 @@ def test_tool_choice_errors_name_the_messages_fields(tiny_client):
         assert len([b for b in r.content if b.type == "tool_use"]) <= 1
 
 
+# ---------------------------------------------------------------------------------------------- count_tokens
+def test_count_tokens_counts_the_prompt_that_create_runs_for_the_same_body(tiny, tiny_client):
+    """client.messages.count_tokens on a body with a system prompt, tools, a tool_use / tool_result exchange and a
+    prefill: its count is the prompt a real /v1/messages call on the same body runs (and the tools count)."""
+    call = {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 1, "b": 2}}
+    body = {"model": "tiny", "system": [{"type": "text", "text": "You add numbers."}], "tools": TOOLS,
+            "tool_choice": {"type": "any"},
+            "messages": [{"role": "user", "content": "What is 1 + 2?"},
+                         {"role": "assistant", "content": [call]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                       "content": "3"}]},
+                         {"role": "assistant", "content": "The sum is"}]}
+    counted = tiny_client.messages.count_tokens(**body)
+    created = tiny_client.messages.create(max_tokens=1, **body)
+    assert counted.input_tokens == prompt_of(created) > 0
+    without_tools = tiny_client.messages.count_tokens(**{k: v for k, v in body.items()
+                                                         if k not in ("tools", "tool_choice")})
+    without_system = tiny_client.messages.count_tokens(**{k: v for k, v in body.items() if k != "system"})
+    assert 0 < without_tools.input_tokens < counted.input_tokens
+    assert 0 < without_system.input_tokens < counted.input_tokens
+    # as Claude Code calls it: ?beta=true, and the very body it sends to /v1/messages (max_tokens and all)
+    r = httpx.post(tiny.url + "/v1/messages/count_tokens?beta=true", json={**body, "max_tokens": 64,
+                   "temperature": 0}, headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == 200 and r.json() == {"input_tokens": counted.input_tokens}, r.text
+    r = httpx.post(tiny.url + "/v1/messages?beta=true", json={**body, "max_tokens": 1},
+                   headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == 200 and r.json()["type"] == "message", r.text
+
+
+def test_count_tokens_errors_come_in_anthropics_shape(tiny):
+    post = lambda body: httpx.post(tiny.url + "/v1/messages/count_tokens", json=body,  # noqa: E731
+                                   headers={"x-api-key": KEY}, timeout=60)
+    user = [{"role": "user", "content": "hi"}]
+    assert anthropic_error(post({"model": "tiny", "messages": user, "stream": True}), 400,
+                           "invalid_request_error").startswith("stream: ")
+    assert anthropic_error(post({"model": "tiny", "messages": []}), 400, "invalid_request_error").startswith(
+        "messages: ")
+    assert anthropic_error(post({"model": "tiny", "messages": user, "thinking": {"type": "enabled",
+                                 "budget_tokens": 1024}}), 400, "invalid_request_error").startswith("thinking: ")
+    anthropic_error(post({"model": "claude-nope", "messages": user}), 404, "not_found_error")
+    r = httpx.post(tiny.url + "/v1/messages/count_tokens", json={"model": "tiny", "messages": user}, timeout=60)
+    anthropic_error(r, 401, "authentication_error")
+
+
 def test_engine_failures_come_in_anthropics_shape():
     """429, 503 and 500 (whole, and as a stream's error event) over a fake engine: the route's own handling."""
     body = {"model": "fake", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}

@@ -102,7 +102,7 @@ def a_value_beam_search_refuses(route: str, field: str):
                "top_logprobs": 2, "stream_options": {"include_usage": True}, "seed": 1, "top_p": 0.5, "top_k": 5,
                "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1,
                "min_tokens": 1, "prompt_logprobs": 1, "guided_json_object": True, "return_tokens_as_token_ids": True,
-               "thinking_token_budget": 8}
+               "thinking_token_budget": 8, "return_progress": True}
     return special[field]
 
 
@@ -112,7 +112,7 @@ def test_a_field_beam_search_does_not_read_is_a_400_naming_it_beside_use_beam_se
     body = {**BASE[route], "use_beam_search": True, "n": 2, field: a_value_beam_search_refuses(route, field)}
     if field == "top_logprobs":
         body["logprobs"] = True if route == "chat" else None
-    if field == "stream_options":
+    if field in ("stream_options", "return_progress"):      # each needs stream
         body["stream"] = True
     r = httpx.post(server.url + ROUTES[route], json=body, timeout=30)
     assert r.status_code == 400, (field, r.text)

@@ -185,6 +185,31 @@ def test_n2_and_seed_reproducibility(client):
     assert finished == {0, 1}
 
 
+def test_a_chat_streams_finish_chunk_has_string_content_as_vllms(server, client):
+    """vLLM's test_chat_completion_stream_options (include_usage false) concatenates every chunk's delta.content:
+    the chunk that carries finish_reason after the EOS (a special token: no text of its own) has content "", not
+    null. logit_bias makes the EOS the reply's first token."""
+    eos = server.engine.tokenizer.eos_token_id
+    chunks = list(chat(client, max_tokens=8, stream=True, stream_options={"include_usage": False},
+                       logit_bias={str(eos): 100}))
+    finish = [c for c in chunks if c.choices[0].finish_reason is not None]
+    assert len(finish) == 1 and chunks[-1] is finish[0] and finish[0].choices[0].finish_reason == "stop"
+    assert finish[0].choices[0].delta.content == ""
+    text = ""
+    for c in chunks:
+        assert c.usage is None
+        text += c.choices[0].delta.content      # a str on every chunk, the finish included
+    assert text == ""
+
+
+def test_without_enable_per_request_metrics_no_response_has_metrics(http):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and "metrics" not in r.json()
+    r = http.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and '"usage"' in r.text and '"metrics"' not in r.text
+
+
 def test_stop_strings(client):
     base = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0,
                                      extra_body={"ignore_eos": True})

@@ -50,6 +50,8 @@ class EngineOutput:
     first_scheduled_time: float | None = None   # when the scheduler first admitted it (ends its queue time)
     queued_time: float | None = None            # when it entered the core's waiting queue (starts its queue time)
     num_preemptions: int = 0                    # how often it was preempted so far
+    # its tokens whose KV is computed after this step (return_progress: how far its prompt is; 0 where not said)
+    num_computed_tokens: int = 0
     # an embedding request: the sum of the final hidden states of the `num_pooled` prompt positions this step pooled
     # (the frontend adds them up over the chunks and divides: PoolingParams.embedding)
     pooled_sum: list[float] | None = None

@@ -515,7 +515,8 @@ class Scheduler:
     # ---- after the model ran -------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: SampledTokens) -> list[EngineOutput]:
         """Advance computed tokens, append the sampled tokens (in sampling-row order), finish requests.
-        Returns one output per request that sampled."""
+        Returns one output per request that sampled, and one per prompt chunk computed of a request that asks for
+        its progress (return_progress) or its prompt logprobs."""
         outputs = []
         finished = []
         k = 0          # the next sampling row
@@ -557,10 +558,12 @@ class Scheduler:
                         queued_time=req.queued_time, num_preemptions=req.num_preemptions))
                 continue
             if not s.samples:
-                if new_prompt_logprobs:
+                if new_prompt_logprobs or req.return_progress:
                     outputs.append(EngineOutput(req.request_id, [], prompt_logprobs=new_prompt_logprobs,
                                                 num_prompt_tokens=req.num_prompt_tokens,
-                                                first_scheduled_time=req.first_scheduled_time))
+                                                num_cached_tokens=req.num_cached_tokens,
+                                                first_scheduled_time=req.first_scheduled_time,
+                                                num_computed_tokens=req.num_computed_tokens))
                 continue
             token, logprobs, error = sampled.token_ids[k], sampled.logprobs[k], sampled.errors.get(k)
             new_tokens = self._append(req, [token], error)
@@ -636,7 +639,8 @@ class Scheduler:
             req.request_id, new_tokens, new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens, first_scheduled_time=req.first_scheduled_time,
-            queued_time=req.queued_time, num_preemptions=req.num_preemptions)
+            queued_time=req.queued_time, num_preemptions=req.num_preemptions,
+            num_computed_tokens=req.num_computed_tokens)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params

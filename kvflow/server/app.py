@@ -15,6 +15,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -61,7 +62,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                             trust_request_chat_template=config.trust_request_chat_template,
                             return_tokens_as_token_ids=config.return_tokens_as_token_ids,
                             reasoning_parser=config.reasoning_parser,
-                            reasoning_budget_message=config.reasoning_budget_message)
+                            reasoning_budget_message=config.reasoning_budget_message,
+                            enable_per_request_metrics=config.enable_per_request_metrics,
+                            sse_ping_interval=config.sse_ping_interval if config.sse_ping_interval > 0 else None)
     if config.chat_template is not None:      # --chat-template: the server's chats render with it, /tokenize too
         engine.tokenizer.hf.chat_template = config.chat_template_text()
 
@@ -154,6 +157,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     if sinks:       # added last: runs first, so a 401 or a 413 gets its line too
         app.add_middleware(RequestObserver, sinks=sinks, log_prompts=config.request_log_prompts,
                            open_records=app.state.open_records)
+    if config.allowed_origins is not None:     # outermost: a 401 or a 413 carries the CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=list(config.allowed_methods or ["*"]),
+                           allow_headers=list(config.allowed_headers or ["*"]),
+                           allow_credentials=config.allow_credentials)
     return app
 
 

@@ -28,6 +28,20 @@ DEFAULT_REQUEST_LOG_MAX_BYTES = 100 * 2**20
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
+def json_list(value: str) -> tuple[str, ...]:
+    """A flag's JSON list of strings, as vLLM reads --allowed-origins: '["http://localhost:3000", "https://x.io"]'."""
+    try:
+        items = json.loads(value)
+    except ValueError:
+        raise ValueError(f"not a JSON list of strings: {value!r}") from None
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise ValueError(f"not a JSON list of strings: {value!r}")
+    return tuple(items)
+
+
+json_list.__name__ = "JSON list"      # argparse's "invalid JSON list value: ..." names it so
+
+
 def _option(default, help: str, **cli):
     return field(default=default, metadata={"help": help, **cli})
 
@@ -85,6 +99,15 @@ class ServerConfig:
                                                        "code the server runs); off: such a request is a 400")
     return_tokens_as_token_ids: bool = _option(False, "logprobs' tokens as 'token_id:N' unless a request says "
                                                       "otherwise (its return_tokens_as_token_ids)")
+    sse_ping_interval: float = _option(30.0, "send an SSE comment (': ping') on a stream that has had nothing to "
+                                             "send for this many seconds (a long prefill, a wait in the queue), so "
+                                             "clients and proxies see it alive; -1: never (llama-server's flag)",
+                                       metavar="SECONDS")
+    enable_per_request_metrics: bool = _option(False, "put vLLM's per-request timings (metrics: time_to_first_token_ms, "
+                                                      "generation_time_ms, queue_time_ms, mean_itl_ms, "
+                                                      "tokens_per_second) into chat and completion responses with one "
+                                                      "choice; streamed, on the usage chunk (stream_options."
+                                                      "include_usage)")
     enable_server_load_tracking: bool = _option(False, "count the requests in flight on the routes that run the "
                                                        "model, for GET /load (vLLM's; off: it says 0)")
     enable_tokenizer_info_endpoint: bool = _option(False, "serve GET /tokenizer_info: the tokenizer's configuration "
@@ -93,6 +116,18 @@ class ServerConfig:
                                                          "name=PATH (a PEFT adapter folder), or vLLM's JSON "
                                                          '{"name": ..., "path": ..., "base_model_name": ...}; a request '
                                                          "selects one by its model name", metavar="NAME=PATH")
+    # CORS, vLLM's flags (a browser page on another origin calling the API); unlike vLLM's, off unless
+    # --allowed-origins is given: no Access-Control-* headers at all
+    allowed_origins: tuple[str, ...] | None = _option(None, 'answer CORS requests from these origins, a JSON list, '
+                                                            'e.g. \'["http://localhost:3000"]\' or \'["*"]\' (default: '
+                                                            "no CORS headers)", type=json_list, metavar="JSON")
+    allowed_methods: tuple[str, ...] | None = _option(None, 'CORS: the methods allowed, a JSON list (default with '
+                                                            '--allowed-origins: ["*"])', type=json_list, metavar="JSON")
+    allowed_headers: tuple[str, ...] | None = _option(None, 'CORS: the request headers allowed, a JSON list (default '
+                                                            'with --allowed-origins: ["*"])', type=json_list,
+                                                      metavar="JSON")
+    allow_credentials: bool = _option(False, "CORS: allow credentials (cookies, Authorization) in cross-origin "
+                                             "requests")
     # the online Batch API (server/batches_api.py, server/files_api.py)
     batch_dir: str = _option(DEFAULT_BATCH_DIR, "where the Batch API keeps its SQLite store and files (created on "
                                                 "first use; batches found there at start resume)", metavar="DIR")
@@ -149,6 +184,19 @@ class ServerConfig:
         if self.lora_modules is not None:
             object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
             self.lora_module_paths()
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = json_list(value)
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+                if not all(isinstance(v, str) for v in value):
+                    raise ValueError(f"--{name.replace('_', '-')} is a JSON list of strings, got {value!r}")
+        if self.allowed_origins is None:
+            cors = [f"--{n.replace('_', '-')}" for n in ("allowed_methods", "allowed_headers", "allow_credentials")
+                    if getattr(self, n)]
+            if cors:
+                raise ValueError(f"{', '.join(cors)} configure CORS, which --allowed-origins turns on: give it too")
         for name, lo in (("port", 0), ("max_queue_len", 1), ("max_n", 1), ("max_request_body_size", 1),
                          ("shutdown_grace_period", 0), ("max_batch_file_size", 1), ("batch_min_free_space", 0),
                          ("batch_max_concurrency", 1), ("request_log_max_bytes", 0),

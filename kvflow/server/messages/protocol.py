@@ -11,6 +11,7 @@ from kvflow import sampling_params as limits
 from kvflow.server.common.schema import Text, documented
 
 MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 
 
 # ---- request ----------------------------------------------------------------------------------------------------
@@ -173,6 +174,18 @@ class MessagesRequest(MessagesPart):
     cache_control: CacheControl | None = None         # a breakpoint on the last cacheable block: see CacheControl
     # vLLM's extra, as on chat: template variables (e.g. enable_thinking: false for Qwen3's template)
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens (Anthropic's MessageCountTokensParams): a Messages request without max_tokens.
+    The fields that shape only the reply (max_tokens, temperature, stop_sequences, ...) are taken as /v1/messages
+    takes them, so that one body serves both routes, and change no count; `stream` is refused (nothing streams)."""
+    max_tokens: int | None = Field(default=None, json_schema_extra={"minimum": 1})
+
+
+class CountTokensResponse(BaseModel):
+    """The prompt /v1/messages would run for the same body: every token of it (no cache split)."""
+    input_tokens: int
 
 
 # ---- response ---------------------------------------------------------------------------------------------------

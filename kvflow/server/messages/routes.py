@@ -12,6 +12,10 @@ structured outputs, tool-call parsing, reasoning (--reasoning-parser: a `thinkin
 the chat route's. This module renders Anthropic's shapes: content blocks, stop reasons, usage, the SSE event sequence the `anthropic` client's parser reads, and
 errors as `{"type": "error", "error": {"type", "message"}}`, whatever raised them (`MessagesRoute`).
 
+/v1/messages/count_tokens takes the same body (max_tokens optional) down the same path, `chat_request` then the
+chat route's `prepare_chat`, and answers with the size of the prompt it built, submitting nothing: the count is the
+prompt /v1/messages runs for that body, tools, system and template included.
+
 The field rule, as on the other routes: each field of Anthropic's request is implemented (a field of the models
 below) or refused with a 400 naming its path (request_fields.MESSAGES_REFUSED); a field nobody defines is ignored
 and logged once. Refused fields land in a model's `model_extra` (extra="allow") until `check` reads them, so
@@ -41,8 +45,9 @@ from kvflow.server.serving.generation import Generation
 from kvflow.server.serving.protocol import ChatCompletionRequest, ChatResponseMessage
 from kvflow.server.serving.request_fields import MESSAGES_FIELDS, messages_refused
 from kvflow.server.serving.serving import OpenAIServing
-from kvflow.server.messages.protocol import (ContentBlockDeltaEvent, ContentBlockStartEvent, ContentBlockStopEvent,
-                                             ContentOut, InputJsonDelta, InputMessage, MESSAGES_PATH,
+from kvflow.server.messages.protocol import (COUNT_TOKENS_PATH, ContentBlockDeltaEvent, ContentBlockStartEvent,
+                                             ContentBlockStopEvent, ContentOut, CountTokensRequest,
+                                             CountTokensResponse, InputJsonDelta, InputMessage, MESSAGES_PATH,
                                              MessageDeltaEvent, MessageStartEvent, MessageStopEvent,
                                              MessagesErrorDetail, MessagesErrorResponse, MessagesPart,
                                              MessagesRequest, MessagesResponse, MessagesUsage, PingEvent, ServerTool,
@@ -431,7 +436,7 @@ class StreamedBlocks:
 
 
 class MessagesAPI:
-    """POST /v1/messages over OpenAIServing's chat path."""
+    """POST /v1/messages and /v1/messages/count_tokens over OpenAIServing's chat path."""
 
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
@@ -441,12 +446,20 @@ class MessagesAPI:
         gen = await self.serving.start_chat(chat, raw)
         message_id = f"msg_{chat.request_id}"
         if req.stream:
-            return EventStream(self.events(gen, message_id), gen.streams)
+            return EventStream(self.events(gen, message_id), gen.streams, self.serving.sse_ping_interval)
         result = (await self.serving.collect(gen, raw))[0]
         choice = self.serving.renderer.chat_choice(gen, 0, result)
         reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason)
         return MessagesResponse(id=message_id, model=gen.model, content=content_blocks(choice.message),
                                 stop_reason=reason, stop_sequence=sequence, usage=usage(gen))
+
+    async def count_tokens(self, req: CountTokensRequest) -> CountTokensResponse:
+        """The size of the prompt /v1/messages would run for the same body: the request goes the same way
+        (chat_request, then the chat route's prepare_chat: template, tools, checks) and stops short of the engine."""
+        if req.stream:
+            raise APIError(400, "count_tokens streams nothing: leave stream unset", param="stream")
+        prepared = await self.serving.preparer.prepare_chat(chat_request(req))
+        return CountTokensResponse(input_tokens=len(prepared.prompt_ids[0]))
 
     async def events(self, gen: Generation, message_id: str) -> AsyncIterator[str]:
         """The stream: message_start (the prompt's size), ping, the content blocks as the chat route streams them,
@@ -493,8 +506,15 @@ def messages_router(serving: OpenAIServing) -> APIRouter:
     api = MessagesAPI(serving)
     router = APIRouter(route_class=MessagesRoute)
 
+    # `beta`: Anthropic's clients (Claude Code) add ?beta=true when they use a beta feature; the features are
+    # implemented or refused field by field, so the flag changes nothing here
     @router.post(MESSAGES_PATH, response_model=None, responses=OPENAPI_RESPONSES)
-    async def create_message(req: MessagesRequest, raw: Request):
+    async def create_message(req: MessagesRequest, raw: Request, beta: bool | None = None):
         return await api.create(req, raw)
+
+    @router.post(COUNT_TOKENS_PATH, response_model=CountTokensResponse,
+                 responses={k: v for k, v in OPENAPI_RESPONSES.items() if k not in (200, 429, 500)})
+    async def count_tokens(req: CountTokensRequest, beta: bool | None = None):
+        return await api.count_tokens(req)
 
     return router

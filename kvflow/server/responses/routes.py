@@ -71,7 +71,8 @@ class ResponsesServing:
         gen = await self.start(req, rid, raw)
         head = response_head(req, rid, gen)
         if req.stream:
-            return EventStream(self.events(gen, head, req.include_logprobs), gen.streams)
+            return EventStream(self.events(gen, head, req.include_logprobs), gen.streams,
+                               self.serving.sse_ping_interval)
         results = await self.serving.collect(gen, raw)
         choice = self.serving.renderer.chat_choice(gen, 0, results[0])
         incomplete = choice.finish_reason == "length"
@@ -254,9 +255,10 @@ def required_str(item: dict, key: str, where: str) -> str:
 
 def chat_tools(tools: list[dict[str, Any]], tool_choice: Any) -> list[dict[str, Any]]:
     """Responses function tools ({"type": "function", "name", "parameters", ...}) -> chat tools. Built-in tools
-    are a 400: kvflow runs none. `strict` is kept where the grammar enforces the parameters (tool_choice
-    "required" or a named function) and refused where it cannot ("auto": the model writes calls freely)."""
-    free = tool_choice in (None, "auto")
+    are a 400: kvflow runs none. `strict` passes to the chat route, which treats it as vLLM's does: the grammar
+    enforces the parameters where tool_choice forces the calls ("required" or a named function); under "auto" the
+    model writes its calls freely and they are parsed as written, strict or not, as on /v1/chat/completions (the
+    OpenAI Agents SDK marks every function tool strict, under "auto" too)."""
     out = []
     for i, tool in enumerate(tools):
         if tool.get("type") != "function":
@@ -265,9 +267,6 @@ def chat_tools(tools: list[dict[str, Any]], tool_choice: Any) -> list[dict[str, 
         for key, value in tool.items():
             if key not in FUNCTION_TOOL_KEYS and value not in (None, False, [], {}):
                 raise APIError(400, f"{key} is not supported on a function tool", param=f"tools[{i}].{key}")
-        if tool.get("strict") and free:
-            raise APIError(400, "strict parameters are enforced only when tool_choice is 'required' or names the "
-                                "function; under 'auto' the model writes its calls freely", param=f"tools[{i}].strict")
         out.append({"type": "function", "function": {k: tool[k] for k in FUNCTION_TOOL_KEYS[1:]
                                                      if tool.get(k) is not None}})
     return out

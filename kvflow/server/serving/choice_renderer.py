@@ -18,6 +18,7 @@ from kvflow.server.serving.protocol import (ChatCompletionChoice, ChatCompletion
                                             ChatResponseMessage, CompletionChoice, CompletionLogprobs,
                                             CompletionResponse, CompletionTokensDetails, PromptLogprob,
                                             PromptTokensDetails, TokenLogprob, ToolCall, TopLogprob, UsageInfo)
+from kvflow.server.serving.request_metrics import request_metrics
 from kvflow.server.serving.reasoning import ReasoningRequest, ReasoningSplitter, reasoning_tokens
 from kvflow.server.serving.tool_calls import ExtractedToolCalls, ToolRequest, extract_tool_calls
 from kvflow.tokenizer import Tokenizer
@@ -89,8 +90,8 @@ class ChoiceRenderer:
                 head["prompt_logprobs"] = self.prompt_logprobs(gen, first)
             if gen.return_token_ids:
                 head["prompt_token_ids"] = list(first.prompt_token_ids)
-            return ChatCompletionResponse(**head, choices=choices, usage=usage(gen))
-        head["usage"] = usage(gen)
+            return ChatCompletionResponse(**head, choices=choices, usage=usage(gen), **request_metrics(gen))
+        head.update(usage=usage(gen), **request_metrics(gen))
         return CompletionResponse(**head, choices=[self.completion_choice(gen, i, r) for i, r in enumerate(results)])
 
     def chat_choice(self, gen: Generation, index: int, r: ChoiceResult) -> ChatCompletionChoice:

@@ -10,6 +10,7 @@ search is done, so a streamed chat gets each beam's text in one chunk, as vLLM's
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -22,7 +23,9 @@ from kvflow.server.common.request_record import current_record
 from kvflow.server.serving.choice_renderer import ChoiceRenderer, token_ids, usage
 from kvflow.server.serving.generation import Generation, merge
 from kvflow.server.serving.protocol import (ChatCompletionChunk, ChatCompletionStreamChoice, CompletionChoice,
-                                            CompletionChunk, DeltaMessage, UsageInfo)
+                                            CompletionChunk, DeltaMessage, PromptProgressInfo, UsageInfo)
+from kvflow.server.serving.request_metrics import request_metrics
+from kvflow.server.serving.sse_pings import with_pings
 from kvflow.server.serving.reasoning import ReasoningRequest, ReasoningSplitter
 from kvflow.server.serving.tool_calls import ToolCallStreamer
 
@@ -65,6 +68,11 @@ async def stream_chunks(gen: Generation, renderer: ChoiceRenderer
                 index=i, delta=DeltaMessage(content=gen.echo[0]), logprobs=None, finish_reason=None)],
                 running_usage(opening=True))
     async for index, d in merge(gen.streams):
+        if d.prompt_progress is not None and gen.return_progress:     # llama-server's: a chunk without choices
+            yield chunk(gen, [], running_usage(opening=True),
+                        prompt_progress=PromptProgressInfo(**dataclasses.asdict(d.prompt_progress)))
+            if not d.token_ids and not d.text and d.finish_reason is None:
+                continue
         choice = choices[index]
         tokens = list(zip(d.token_ids, d.logprobs or [None] * len(d.token_ids)))
         wants_logprobs = gen.num_logprobs is not None and bool(d.token_ids)
@@ -94,7 +102,7 @@ async def stream_chunks(gen: Generation, renderer: ChoiceRenderer
         if not deltas and finish is None and not wants_logprobs and not opening and not sends_ids:
             continue
         logprobs, choice.text_offset = renderer.logprobs(gen, tokens, choice.text_offset)
-        deltas = deltas or [DeltaMessage() if gen.chat else ""]
+        deltas = deltas or [empty_delta(choice) if gen.chat else ""]
         for j, delta in enumerate(deltas):    # logprobs and token ids on the first chunk, the finish on the last
             last = j == len(deltas) - 1
             end = {"finish_reason": finish if last else None}
@@ -107,8 +115,16 @@ async def stream_chunks(gen: Generation, renderer: ChoiceRenderer
             else:
                 streamed = CompletionChoice(index=index, text=delta, logprobs=lp, **end, **ids)
             yield chunk(gen, [streamed], running_usage())
-    if gen.include_usage:
-        yield chunk(gen, [], usage(gen))
+    if gen.include_usage:      # vLLM's per-request metrics ride on the usage chunk (none without it)
+        yield chunk(gen, [], usage(gen), **request_metrics(gen))
+
+
+def empty_delta(choice: StreamedChoice) -> DeltaMessage:
+    """The delta of a chat chunk that carries no text (the finish after a stop token, logprobs of a held-back
+    token), as vLLM sends it: `content: ""` when nothing parses the text (vLLM sends each step's text as content,
+    empty or not; a client that concatenates delta.content relies on it), `{}` when a tool-call parser or a
+    reasoning parser had nothing to say."""
+    return DeltaMessage() if choice.tool_calls is not None or choice.reasoning is not None else DeltaMessage(content="")
 
 
 def chunk(gen: Generation, choices: list, usage: UsageInfo | None = None, **fields):
@@ -159,10 +175,13 @@ async def sse_events(chunks: AsyncIterator[ChatCompletionChunk | CompletionChunk
 
 
 class EventStream(StreamingResponse):
-    """SSE response that closes (aborts) its request streams however it ends, even if never iterated."""
+    """SSE response that closes (aborts) its request streams however it ends, even if never iterated; with
+    `ping_interval`, an SSE comment whenever it has had nothing to send for that long (sse_pings.py)."""
 
-    def __init__(self, content, streams: list[RequestStream]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream],
+                 ping_interval: float | None = None) -> None:
+        super().__init__(with_pings(content, ping_interval), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
         self._streams = streams
 
     async def __call__(self, scope, receive, send) -> None:

@@ -41,6 +41,8 @@ class Generation:
     reasoning: ReasoningRequest | None = None   # chat under --reasoning-parser: split each choice's text
     # per choice, its reasoning tokens so far (usage's completion_tokens_details)
     reasoning_counts: dict[int, int] = field(default_factory=dict)
+    return_progress: bool = False      # a stream's prompt_progress chunks (llama-server's)
+    per_request_metrics: bool = False  # --enable-per-request-metrics: the response's `metrics` (request_metrics.py)
 
     @property
     def n(self) -> int:

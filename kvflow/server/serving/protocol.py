@@ -133,6 +133,10 @@ class _SamplingRequest(OpenAIModel):
                                                         "(prompt + output tokens) ** length_penalty")
     return_token_ids: bool | None = None             # prompt_token_ids and each choice's token_ids
     return_tokens_as_token_ids: bool | None = None   # logprobs' tokens as "token_id:N"
+    # llama-server's: a stream's prompt_progress chunks while its prompt is computed (each prompt chunk's step)
+    return_progress: bool = documented(False, description="streams only: a chunk with prompt_progress {total, cache, "
+                                                          "processed, time_ms} after each step that computed some of "
+                                                          "the prompt (llama-server's)")
     # structured outputs (kvflow.structured_output.spec_from_request checks their shape and names the field)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -449,6 +453,28 @@ class ChatCompletionChoice(OpenAIModel):
     token_ids: list[int] | None = None          # return_token_ids
 
 
+class PerRequestTimingMetrics(OpenAIModel):
+    """vLLM's per-request timings (--enable-per-request-metrics), in milliseconds, each null when a timestamp it
+    needs is missing: time_to_first_token_ms from the request's first scheduled step (queue time excluded) to its
+    first token; generation_time_ms first to last token; queue_time_ms in the waiting queue until first scheduled;
+    mean_itl_ms the mean gap between tokens; tokens_per_second all generated tokens over first scheduled step to
+    last token."""
+    time_to_first_token_ms: float | None = None
+    generation_time_ms: float | None = None
+    queue_time_ms: float | None = None
+    mean_itl_ms: float | None = None
+    tokens_per_second: float | None = None
+
+
+class PromptProgressInfo(OpenAIModel):
+    """llama-server's prompt_progress: of the prompt's `total` tokens, `cache` came from the prefix cache and
+    `processed` have been computed (the cached ones included); `time_ms` since the request's first step began."""
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
@@ -479,6 +505,10 @@ class ChatCompletionChunk(OpenAIModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None   # return_token_ids: on the first chunk
+    # --enable-per-request-metrics (vLLM's); absent without it
+    metrics: PerRequestTimingMetrics | None = Field(default=None, exclude_if=lambda v: v is None)
+    # return_progress (llama-server's): on the chunks, without choices, that say how far the prompt is
+    prompt_progress: PromptProgressInfo | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -492,6 +522,8 @@ class ChatCompletionResponse(OpenAIModel):
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None   # return_token_ids
+    # --enable-per-request-metrics (vLLM's); absent without it
+    metrics: PerRequestTimingMetrics | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionLogprobs(OpenAIModel):
@@ -521,6 +553,8 @@ class CompletionResponse(OpenAIModel):
     usage: UsageInfo
     service_tier: str | None = None             # always null, as vLLM's
     system_fingerprint: str | None = None
+    # --enable-per-request-metrics (vLLM's); absent without it
+    metrics: PerRequestTimingMetrics | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionChunk(OpenAIModel):
@@ -532,6 +566,10 @@ class CompletionChunk(OpenAIModel):
     system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # --enable-per-request-metrics (vLLM's); absent without it
+    metrics: PerRequestTimingMetrics | None = Field(default=None, exclude_if=lambda v: v is None)
+    # return_progress (llama-server's): on the chunks, without choices, that say how far the prompt is
+    prompt_progress: PromptProgressInfo | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class TokenizeResponse(OpenAIModel):

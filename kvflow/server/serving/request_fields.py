@@ -95,6 +95,7 @@ _BEAM_SEARCH_COMMON = {
     "response_format": ({"type": "text"},), "structured_outputs": (), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "guided_json_object": (False,),
     "return_tokens_as_token_ids": (False,),  # shapes logprobs, which beam search does not return
+    "return_progress": (False,),             # llama-server's prompt progress: a beam search's prompts send none
 }
 BEAM_SEARCH_REFUSED = {
     "chat": {**_BEAM_SEARCH_COMMON, "logprobs": (False,), "top_logprobs": (0,), "thinking_token_budget": ()},

@@ -285,11 +285,12 @@ class RequestPreparer:
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, arrival: float,
                param_names: dict[str, str], pooling: PoolingParams | list[PoolingParams] | None = None,
                priority: int = 0, model: str | None = None,
-               beam: BeamSearchParams | None = None) -> list[RequestStream]:
+               beam: BeamSearchParams | None = None, return_progress: bool = False) -> list[RequestStream]:
         """One engine request per prompt; all or none (the ones already submitted are closed on failure).
         `pooling`: pooling requests (server/embeddings/routes.py; a list: one per prompt, as a text pair's token
         types differ: server/score/routes.py); `priority`: the scheduler's (lower first); `beam`:
-        a beam search per prompt instead (AsyncEngine.beam_search; `params` gives its prompt's truncation)."""
+        a beam search per prompt instead (AsyncEngine.beam_search; `params` gives its prompt's truncation);
+        `return_progress`: the engine says how far each prompt is after each step that computes some of it."""
         streams: list[RequestStream] = []
         lora = self.lora_for(model) if model is not None else None     # `model`: a LoRA adapter's name selects it
         if beam is not None:
@@ -298,7 +299,7 @@ class RequestPreparer:
             for k, ids in enumerate(prompts):
                 request = AddRequest(engine_request_id(request_id, k, len(prompts)), ids, params, arrival,
                                      pooling=pooling[k] if isinstance(pooling, list) else pooling,
-                                     priority=priority, lora=lora)
+                                     priority=priority, lora=lora, return_progress=return_progress)
                 streams.append(self.engine.submit(request) if beam is None else self.engine.beam_search(request, beam))
         except BaseException as e:
             for s in streams:

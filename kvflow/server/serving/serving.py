@@ -29,6 +29,15 @@ from kvflow.server.serving.protocol import (ChatCompletionChunk, ChatCompletionR
                                             ModelList, ModelPermission, TokenizeRequest, TokenizeResponse,
                                             TokenizerInfoResponse)
 from kvflow.server.serving.request_preparer import RequestPreparer, arrival_time
+from kvflow.server.serving.sse_pings import DEFAULT_SSE_PING_INTERVAL
+
+
+def streamed_progress(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """return_progress (llama-server's), which only a stream can carry: a 400 naming it otherwise."""
+    if req.return_progress and not req.stream:
+        raise APIError(400, "return_progress sends prompt_progress chunks: it needs stream: true",
+                       param="return_progress")
+    return req.return_progress
 
 
 class OpenAIServing:
@@ -39,7 +48,8 @@ class OpenAIServing:
                  max_n: int = DEFAULT_MAX_N, shutdown_grace_period: float = 30.0,
                  tool_call_parser: str | None = None, trust_request_chat_template: bool = False,
                  return_tokens_as_token_ids: bool = False, reasoning_parser: str | None = None,
-                 reasoning_budget_message: str | None = None) -> None:
+                 reasoning_budget_message: str | None = None, enable_per_request_metrics: bool = False,
+                 sse_ping_interval: float | None = DEFAULT_SSE_PING_INTERVAL) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.names = list(served_model_names or [engine.served_model_name])
@@ -47,6 +57,8 @@ class OpenAIServing:
         self._shutdown: asyncio.Future | None = None
         self.return_tokens_as_token_ids = return_tokens_as_token_ids     # the default of the request field
         self.reasoning_parser = reasoning_parser     # None: the output is not split (think markers stay in content)
+        self.enable_per_request_metrics = enable_per_request_metrics     # responses carry vLLM's `metrics`
+        self.sse_ping_interval = sse_ping_interval   # every stream's keep-alive (sse_pings.py); None: none
         self.preparer = RequestPreparer(engine, self.names, max_n=max_n, tool_call_parser=tool_call_parser,
                                         trust_request_chat_template=trust_request_chat_template,
                                         reasoning_parser=reasoning_parser,
@@ -113,14 +125,16 @@ class OpenAIServing:
         prepared = await self.preparer.prepare_chat(req, priority=priority)
         streams = self.preparer.submit(prepared.request_id, prepared.prompt_ids, prepared.params, arrival,
                                        req.PARAM_NAMES, priority=prepared.priority, model=prepared.model,
-                                       beam=prepared.beam)
+                                       beam=prepared.beam, return_progress=streamed_progress(req))
         # vLLM's echo: the reply starts with the last message when that is the assistant's (a prefill to continue)
         echo = [prepared.messages[-1]["content"]] if req.echo and req.messages[-1].role == "assistant" else None
         # the tools whose calls are parsed back out of the text (tool_choice "none": no calls to parse)
         tools = prepared.tools if prepared.tools is not None and prepared.tools.mode != "none" else None
         gen = Generation(prepared.request_id, prepared.model, True, streams, req.num_logprobs, req.include_usage,
                          req.continuous_usage, tools=tools, echo=echo, return_token_ids=bool(req.return_token_ids),
-                         tokens_as_ids=self.tokens_as_ids(req))
+                         tokens_as_ids=self.tokens_as_ids(req),
+                         per_request_metrics=self.enable_per_request_metrics and prepared.beam is None,
+                         return_progress=req.return_progress)
         gen.reasoning = prepared.reasoning
         return gen
 
@@ -130,14 +144,17 @@ class OpenAIServing:
         prepared = await self.preparer.prepare_completions(req, priority=priority)
         prompts, prompt_ids = prepared.prompts, prepared.prompt_ids
         streams = self.preparer.submit(prepared.request_id, prompt_ids, prepared.params, arrival, req.PARAM_NAMES,
-                                       priority=prepared.priority, model=prepared.model, beam=prepared.beam)
+                                       priority=prepared.priority, model=prepared.model, beam=prepared.beam,
+                                       return_progress=streamed_progress(req))
         # echo: the prompt as given, or as the engine runs it when that is token ids or truncated
         echo = [p if isinstance(p, str) and len(s.prompt_token_ids) == len(ids)
                 else self.tokenizer.decode(s.prompt_token_ids, False)
                 for p, ids, s in zip(prompts, prompt_ids, streams)] if req.echo else None
         gen = Generation(prepared.request_id, prepared.model, False, streams, req.num_logprobs, req.include_usage,
                          req.continuous_usage, echo=echo, return_token_ids=bool(req.return_token_ids),
-                         tokens_as_ids=self.tokens_as_ids(req))
+                         tokens_as_ids=self.tokens_as_ids(req),
+                         per_request_metrics=self.enable_per_request_metrics and prepared.beam is None,
+                         return_progress=req.return_progress)
         return gen
 
     def tokens_as_ids(self, req: ChatCompletionRequest | CompletionRequest) -> bool:
@@ -148,7 +165,8 @@ class OpenAIServing:
     # ---- Generation -> response: one path for chat and completions ---------------------------------------------
     async def respond(self, gen: Generation, stream: bool, raw: Request | None):
         if stream:
-            return EventStream(sse_events(self.chunks(gen), gen.streams, self.failure), gen.streams)
+            return EventStream(sse_events(self.chunks(gen), gen.streams, self.failure), gen.streams,
+                               self.sse_ping_interval)
         return self.renderer.response(gen, await self.collect(gen, raw))
 
     async def collect(self, gen: Generation, raw: Request | None) -> list[ChoiceResult]:
