@@ -4,7 +4,9 @@ Each `add` decodes only a small window of ids (vLLM's / TGI's prefix_offset / re
 `prefix_offset..read_offset` is text already emitted and is decoded again only so the new tokens get
 their context (leading spaces, multi-byte characters split across tokens). Text whose decoding ends in
 U+FFFD (an unfinished UTF-8 character) waits for the next token. Text that could be the start of a
-stop string waits until it either completes the stop string or cannot.
+stop string waits until it either completes the stop string or cannot. The token that ended a request (EOS or a stop
+token id) is no part of the text unless include_stop_str_in_output, as in vLLM: with skip_special_tokens=False its
+text (`</s>`, `<|im_end|>`) would otherwise end every answer.
 """
 from __future__ import annotations
 
@@ -66,10 +68,15 @@ class IncrementalDetokenizer:
         self.text += out
         return out
 
-    def add(self, token_ids: Iterable[int]) -> str:
-        """Append new token ids; return the text that is now safe to show (may be "")."""
+    def add(self, token_ids: Iterable[int], stop_terminated: bool = False) -> str:
+        """Append new token ids; return the text that is now safe to show (may be ""). `stop_terminated`: the last
+        of them is the EOS or stop token id that ended the request, left out of the text unless
+        include_stop_str_in_output (vLLM's Detokenizer.update)."""
         if self.stop_str is not None:
             return ""
+        token_ids = list(token_ids)
+        if stop_terminated and not self.include_stop_str_in_output:
+            token_ids = token_ids[:-1]
         self.token_ids.extend(token_ids)
         self._pending += self._decode_new(final=False)
         if not self._pending:

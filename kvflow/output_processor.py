@@ -4,7 +4,9 @@ offline `LLM` and the serving `AsyncEngine` (on its event loop).
 Per request it keeps the choices (`n > 1` fans out into core requests `"{id}-{i}"`, seeded `seed + i`), each
 with its incremental detokenizer, stop strings, text, tokens, logprobs and timings. `process()` turns one
 step's `EngineOutput`s into per-request `CompletionDelta`s and says which core requests to abort (a stop
-string matched). An exception while handling one request's outputs fails that request only.
+string matched). An exception while handling one request's outputs fails that request only. The text of the EOS or
+stop token id that ended a choice is left out of its text (kept with include_stop_str_in_output), as vLLM does; its
+token id and logprobs stay.
 
 An embedding request (`pooling`) has no text: its outputs carry sums of pooled hidden states, added up here
 (float64) until the last one, whose delta carries the finished vector, or a score request's [score]
@@ -189,7 +191,7 @@ class OutputProcessor:
         detok = choice.detokenizer
         if detok is not None:
             if new_ids:
-                text = detok.add(new_ids)
+                text = detok.add(new_ids, stop_terminated=self._ended_on_token(out, new_ids[-1]))
             if detok.stopped:
                 if finish_reason is None:     # end this choice here and free its KV blocks in the core
                     to_abort.append(choice.core_id)
@@ -218,6 +220,13 @@ class OutputProcessor:
         start = choice.timings.scheduled if choice.timings.scheduled is not None else when
         return PromptProgress(state.num_prompt_tokens, min(out.num_cached_tokens, processed), processed,
                               max(0.0, when - start) * 1000)
+
+    def _ended_on_token(self, out: EngineOutput, last_token: int) -> bool:
+        """Whether the core ended this request because its last token is EOS or a stop token id (vLLM's
+        `stop_terminated`), whose text the detokenizer then leaves out. Not when a grammar ended it on a token of its
+        text (the core stops a constrained request once nothing but EOS may follow)."""
+        return out.finish_reason == "stop" and (
+            last_token == out.stop_reason or (out.stop_reason is None and last_token in self.tokenizer.eos_token_ids))
 
     @staticmethod
     def _pooled(state: RequestState, choice: ChoiceState, out: EngineOutput, when: float) -> CompletionDelta | None:

@@ -104,3 +104,38 @@ def test_an_engine_error_and_timings(smollm2_tokenizer):
     t = p.requests["r"].choices[0].timings
     assert (t.scheduled, t.first_token, t.last_token, t.finished) == (10.5, 12.0, 12.0, 13.0)
     assert (t.queue_time, t.ttft) == (0.5, 2.0)
+
+
+def run(processor, request_id, params, outputs):
+    """One request fed `outputs` (EngineOutputs for it, one step each); its choice's text and the deltas' texts."""
+    processor.add_request(AddRequest(request_id, [1], params, arrival_time=0.0))
+    deltas = [d for out in outputs for d in processor.process([out]).deltas.get(request_id, [])]
+    return processor.requests[request_id].choices[0].text, [d.text for d in deltas]
+
+
+def test_the_token_that_ended_a_request_is_no_part_of_its_text(smollm2_tokenizer):
+    """As vLLM: with skip_special_tokens=False the EOS (or the stop token id) that ended the output would end every
+    answer with its text (<|im_end|>); it is left out, unless include_stop_str_in_output. Its id and logprob stay."""
+    hello, world = smollm2_tokenizer.encode("Hello world", add_special_tokens=False)
+    eos = smollm2_tokenizer.eos_token_id
+    im_start = smollm2_tokenizer.encode("<|im_start|>", add_special_tokens=False)[0]
+    assert smollm2_tokenizer.decode([eos], skip_special_tokens=False) == "<|im_end|>"
+    keep = SamplingParams(skip_special_tokens=False)
+    p = OutputProcessor(smollm2_tokenizer)
+    # EOS in a step of its own, and in the same step as text
+    assert run(p, "a", keep, [EngineOutput("a", [hello]), EngineOutput("a", [world]),
+                              EngineOutput("a", [eos], [{eos: -0.1}], finish_reason="stop")]) == (
+        "Hello world", ["Hello", " world", ""])
+    assert p.requests["a"].choices[0].token_ids == [hello, world, eos]
+    assert run(p, "b", keep, [EngineOutput("b", [hello, world, eos], finish_reason="stop")])[0] == "Hello world"
+    # a stop token id (a special token here): the same; other special tokens stay
+    params = SamplingParams(skip_special_tokens=False, stop_token_ids=[im_start])
+    assert run(p, "c", params, [EngineOutput("c", [eos, hello, im_start], finish_reason="stop",
+                                              stop_reason=im_start)])[0] == "<|im_end|>Hello"
+    # kept when asked
+    params = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True)
+    assert run(p, "d", params, [EngineOutput("d", [hello, eos], finish_reason="stop")])[0] == "Hello<|im_end|>"
+    # a constrained request the core stopped after its grammar's last token (no EOS): that token is text
+    assert run(p, "e", keep, [EngineOutput("e", [hello, world], finish_reason="stop")])[0] == "Hello world"
+    # max_tokens on an EOS that did not stop the request (ignore_eos): its text is text
+    assert run(p, "f", keep, [EngineOutput("f", [hello, eos], finish_reason="length")])[0] == "Hello<|im_end|>"

@@ -325,10 +325,10 @@ def test_an_engine_failure_ends_the_stream_with_response_failed(client, monkeypa
 
     real = IncrementalDetokenizer.add
 
-    def faulty(self, token_ids):
+    def faulty(self, token_ids, stop_terminated=False):
         if "!" in self.stop:               # only the request that asked for this stop string
             raise UnicodeError("injected detokenizer fault")
-        return real(self, token_ids)
+        return real(self, token_ids, stop_terminated)
 
     monkeypatch.setattr(IncrementalDetokenizer, "add", faulty)
     with pytest.raises(openai.InternalServerError):

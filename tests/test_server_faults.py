@@ -342,10 +342,10 @@ def test_a_fault_in_one_requests_detokenization_fails_it_alone(model_path, monke
 
     real = IncrementalDetokenizer.add
 
-    def faulty(self, token_ids):
+    def faulty(self, token_ids, stop_terminated=False):
         if "!" in self.stop:               # only the request that asked for this stop string
             raise UnicodeError("injected detokenizer fault")
-        return real(self, token_ids)
+        return real(self, token_ids, stop_terminated)
 
     monkeypatch.setattr(IncrementalDetokenizer, "add", faulty)
     with ServerThread(config(model_path)) as server:

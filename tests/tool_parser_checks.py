@@ -15,7 +15,7 @@ import openai
 from kvflow.config import EngineConfig
 from kvflow.server.serving.tool_calls import ToolCallStreamer, extract_tool_calls, parse_tool_request
 from kvflow.server.testing import ServerThread
-from tiny_models import make_tiny_hf_model
+from tiny_models import SMOLLM2_VOCAB, make_tiny_hf_model
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 WEATHER = {"type": "function", "function": {
@@ -92,10 +92,21 @@ def check_prefixes_grow(parser, text: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- the server
 @contextmanager
-def tool_server(directory: Path, parser: str, template: str):
+def tool_server(directory: Path, parser: str, template: str, special_tokens: tuple[str, ...] = ()):
     """A tiny random-weight llama on the SmolLM2 tokenizer, served with --enable-auto-tool-choice --tool-call-parser
-    `parser` and the chat template in tests/chat_templates/`template`."""
-    path = make_tiny_hf_model(directory, family="llama", seed=3, max_position_embeddings=2048)
+    `parser` and the chat template in tests/chat_templates/`template`. `special_tokens`: added to the tokenizer as
+    special tokens (ids from SMOLLM2_VOCAB on, in order; the model's vocabulary grows to hold them), as a model's
+    markers are in its own tokenizer."""
+    path = make_tiny_hf_model(directory, family="llama", seed=3, max_position_embeddings=2048,
+                              vocab_size=SMOLLM2_VOCAB + len(special_tokens))
+    if special_tokens:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+        assert tokenizer.convert_tokens_to_ids(list(special_tokens)) == [SMOLLM2_VOCAB + i for i in range(len(
+            special_tokens))]
+        tokenizer.save_pretrained(path)
     config = EngineConfig(model=str(path), dtype="float32", max_model_len=2048, kv_cache_memory="16MiB",
                           served_model_name="tiny", enforce_eager=True)
     with ServerThread(config, chat_template=str(TEMPLATES / template), enable_auto_tool_choice=True,

@@ -134,6 +134,7 @@ def scan(text: str, final: bool = False) -> tuple[str, list[PartialCall]]:
 
 class Gemma4ToolParser:
     """<|tool_call>call:NAME{key:value,...}<tool_call|>, any number of them; the text before the first is content."""
+    needs_special_tokens = True     # <|tool_call>, <tool_call|> and <|"|> are special tokens in Gemma 4's tokenizer
 
     def extract(self, text: str) -> ExtractedToolCalls:
         content, calls = scan(text, final=True)

@@ -80,6 +80,7 @@ def _json_calls(body: str) -> tuple[list[PartialCall], bool]:
 
 class MistralToolParser:
     """[TOOL_CALLS] and a JSON list of calls, or [TOOL_CALLS]name[ARGS]{...} per call; the text before is content."""
+    needs_special_tokens = True     # [TOOL_CALLS] and [ARGS] are special tokens in Mistral's tokenizers
 
     def extract(self, text: str) -> ExtractedToolCalls:
         content, calls, whole = scan(text, final=True)

@@ -30,7 +30,7 @@ from kvflow.server.serving.chat_template import ChatTemplateOptions, template_va
 from kvflow.server.serving.engine_client import EngineClient
 from kvflow.server.serving.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, random_id
 from kvflow.server.serving.reasoning import ReasoningRequest, reasoning_request, thinking_spec
-from kvflow.server.serving.tool_calls import ToolRequest, parse_tool_request
+from kvflow.server.serving.tool_calls import ToolRequest, needs_special_tokens, parse_tool_request
 from kvflow.server.serving.tool_prompt import chat_messages
 from kvflow.structured_output import GrammarCompiler, spec_from_request
 
@@ -89,6 +89,7 @@ class RequestPreparer:
         params = self.sampling_params(req, num_prompts=1)
         tools = parse_tool_request(req.tools, req.tool_choice, tool_parser=self.tool_call_parser,
                                    parallel_tool_calls=req.parallel_tool_calls)
+        params = self.keep_tool_markers(params, tools)
         beam = self.beam_search_params(req, params, tools)
         if not req.include_reasoning and self.reasoning_parser is None:
             raise APIError(400, "include_reasoning=false needs a server started with --reasoning-parser NAME: "
@@ -169,6 +170,15 @@ class RequestPreparer:
             raise APIError(400, f"{what} asks for more than {self.max_n} sequences (--max-n)",
                            param="n" if params.n > self.max_n else "prompt", code="invalid_value")
         return params
+
+    def keep_tool_markers(self, params: SamplingParams, tools: ToolRequest | None) -> SamplingParams:
+        """`params` with skip_special_tokens=False when the request has tools (tool_choice not "none") and the
+        server's --tool-call-parser reads special tokens (tool_calls.needs_special_tokens): its markers would
+        otherwise be dropped from the text before it reads them. As vLLM's adjust_request of those parsers, this
+        holds over the request's own skip_special_tokens=true."""
+        if tools is None or tools.mode == "none" or not needs_special_tokens(self.tool_call_parser):
+            return params
+        return dataclasses.replace(params, skip_special_tokens=False)
 
     @staticmethod
     def beam_search_params(req: ChatCompletionRequest | CompletionRequest, params: SamplingParams,

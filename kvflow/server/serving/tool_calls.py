@@ -16,8 +16,10 @@ parses its own tool-call syntax with a parser chosen by name, as vLLM's `--tool-
                  mistral_tool_calls.py)
   granite      <|tool_call|>[{"name", "arguments"}, ...]  (Granite 3.x; or <tool_call>: granite_tool_calls.py)
   gemma4       <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>  (Gemma 4's notation: gemma4_tool_calls.py)
-Every mode yields OpenAI `tool_calls` entries, whole (`extract_tool_calls`) or as stream deltas
-(`ToolCallStreamer`: a first chunk with index, id, type, name and arguments "", then argument fragments).
+Where a parser's markers are special tokens (`needs_special_tokens`), a request with tools under it keeps special
+tokens in its text, as vLLM's adjust_request does (RequestPreparer). Every mode yields OpenAI `tool_calls` entries,
+whole (`extract_tool_calls`) or as stream deltas (`ToolCallStreamer`: a first chunk with index, id, type, name and
+arguments "", then argument fragments).
 """
 from __future__ import annotations
 
@@ -129,6 +131,7 @@ def template_supports_tools(chat_template: str | None) -> bool:
 class HermesToolParser:
     """<tool_call>{"name": "f", "arguments": {...}}</tool_call>, any number of them, text around them."""
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    needs_special_tokens = True     # <tool_call> is a special token in some models' tokenizers
     _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
 
     def extract(self, text: str) -> ExtractedToolCalls:
@@ -236,6 +239,14 @@ def get_tool_parser(name: str, functions: Mapping[str, dict] | None = None):
     except KeyError:
         raise InvalidRequestError(f"unknown tool call parser {name!r}; known: {', '.join(TOOL_PARSERS)}",
                                   param="tool_call_parser") from None
+
+
+def needs_special_tokens(parser: str | None) -> bool:
+    """Whether the parser named `parser` reads markers that are special tokens in its models' tokenizers (a parser
+    class's `needs_special_tokens`: hermes, mistral, gemma4, as vLLM's parsers whose adjust_request sets
+    skip_special_tokens=False). A request with tools under such a parser is detokenized with the special tokens,
+    which skip_special_tokens would drop before the parser sees them."""
+    return parser is not None and getattr(get_tool_parser(parser), "needs_special_tokens", False)
 
 
 def extract_tool_calls(request: ToolRequest, text: str) -> ExtractedToolCalls:
