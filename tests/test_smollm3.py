@@ -79,6 +79,15 @@ def test_greedy_tokens_match_transformers_batched_alone_chunked_and_from_the_pre
 
 
 @pytest.mark.slow
+def test_use_sliding_window_windows_the_nope_layers_as_transformers_does(tmp_path, monkeypatch):
+    """transformers' SmolLM3Config makes the NoPE layers the sliding ones: the same tokens through kvflow's attention
+    kernel and the pure-PyTorch paths, with prompts past the 16-token window, chunked and from the prefix cache."""
+    path = check_family(tmp_path, monkeypatch, "smollm3", window=16, use_sliding_window=True, sliding_window=16)
+    cfg = resolve_model_files(path).config
+    assert cfg.sliding_window == 16 and cfg.layer_types == (FULL, FULL, FULL, SLIDING)
+
+
+@pytest.mark.slow
 def test_the_nope_layer_changes_the_output(smollm3_dir):
     """The same weights with every layer rotating give other tokens on the long prompts, so the matches above check
     the NoPE layer and not a model on which it does not show."""
