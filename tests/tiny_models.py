@@ -189,7 +189,8 @@ _HF_TO_GGUF_BLOCK = {
     "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
 }
-_PERMUTED = ("llama", "granitemoe", "granitehybrid", "smollm3")      # llama.cpp's converters that permute Q/K rows (not LFM2's)
+# llama.cpp's converters that permute Q/K rows (not LFM2's)
+_PERMUTED = ("llama", "granitemoe", "granitehybrid", "smollm3")
 
 
 # llama.cpp's names where an architecture's differ from the llama table

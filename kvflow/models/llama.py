@@ -1,6 +1,6 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, SmolLM3 with its NoPE layers, Mistral) and its Qwen2 (QKV bias) / Qwen3 (Q/K norm) / Phi-3 (fused
-qkv and gate_up in the checkpoint, split at load; partial rotary; sliding window on every layer) variants; Gemma 3
-builds on it (gemma3.py).
+"""Llama-family decoder (Llama 2/3, SmolLM2, SmolLM3 with its NoPE layers, Mistral) and its Qwen2 (QKV bias) /
+Qwen3 (Q/K norm) / Phi-3 (fused qkv and gate_up in the checkpoint, split at load; partial rotary; sliding window on
+every layer) variants; Gemma 3 builds on it (gemma3.py).
 
 Q, K and V are one fused projection, and so are gate and up: one matmul each instead of three or two.
 `forward(input_ids, positions, meta)` takes the flat batch of every scheduled token and the step's
