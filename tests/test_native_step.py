@@ -61,7 +61,8 @@ def family_ggufs(tmp_path_factory):
     for family, ftype in [("llama", "q4_0"), ("llama", "q8_0"), ("llama", "q5_0"), ("qwen2", "q4_1"),
                           ("phi3", "q4_0"), ("qwen3", "q4_0"), ("gemma3", "q8_0"), ("qwen3_moe", "q4_k"),
                           ("olmoe", "q8_0"), ("granitemoe", "q4_0"), ("mixtral", "q5_0"), ("lfm2", "q4_0"),
-                          ("qwen3_5", "q8_0"), ("qwen3_5", "q4_k"), ("granitemoehybrid", "q8_0")]:
+                          ("qwen3_5", "q8_0"), ("qwen3_5", "q4_k"), ("granitemoehybrid", "q8_0"),
+                          ("smollm3", "q8_0"), ("smollm3", "q4_0")]:
         overrides = {"sliding_window": 24} if family in ("phi3", "mixtral") else {}
         hf = make_tiny_hf_model(out / family, family, **overrides)
         files[f"{family}-{ftype}"] = str(write_gguf_from_hf(hf, out / f"{family}-{ftype}.gguf", ftype=ftype))
@@ -75,7 +76,7 @@ def family_ggufs(tmp_path_factory):
 @pytest.mark.parametrize("name", ["llama-q4_0", "llama-q8_0", "llama-q5_0", "qwen2-q4_1", "phi3-q4_0", "qwen3-q4_0",
                                   "gemma3-q8_0", "qwen3_moe-q4_k", "olmoe-q8_0", "granitemoe-q4_0", "mixtral-q5_0",
                                   "qwen3_moe-dense-int4", "lfm2-q4_0", "qwen3_5-q8_0", "qwen3_5-q4_k",
-                                  "granitemoehybrid-q8_0"])
+                                  "granitemoehybrid-q8_0", "smollm3-q8_0", "smollm3-q4_0"])
 def test_each_weight_format_and_family_it_takes_gives_the_same_bits(monkeypatch, family_ggufs, name):
     """4-, 5- and 8-bit codes; Qwen2's QKV bias; Phi-3's sliding window (the long prompts pass it); Qwen3's per-head
     Q/K norms; Gemma 3's scaled embedding, sandwich norms, tanh-GELU, head_dim 256 and local layers with their own
@@ -83,7 +84,7 @@ def test_each_weight_format_and_family_it_takes_gives_the_same_bits(monkeypatch,
     Qwen3-MoE's dense layer among its MoE ones, OLMoE's Q/K norms over the whole projection, Granite's four scalings,
     Mixtral's sliding window; LFM2's short convolutions; Qwen3.5's Gated DeltaNet (fewer key than value heads: a
     GGUF's out_proj column order) and gated attention with partial RoPE; Granite 4.0 H's Mamba2 layers and attention
-    without position embedding (NoPE)."""
+    without position embedding (NoPE); SmolLM3's NoPE layer among RoPE ones."""
     native, layered = both_paths(monkeypatch, family_ggufs[name], quantization="int4" if "int4" in name else None)
     assert native == layered
 

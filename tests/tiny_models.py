@@ -29,6 +29,7 @@ FAMILIES = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
 }
 # each mixture of experts' small shape: 8 experts, 2 or 3 per token (overrides change them)
 MOE_SHAPES = {
@@ -58,8 +59,9 @@ HYBRID_SHAPES = {
 }
 SMOLLM2_VOCAB = 49152
 # the random matrices' scale (the embedding's stays 0.05) where 0.05 leaves a family's layers too weak to move greedy
-# tokens off the prompt's last one (tied embeddings): LFM2's gated convolutions multiply three small projections
-MATRIX_STD = {"lfm2": 0.1}
+# tokens off the prompt's last one (tied embeddings): LFM2's gated convolutions multiply three small projections;
+# SmolLM3's 4 tied layers repeat one token at 0.05, where a NoPE layer and a RoPE one give the same tokens
+MATRIX_STD = {"lfm2": 0.1, "smollm3": 0.1}
 
 
 def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
@@ -90,6 +92,8 @@ def make_tiny_hf_model(out_dir: Path, family: str = "llama", seed: int = 0, **ov
         kwargs.update(num_hidden_layers=6, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
                       sliding_window=16, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rms_norm_eps=1e-6,
                       tie_word_embeddings=True)
+    if family == "smollm3":     # SmolLM3-3B's layout, small: a NoPE layer every 4th (layer 3 of 4), theta 2M, tied
+        kwargs.update(num_hidden_layers=4, no_rope_layer_interval=4, rope_theta=2_000_000.0, tie_word_embeddings=True)
     if family == "qwen3_5":     # Qwen3.5's layout, small: 3 Gated DeltaNet layers : 1 gated attention, twice;
         # partial RoPE; twice as many value heads as key heads in the Gated DeltaNet (its grouped heads)
         kwargs.update(num_hidden_layers=8, head_dim=32, partial_rotary_factor=0.25, full_attention_interval=4,
@@ -185,7 +189,8 @@ _HF_TO_GGUF_BLOCK = {
     "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
 }
-_PERMUTED = ("llama", "granitemoe", "granitehybrid")      # llama.cpp's converters that permute Q/K rows (not LFM2's)
+# llama.cpp's converters that permute Q/K rows (not LFM2's)
+_PERMUTED = ("llama", "granitemoe", "granitehybrid", "smollm3")
 
 
 # llama.cpp's names where an architecture's differ from the llama table
@@ -395,7 +400,8 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
             "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe",
             "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
             "MixtralForCausalLM": "llama", "Qwen3_5ForCausalLM": "qwen35",
-            "GraniteMoeHybridForCausalLM": "granitehybrid", "Lfm2ForCausalLM": "lfm2"}[cfg["architectures"][0]]
+            "GraniteMoeHybridForCausalLM": "granitehybrid", "Lfm2ForCausalLM": "lfm2",
+            "SmolLM3ForCausalLM": "smollm3"}[cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}

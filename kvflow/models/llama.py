@@ -1,6 +1,6 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral) and its Qwen2 (QKV bias) / Qwen3 (Q/K norm) / Phi-3 (fused
-qkv and gate_up in the checkpoint, split at load; partial rotary; sliding window on every layer) variants; Gemma 3
-builds on it (gemma3.py).
+"""Llama-family decoder (Llama 2/3, SmolLM2, SmolLM3 with its NoPE layers, Mistral) and its Qwen2 (QKV bias) /
+Qwen3 (Q/K norm) / Phi-3 (fused qkv and gate_up in the checkpoint, split at load; partial rotary; sliding window on
+every layer) variants; Gemma 3 builds on it (gemma3.py).
 
 Q, K and V are one fused projection, and so are gate and up: one matmul each instead of three or two.
 `forward(input_ids, positions, meta)` takes the flat batch of every scheduled token and the step's
@@ -132,8 +132,8 @@ class Attention(nn.Module):
             out = self.o_lora.add_to(out, attn, meta.lora_mask)
         return self.tp.all_reduce(out)
 
-    def native(self, rotary: RotaryEmbedding) -> NativeAttention:
-        """This attention as the native step computes it, rotating with `rotary`'s tables."""
+    def native(self, rotary: RotaryEmbedding | None) -> NativeAttention:
+        """This attention as the native step computes it, rotating with `rotary`'s tables (None: no rotation)."""
         if self.clip_qkv is not None or self.qkv_lora or self.o_lora:
             raise NotNative("QKV clipping or LoRA terms")
         return NativeAttention(self.qkv_proj, self.o_proj, self.q_norm, self.k_norm, self.qk_norm_whole,
@@ -189,10 +189,12 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h), meta)
 
     def native_layer(self, model: LlamaForCausalLM) -> NativeLayer:
-        """This layer as the native step computes it: pre-norm attention on the model's rotary tables, pre-norm MLP."""
-        if self.self_attn.rotary is not model.rotary:
+        """This layer as the native step computes it: pre-norm attention on the model's rotary tables (or none: a
+        NoPE layer), pre-norm MLP."""
+        rotary = self.self_attn.rotary
+        if rotary is not None and rotary is not model.rotary:
             raise NotNative("a layer with its own rotary tables")
-        return NativeLayer(self.self_attn.native(model.rotary), self.input_layernorm, self.post_attention_layernorm,
+        return NativeLayer(self.self_attn.native(rotary), self.input_layernorm, self.post_attention_layernorm,
                            **self.mlp.native())
 
 
@@ -211,7 +213,9 @@ class LlamaForCausalLM(nn.Module):
         self.sizes = sizes = TensorParallelSizes(cfg, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
         self.embed_tokens = nn.Embedding(sizes.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.decoder_layer(cfg, self.rotary, tp, sizes, i, kernels)
+        # a NoPE layer (SmolLM3's every 4th) gets no rotary table
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, None if i in cfg.nope_layers else self.rotary, tp, sizes,
+                                                       i, kernels)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, sizes.vocab_size, bias=False)

@@ -118,6 +118,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("LlamaForCausalLM", "llama", ("llama",), ("llama",), "llama:LlamaForCausalLM", permuted_qk=True),
     Architecture("MistralForCausalLM", "llama", ("mistral",), ("mistral",), "llama:LlamaForCausalLM",
                  permuted_qk=True, sliding_window_everywhere=True),
+    # SmolLM3: a Llama whose every no_rope_layer_interval-th layer rotates nothing (NoPE: ModelConfig.nope_layers)
+    Architecture("SmolLM3ForCausalLM", "smollm3", ("smollm3",), ("smollm3",), "llama:LlamaForCausalLM",
+                 permuted_qk=True),
     Architecture("Qwen2ForCausalLM", "qwen2", ("qwen2",), ("qwen2",), "llama:LlamaForCausalLM", attention_bias=True),
     Architecture("Qwen3ForCausalLM", "qwen3", ("qwen3",), ("qwen3",), "llama:LlamaForCausalLM", qk_norm=True),
     Architecture("Phi3ForCausalLM", "phi3", ("phi3",), ("phi3",), "llama:LlamaForCausalLM",
@@ -351,7 +354,7 @@ class ModelConfig:
     # hybrids: the recurrent layers (None: every layer is attention)
     recurrent: RecurrentConfig | None = None
     attn_output_gate: bool = False    # q_proj also gives a per-head gate on the attention's output (Qwen3.5)
-    nope_layers: tuple[int, ...] = ()  # attention layers that rotate nothing (Granite 4.0 H: all of them)
+    nope_layers: tuple[int, ...] = ()  # attention layers that rotate nothing (Granite 4.0 H: all; SmolLM3: every 4th)
     # the checkpoint's multi-token-prediction layers (Qwen3.5's mtp.* block, config.json's mtp_num_hidden_layers, a
     # GGUF's nextn_predict_layers): a drafter for speculative decoding's "mtp" method; 0: none
     mtp_layers: int = 0
@@ -471,6 +474,12 @@ class ModelConfig:
             elif layer_types is None:
                 first = cfg.get("max_window_layers", layers)
                 layer_types = [SLIDING if i >= first else FULL for i in range(layers)]
+        elif family == "smollm3":
+            # transformers' SmolLM3Config: with use_sliding_window, its NoPE layers are the sliding ones
+            if layer_types is None:
+                nope = _smollm3_nope_layers(cfg, layers)
+                layer_types = [SLIDING if cfg.get("use_sliding_window") and i in nope else FULL
+                               for i in range(layers)]
         elif arch.sliding_window_everywhere and sliding_window and layer_types is None:
             layer_types = [SLIDING] * layers
         elif not arch.sliding_window_everywhere:
@@ -496,7 +505,7 @@ class ModelConfig:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("norm_eps", cfg.get("layer_norm_eps", 1e-6))),
-            rope_theta=float(rope_theta or (1_000_000.0 if gemma or family == "lfm2" else 10000.0)),
+            rope_theta=float(rope_theta or _DEFAULT_ROPE_THETA.get(family, 10000.0)),
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hybrid.pop("tie_word_embeddings", cfg.get("tie_word_embeddings", gemma))),
@@ -553,9 +562,32 @@ def _classifier_fields(cfg: dict, arch: Architecture) -> dict:
     return {"num_labels": 1}
 
 
+# RoPE base where config.json gives none: the families' transformers defaults
+_DEFAULT_ROPE_THETA = {"gemma3": 1_000_000.0, "lfm2": 1_000_000.0, "smollm3": 2_000_000.0}
+
+
+def _smollm3_nope_layers(cfg: dict, layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without position embedding: `no_rope_layers` (per layer, 1 rotates, 0 does not), else every
+    `no_rope_layer_interval`-th layer (4; what llama.cpp hardcodes, since its GGUF carries neither)."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        return tuple(i for i in range(layers) if (i + 1) % interval == 0)
+    if len(flags) < layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {layers} layers")
+    return tuple(i for i in range(layers) if not flags[i])
+
+
 def _hybrid_fields(cfg: dict, family: str, layers: int) -> dict:
     """The hybrid families' other differences from a Llama: LFM2's real MLP width, Qwen3.5's gated attention output,
-    Granite 4.0 H's attention without RoPE, its shared MLP's width and (Tiny, Small) its experts."""
+    Granite 4.0 H's attention without RoPE, its shared MLP's width and (Tiny, Small) its experts; and SmolLM3's
+    NoPE layers (what kvflow's Llama does not compute, biases on o_proj or the MLP, is refused)."""
+    if family == "smollm3":
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                raise ValueError(f"SmolLM3ForCausalLM with {key}=true is not supported (the released models have "
+                                 "none)")
+        return {"nope_layers": _smollm3_nope_layers(cfg, layers)}
     if family == "lfm2":
         # transformers reads block_ff_dim over intermediate_size, tie_embedding over tie_word_embeddings (True
         # when neither is there: LiquidAI's config.json files)

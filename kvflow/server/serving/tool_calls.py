@@ -23,6 +23,7 @@ arguments "", then argument fragments).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -122,9 +123,25 @@ def parse_tool_request(tools: Any, tool_choice: Any = None, *, tool_parser: str 
                        parallel=parallel_tool_calls is not False, call_id=CALL_IDS.get(tool_parser, tool_call_id))
 
 
+@functools.lru_cache(maxsize=16)
 def template_supports_tools(chat_template: str | None) -> bool:
-    """Whether a chat template reads `tools` at all (if not, tools cannot reach the model's prompt)."""
-    return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
+    """Whether a chat template reads the variable `tools` at all (if not, tools cannot reach the model's prompt).
+    The variable, not the word: SmolLM3's template writes "<tools>" as text and reads its tools from `xml_tools`.
+    A template Jinja cannot parse here (an extension's tag) is judged by the word."""
+    if not chat_template:
+        return False
+    import jinja2
+    from jinja2 import nodes
+
+    source = _GENERATION_TAGS.sub("", chat_template)     # transformers' {% generation %} marks (its extension)
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except jinja2.TemplateSyntaxError:
+        return re.search(r"\btools\b", chat_template) is not None
+    return any(n.name == "tools" and n.ctx == "load" for n in tree.find_all(nodes.Name))
+
+
+_GENERATION_TAGS = re.compile(r"{%-?\s*(end)?generation\s*-?%}")
 
 
 # ---------------------------------------------------------------------------------------------- parsing
