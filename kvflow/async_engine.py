@@ -402,6 +402,8 @@ class AsyncEngine:
             if mode == "abort":      # again each turn: a beam search's next step is aborted too
                 self._abort(list(self._engine_of))
             await asyncio.sleep(0.02)
+        if self._sleep != "explicit":       # woken while the requests drained
+            return
         await self._post_all(lambda call_id: Sleep(call_id, level))
         self._slept(max(self.sleep_level, level))
 

@@ -195,3 +195,20 @@ def test_offline_llm_sleeps_and_wakes(model_path):
     with LLM(str(model_path), dtype="float32", max_model_len=4096, kv_cache_memory="16MiB") as llm:
         with pytest.raises(ValueError, match="enable_sleep_mode"):
             llm.sleep()
+
+
+def test_a_hybrid_releases_its_recurrent_state_and_answers_the_same(tmp_path):
+    """LFM2 (short convolutions beside attention): level 1 drops the state tensors with the KV cache; the state
+    slots come back zeroed with the plan of the load, and the answers are the same."""
+    from kvflow import LLM, SamplingParams
+
+    path = make_tiny_hf_model(tmp_path, family="lfm2", seed=1)
+    with LLM(str(path), dtype="float32", max_model_len=512, kv_cache_memory="16MiB", enable_sleep_mode=True) as llm:
+        params = SamplingParams(max_tokens=12, temperature=0)
+        before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+        runner = llm.engine.runner
+        llm.sleep(1)
+        assert all(not layer.states for layer in runner.state_layers)
+        llm.wake_up()
+        assert all(t.abs().sum() == 0 for layer in runner.state_layers for t in layer.states.values())
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)] == before
