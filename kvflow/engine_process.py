@@ -10,6 +10,7 @@ two threads there collapsed whenever anything preempted one).
 
     parent: p = EngineProcess(config, eos_token_ids); p.start()   # spawns, waits for EngineReady
             p.listen(on_message); p.send(AddRequest | AbortRequests); p.call("check"); p.stop()
+            p.post(lambda call_id: Sleep(call_id, level)) -> Future of its UtilityResult (WakeUp likewise)
     child:  reads messages on a thread into its inbox, steps while there is work, sends one StepResult per turn
 
 The child dies with its parent (PR_SET_PDEATHSIG) and ignores SIGINT/SIGTERM: the frontend decides shutdown
