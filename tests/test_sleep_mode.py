@@ -4,6 +4,7 @@ from /proc), what comes back answers token for token as before (greedy), request
 to a sleeping engine gets a 503 with Retry-After (explicit sleep) or wakes it (idle sleep)."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -34,8 +35,9 @@ def _config(model_path, **kw) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def server(model_path):
-    server = ServerThread(_config(model_path, enable_sleep_mode=True)).start()
+def server(model_path, tmp_path_factory):
+    server = ServerThread(_config(model_path, enable_sleep_mode=True),
+                          batch_dir=str(tmp_path_factory.mktemp("batches"))).start()
     yield server
     server.stop()
 
@@ -142,6 +144,25 @@ def test_requests_in_flight_finish_before_the_engine_sleeps(server):
         assert got["chunks"][-1].choices[0].finish_reason == "length"
         assert sum(len(c.choices[0].text) > 0 for c in got["chunks"]) > 100      # whole: none cut
         assert http.post("/wake_up").status_code == 200
+
+
+def test_batch_lines_wait_for_the_engine_to_wake(server):
+    """The Batch API's worker takes a sleeping engine's 503 as "later" (as a full queue's 429), not as a shutdown
+    (which pauses it until the next start)."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+            "body": {"model": server.engine.served_model_name, "prompt": "wait for me", "max_tokens": 4}}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/sleep").status_code == 200
+        f = client.files.create(file=("asleep.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        time.sleep(2.5)                 # the worker has been told 503 engine_sleeping at least once
+        assert client.batches.retrieve(batch.id).request_counts.completed == 0
+        assert http.post("/wake_up").status_code == 200
+    deadline = time.monotonic() + 60
+    while (b := client.batches.retrieve(batch.id)).status != "completed" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert b.status == "completed" and b.request_counts.completed == 1
 
 
 def test_bad_values_are_refused_by_name(server):
