@@ -450,7 +450,7 @@ class AsyncEngine:
                 logger.info("no request for %.0f s: sleeping (level %d)", idle, IDLE_SLEEP_LEVEL)
                 try:
                     await self._post_all(lambda call_id: Sleep(call_id, IDLE_SLEEP_LEVEL))
-                except Exception:  # noqa: BLE001 - an engine that cannot sleep stays awake; a death is reported
+                except Exception:  # noqa: BLE001 - an engine still awake takes the next request's WakeUp as a no-op
                     logger.exception("sleeping after %.0f s idle failed", idle)
 
     def _wake_for_request(self) -> None:

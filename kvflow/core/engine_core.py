@@ -213,6 +213,8 @@ class EngineCore:
         if unknown:
             raise ValueError(f"unknown wake_up tag(s) {', '.join(sorted(unknown))}: the tags are "
                              f"{', '.join(SLEEP_TAGS)}")
+        if not self.sleeping & tags:
+            return not self.sleeping
         t0 = time.perf_counter()
         if "weights" in tags and self.executor is None:
             self._load_weights()
