@@ -9,6 +9,11 @@ handed from a reader thread to the event loop (`loop.call_soon_threadsafe`).
 Beam search (`beam_search`, vLLM's, kvflow/beam_search.py) runs here, in the frontend, as vLLM's server runs it: each
 step submits every live beam as a one-token request (`cache_prefix`: the beams share their prompt's KV blocks), the
 step's requests together so they batch; its `BeamSearchStream` reads like a RequestStream.
+
+Sleep (vLLM's sleep mode, and llama-server's --sleep-idle-seconds) is decided here: `sleep` drains the requests in
+flight (mode "wait") or aborts them (mode "abort"), then the engines drop their KV cache (level 1) and their weights
+(level 2); after an explicit sleep new requests get EngineSleepingError until `wake_up`, while after an idle sleep
+the next request wakes the engines (a WakeUp sent ahead of it on the same socket: the engine takes them in order).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import time
 from typing import AsyncIterator
 
 from kvflow.beam_search import BeamSearch, BeamSearchParams
-from kvflow.core.messages import AbortRequests, AddRequest, EngineDead, EngineReady, StepResult
+from kvflow.core.messages import AbortRequests, AddRequest, EngineDead, EngineReady, Sleep, StepResult, WakeUp
 from kvflow.core.request_validator import RequestValidator
 from kvflow.engine_process import EngineProcess
 from kvflow.engine_router import EngineRouter
@@ -32,10 +37,18 @@ from kvflow.request_log import RequestLog
 from kvflow.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "RequestStream", "BeamSearchStream", "CompletionDelta", "RequestFailedError",
-           "EngineDeadError", "EngineOverloadedError", "EngineShutdownError", "AddRequest", "AbortRequests",
-           "StepResult"]
+           "EngineDeadError", "EngineOverloadedError", "EngineShutdownError", "EngineSleepingError", "AddRequest",
+           "AbortRequests", "StepResult", "SLEEP_MODES", "SLEEP_TAGS"]
 
 logger = logging.getLogger("kvflow.async_engine")
+
+# vLLM's /sleep modes for the requests in flight: "wait" lets them finish (kvflow's default), "abort" ends them with
+# finish_reason "abort" (vLLM's default); vLLM's third, "keep" (pause them and resume after waking), is refused
+SLEEP_MODES = ("wait", "abort")
+# vLLM's wake_up tags (what to bring back; none: everything asleep)
+SLEEP_TAGS = ("weights", "kv_cache")
+# what an idle sleep (--sleep-idle-seconds) lets go of: as llama-server's, the model too
+IDLE_SLEEP_LEVEL = 2
 
 
 class RequestFailedError(RuntimeError):
@@ -52,6 +65,10 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineShutdownError(RuntimeError):
     """The engine is shutting down and accepts no new requests."""
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine was put to sleep (POST /sleep, LLM.sleep): it takes no requests until it is woken."""
 
 
 class RequestStream:
@@ -191,6 +208,12 @@ class BeamSearchStream:
                     c.finish_reason = "error" if self.error else "abort"
 
 
+def _log_wake_failure(future) -> None:
+    result = future.result()
+    if result.error is not None:
+        logger.error("waking the engine for a request failed: %s", result.error)
+
+
 async def _step_logprobs(stream: RequestStream) -> dict[int, float] | None:
     """A beam step's one token's logprobs (None when its request ended without a token)."""
     logprobs = None
@@ -207,7 +230,7 @@ class AsyncEngine:
     def __init__(self, processes: list[EngineProcess], ready: EngineReady, tokenizer, config, model_path, *,
                  served_model_name: str | None = None, max_queue_len: int | None = None,
                  request_log: str | None = None, log_stats_interval: float = 5.0,
-                 request_log_options: dict | None = None) -> None:
+                 request_log_options: dict | None = None, sleep_idle_seconds: float | None = None) -> None:
         self.processes = processes
         self.process = processes[0]
         self.router = EngineRouter(len(processes), config.block_size)
@@ -234,6 +257,15 @@ class AsyncEngine:
         self.metrics.compiled_decode_buckets_ready.set(ready.stats.compiled_decode_buckets_ready)
         self.metrics.compiled_decode_buckets_total.set(ready.stats.compiled_decode_buckets_total)
         self.processor = OutputProcessor(tokenizer)
+        # sleep: None awake, "explicit" (POST /sleep: requests refused until /wake_up) or "idle" (after
+        # sleep_idle_seconds with no request: the next one wakes the engines); the level slept at
+        self.sleep_idle_seconds = sleep_idle_seconds
+        self._sleep: str | None = None
+        self.sleep_level = 0
+        self._last_activity = time.monotonic()
+        self._idle_task: asyncio.Task | None = None
+        if getattr(config, "enable_sleep_mode", False) or sleep_idle_seconds:
+            self.metrics.record_sleep_level(0, len(processes))
 
         self.death_reason: str | None = None      # why the engine died; None while it lives
         # event loop only
@@ -264,7 +296,8 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config, *, max_queue_len: int | None = None, request_log: str | None = None,
-                    log_stats_interval: float = 5.0, request_log_options: dict | None = None) -> "AsyncEngine":
+                    log_stats_interval: float = 5.0, request_log_options: dict | None = None,
+                    sleep_idle_seconds: float | None = None) -> "AsyncEngine":
         from kvflow.models.model_files import resolve_model_files
         from kvflow.tokenizer import Tokenizer
 
@@ -282,7 +315,7 @@ class AsyncEngine:
             raise
         engine = cls(processes, readies[0], tokenizer, config, files.path, max_queue_len=max_queue_len,
                      request_log=request_log, log_stats_interval=log_stats_interval,
-                     request_log_options=request_log_options)
+                     request_log_options=request_log_options, sleep_idle_seconds=sleep_idle_seconds)
         engine.model_config = files.config
         logger.info("engine ready in %.2fs (engine process pid %s): serving %s, max_model_len %d",
                     time.perf_counter() - t0, " ".join(str(r.pid) for r in readies), engine.served_model_name,
@@ -301,6 +334,8 @@ class AsyncEngine:
             for rank, process in enumerate(self.processes):
                 process.listen(lambda message, rank=rank: self._on_message(message, rank))
             self.metrics.engine_alive.set(1)
+            if self.sleep_idle_seconds and self._loop is not None:
+                self._idle_task = self._loop.create_task(self._sleep_when_idle())
         return self
 
     @property
@@ -314,6 +349,8 @@ class AsyncEngine:
     async def shutdown(self, grace_period: float = 30.0) -> None:
         """Stop accepting, let in-flight requests finish within `grace_period`, fail the rest, stop the engine."""
         self._accepting = False
+        if self._idle_task is not None:
+            self._idle_task.cancel()
         deadline = time.monotonic() + grace_period
         while (self._streams or self._beam_searches) and self.is_alive and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -340,6 +377,89 @@ class AsyncEngine:
         """`EngineCore.<method>(*args)` run in engine `rank` between steps (one of its UTILITY_METHODS); blocks,
         so not from the event loop."""
         return self.processes[rank].call(method, *args)
+
+    # ---- sleep ------------------------------------------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep is not None
+
+    async def sleep(self, level: int = 1, mode: str = "wait") -> None:
+        """Put the engines to sleep once the requests in flight are done (mode "wait") or aborted (mode "abort"):
+        level 1 drops the KV cache (and a hybrid's recurrent state), level 2 the weights too. From now until
+        `wake_up`, `submit` raises EngineSleepingError. Returns when the engines sleep."""
+        if level not in (1, 2):
+            raise InvalidRequestError(f"level must be 1 or 2, got {level!r}", param="level", code="invalid_value")
+        if mode not in SLEEP_MODES:
+            raise InvalidRequestError(f"mode must be {' or '.join(SLEEP_MODES)}, got {mode!r} (vLLM's \"keep\", "
+                                      "which pauses requests through the sleep, is not supported)", param="mode",
+                                      code="invalid_value")
+        if self.death_reason is not None:
+            raise EngineDeadError(f"the engine loop died: {self.death_reason}")
+        if not self._accepting:
+            raise EngineShutdownError("the server is shutting down")
+        self._sleep = "explicit"
+        while (self._streams or self._beam_searches) and self.is_alive:
+            if mode == "abort":      # again each turn: a beam search's next step is aborted too
+                self._abort(list(self._engine_of))
+            await asyncio.sleep(0.02)
+        if self._sleep != "explicit":       # woken while the requests drained
+            return
+        await self._post_all(lambda call_id: Sleep(call_id, level))
+        self._slept(max(self.sleep_level, level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back what `tags` name (vLLM's: weights, kv_cache; None: everything); True when the engines are
+        wholly awake (they take requests again)."""
+        unknown = [t for t in tags or () if t not in SLEEP_TAGS]
+        if unknown:
+            raise InvalidRequestError(f"unknown tag(s) {', '.join(map(repr, unknown))}: tags are "
+                                      f"{', '.join(SLEEP_TAGS)}", param="tags", code="invalid_value")
+        results = await self._post_all(lambda call_id: WakeUp(call_id, tuple(tags) if tags else None))
+        awake = all(results)
+        if awake:
+            self._awake()
+        return awake
+
+    async def _post_all(self, make) -> list:
+        """Send `make(call_id)` to every engine; their answers' values (RuntimeError if one failed)."""
+        futures = [asyncio.wrap_future(p.post(make)) for p in self.processes]
+        results = await asyncio.gather(*futures)
+        for r in results:
+            if r.error is not None:
+                raise RuntimeError(r.error)
+        return [r.value for r in results]
+
+    def _slept(self, level: int) -> None:
+        self.sleep_level = level
+        self.metrics.record_sleep_level(level, len(self.processes))
+
+    def _awake(self) -> None:
+        self._sleep = None
+        self._last_activity = time.monotonic()
+        self._slept(0)
+
+    async def _sleep_when_idle(self) -> None:
+        """--sleep-idle-seconds: sleep (IDLE_SLEEP_LEVEL) once no request ran for that long."""
+        idle = self.sleep_idle_seconds
+        while not self._stopped:
+            await asyncio.sleep(min(1.0, idle / 4))
+            if (self._sleep is None and not self._streams and not self._beam_searches and self.is_accepting
+                    and time.monotonic() - self._last_activity >= idle):
+                self._sleep = "idle"
+                self._slept(IDLE_SLEEP_LEVEL)
+                logger.info("no request for %.0f s: sleeping (level %d)", idle, IDLE_SLEEP_LEVEL)
+                try:
+                    await self._post_all(lambda call_id: Sleep(call_id, IDLE_SLEEP_LEVEL))
+                except Exception:  # noqa: BLE001 - an engine still awake takes the next request's WakeUp as a no-op
+                    logger.exception("sleeping after %.0f s idle failed", idle)
+
+    def _wake_for_request(self) -> None:
+        """After an idle sleep: wake the engines ahead of the request about to be sent (same socket, in order)."""
+        logger.info("a request after an idle sleep: waking the engines")
+        for process in self.processes:
+            future = process.post(lambda call_id: WakeUp(call_id, None))
+            future.add_done_callback(_log_wake_failure)
+        self._awake()
 
     # ---- LoRA adapters -----------------------------------------------------------------------------------------
     def add_lora(self, name: str, path: str) -> LoRARequest:
@@ -380,6 +500,8 @@ class AsyncEngine:
         if request.request_id in self._streams or request.request_id in self._beam_searches:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
         self._check_queue(request.params.n, "n")
+        if self._sleep == "idle":
+            self._wake_for_request()
         return self._enqueue(dataclasses.replace(request, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens))
 
     def _check_accepting(self) -> None:
@@ -387,6 +509,8 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine loop died: {self.death_reason}")
         if not self._accepting:
             raise EngineShutdownError("the server is shutting down")
+        if self._sleep == "explicit":
+            raise EngineSleepingError("the engine is sleeping (POST /sleep): POST /wake_up wakes it")
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
 
@@ -405,6 +529,7 @@ class AsyncEngine:
 
     def _enqueue(self, request: AddRequest) -> RequestStream:
         """An admitted request (checked, max_tokens resolved) to its engine; its stream."""
+        self._last_activity = time.monotonic()
         adds = self.processor.add_request(request)
         stream = RequestStream(self, self.processor.requests[request.request_id])
         stream.priority = request.priority
@@ -450,6 +575,8 @@ class AsyncEngine:
                               for i in range(params.beam_width)])
         step_request = dataclasses.replace(request, params=params.step_params(), max_tokens=1, cache_prefix=True)
         stream = BeamSearchStream(self, search, state, step_request)
+        if self._sleep == "idle":
+            self._wake_for_request()
         stream.steps = self._beam_step(stream)
         self._beam_searches[request_id] = stream
         return stream
@@ -503,6 +630,7 @@ class AsyncEngine:
             self._abort(unfinished)
         state = stream.state
         self._forget(state)
+        self._last_activity = time.monotonic()      # idle time counts from the last request's end
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
         try:

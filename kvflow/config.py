@@ -122,6 +122,10 @@ class EngineConfig:
                                   "run every step eagerly: no torch.compile'd decode steps (the default compiles "
                                   "decode-only steps on CPU in the background and serves eagerly until each batch "
                                   "size bucket is ready; environment KVFLOW_ENFORCE_EAGER=1 flips the default)")
+    enable_sleep_mode: bool = _option(False, "vLLM's sleep mode: POST /sleep?level=1 drops the KV cache (and a "
+                                             "hybrid's recurrent state), level=2 the weights too, POST /wake_up "
+                                             "loads them again, GET /is_sleeping; LLM.sleep() / LLM.wake_up() "
+                                             "offline (without it those routes answer 404)")
     small_step_threads: int | None = _option(
         None, "CPU threads for steps of <= 8 rows. Where kvflow's kernels run the step (4-bit weights on CPU) they "
               "take them on kvflow's thread pool (unset: every thread; a preempted thread delays nobody there) and "
@@ -196,6 +200,9 @@ class EngineConfig:
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be a multiple of "
                              f"nnodes={self.nnodes} (every machine runs the same number of ranks)")
+        if self.enable_sleep_mode and self.tensor_parallel_size > 1:
+            raise ValueError("enable_sleep_mode does not run with tensor_parallel_size > 1 yet (the worker ranks "
+                             "would have to drop and reload their shares too)")
         if self.data_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.nnodes > 1):
             raise ValueError("data_parallel_size > 1 runs whole engines on this machine: it does not combine with "
                              "tensor_parallel_size > 1 or nnodes > 1 yet")

@@ -10,6 +10,7 @@ two threads there collapsed whenever anything preempted one).
 
     parent: p = EngineProcess(config, eos_token_ids); p.start()   # spawns, waits for EngineReady
             p.listen(on_message); p.send(AddRequest | AbortRequests); p.call("check"); p.stop()
+            p.post(lambda call_id: Sleep(call_id, level)) -> Future of its UtilityResult (WakeUp likewise)
     child:  reads messages on a thread into its inbox, steps while there is work, sends one StepResult per turn
 
 The child dies with its parent (PR_SET_PDEATHSIG) and ignores SIGINT/SIGTERM: the frontend decides shutdown
@@ -33,8 +34,8 @@ import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
-from kvflow.core.messages import (AbortRequests, EngineDead, EngineReady, Shutdown, StepResult, UtilityCall,
-                                  UtilityResult)
+from kvflow.core.messages import (AbortRequests, EngineDead, EngineReady, Shutdown, Sleep, StepResult, UtilityCall,
+                                  UtilityResult, WakeUp)
 
 log = logging.getLogger("kvflow.engine_process")
 
@@ -166,6 +167,13 @@ class EngineProcess:
         with self._send_lock:
             self._conn.send(data)
 
+    def post(self, make) -> Future:
+        """Send `make(call_id)` (a Sleep or WakeUp) and return the Future of its UtilityResult, from any thread."""
+        call_id = next(self._call_ids)
+        future = self._calls[call_id] = Future()
+        self.send(make(call_id))
+        return future
+
     def call(self, method: str, *args, timeout: float = 30.0):
         """Run `EngineCore.<method>(*args)` in the engine between steps; its return value. Not from the event
         loop (it blocks)."""
@@ -253,7 +261,10 @@ class _EngineLoop:
                     t0 = time.time()
                     self.conn.send(StepResult([], core.stats(), t0, t0, 0, []))
                 continue
-            num_added, rejected, changed = self._apply(messages)
+            num_added, rejected, changed, deferred = self._apply(messages)
+            if deferred:        # behind a Sleep that waits for the running requests: back to the front, in order
+                with self.cond:
+                    self.inbox.extendleft(reversed(deferred))
             outputs = []
             t0 = t1 = time.time()
             if core.has_unfinished_requests():
@@ -268,33 +279,48 @@ class _EngineLoop:
             has_work = core.has_unfinished_requests()
             self.conn.send(StepResult(outputs, stats, t0, t1, num_added, rejected))
 
-    def _apply(self, messages: list) -> tuple[int, list[tuple[str, str]], bool]:
-        """Hand the inbox to the core. A request the core refuses fails alone. `changed`: anything but
-        utility calls (those alone need no StepResult)."""
-        num_added, rejected, changed = 0, [], False
+    def _apply(self, messages: list) -> tuple[int, list[tuple[str, str]], bool, list]:
+        """Hand the inbox to the core, in order. A request the core refuses fails alone. `changed`: anything but
+        utility calls (those alone need no StepResult). `deferred`: a Sleep while requests are unfinished, and what
+        came after it but aborts and utility calls (those apply now: an aborted stream must not hold up the
+        drain)."""
+        num_added, rejected, changed, deferred = 0, [], False, []
         for m in messages:
             if isinstance(m, UtilityCall):
                 self._call(m)
                 continue
-            changed = True
             if isinstance(m, AbortRequests):
+                changed = True
                 self.core.abort(m.request_ids)
+                continue
+            if deferred or (isinstance(m, Sleep) and self.core.has_unfinished_requests()):
+                deferred.append(m)
+                continue
+            changed = True
+            if isinstance(m, Sleep):
+                self._answer(m.call_id, self.core.sleep, m.level)
+                continue
+            if isinstance(m, WakeUp):
+                self._answer(m.call_id, self.core.wake_up, m.tags)
                 continue
             num_added += 1
             try:
                 self.core.add_request(m)
             except Exception as e:  # noqa: BLE001 - validated on submit; a refusal here fails this request only
                 rejected.append((m.request_id, f"{type(e).__name__}: {e}"))
-        return num_added, rejected, changed
+        return num_added, rejected, changed, deferred
+
+    def _answer(self, call_id: int, fn, *args) -> None:
+        try:
+            self.conn.send(UtilityResult(call_id, fn(*args)))
+        except Exception as e:  # noqa: BLE001 - the caller gets the error; the engine goes on
+            self.conn.send(UtilityResult(call_id, error=f"{type(e).__name__}: {e}"))
 
     def _call(self, m: UtilityCall) -> None:
         if m.method not in self.core.UTILITY_METHODS:
             self.conn.send(UtilityResult(m.call_id, error=f"{m.method!r} is not an engine utility"))
             return
-        try:
-            self.conn.send(UtilityResult(m.call_id, getattr(self.core, m.method)(*m.args)))
-        except Exception as e:  # noqa: BLE001 - the caller gets the error; the engine goes on
-            self.conn.send(UtilityResult(m.call_id, error=f"{type(e).__name__}: {e}"))
+        self._answer(m.call_id, getattr(self.core, m.method), *m.args)
 
 
 def main(fd: int) -> int:
@@ -326,6 +352,7 @@ def main(fd: int) -> int:
                               r.kv_cache_bytes, core.stats(), r.num_blocks,
                               r.state_slots.live if r.state_slots is not None else None,
                               core.validator.tasks, core.validator.architecture))
+        del r           # the runner is the core's alone: a sleep at level 2 lets go of it
         loop = _EngineLoop(conn, core)
         threading.Thread(target=loop.read, name="kvflow-engine-inbox", daemon=True).start()
         loop.run()

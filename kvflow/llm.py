@@ -50,6 +50,26 @@ class LLM:
     def shutdown(self) -> None:
         self._finalizer()
 
+    # ---- sleep mode (vLLM's; needs LLM(enable_sleep_mode=True)) --------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Release memory between uses: level 1 the KV cache (and a hybrid's recurrent state), level 2 the weights
+        too; the prefix cache is forgotten. Generating raises until `wake_up`."""
+        self._check_sleep_mode()
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what `tags` name ("weights", "kv_cache"; None: everything): the weights from the model's
+        files, the KV cache as planned at load. Greedy outputs are the same as before the sleep."""
+        self._check_sleep_mode()
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.engine.sleeping)
+
+    def _check_sleep_mode(self) -> None:
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: LLM(..., enable_sleep_mode=True)")
+
     def __enter__(self) -> "LLM":
         return self
 

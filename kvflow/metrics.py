@@ -10,7 +10,8 @@ the request.
 vLLM's metrics keep vLLM's names, types, label names, buckets and meaning (vllm/v1/metrics/loggers.py and
 stats.py), so its dashboards (examples/grafana/kvflow.json) and its tests read them unchanged; where kvflow's
 value differs from what vLLM would report, the definition says why. vLLM's `engine` label is left out
-(kvflow's data-parallel engines report as one), except on `vllm:cache_config_info`, which is per engine.
+(kvflow's data-parallel engines report as one), except on `vllm:cache_config_info` and `vllm:engine_sleep_state`, which
+are per engine.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 # vLLM's two reasons a request waits: "capacity" (for a slot, tokens or KV blocks) and "deferred" (held back by a
 # transient constraint: LoRA budget, KV transfer, a blocked status). kvflow's scheduler only has the first.
 WAITING_REASONS = ("capacity", "deferred")
+# vllm:engine_sleep_state's sleep_state label: awake, then what each sleep level is called, as vLLM names them
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 # OpenAI's batch statuses (kvflow:batches{status})
 BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
                   "cancelled")
@@ -280,6 +283,19 @@ class EngineMetrics:
         spec = getattr(config, "speculative_config", None)
         if spec is not None and self.spec_decode is None:
             self._spec_decode_metrics(spec.num_speculative_tokens)
+
+    def record_sleep_level(self, level: int, num_engines: int = 1) -> None:
+        """vLLM's vllm:engine_sleep_state (only where the engine can sleep, as vLLM: with sleep mode on): per engine
+        and `sleep_state`, awake 1 while awake, weights_offloaded 1 at level 1, discard_all 1 at level 2 (kvflow's
+        level 1 keeps its weights where they are and drops the KV cache: vLLM's name is kept for its dashboards)."""
+        if getattr(self, "engine_sleep_state", None) is None:
+            self.engine_sleep_state = Gauge(
+                "vllm:engine_sleep_state", "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means "
+                "engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+                ["model_name", "engine", "sleep_state"], registry=self.registry)
+        for engine in range(num_engines):
+            for i, state in enumerate(SLEEP_STATES):
+                self.engine_sleep_state.labels(self.model_name, str(engine), state).set(int(i == level))
 
     def _record_lora(self, stats: StepStats) -> None:
         """vLLM's vllm:lora_requests_info (only with LoRA on, as vLLM): labels max_lora and the comma-separated

@@ -5,10 +5,12 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from typing import Iterable
 
+from kvflow import platform
 from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_capacity import kv_cache_capacity
 from kvflow.core.kv_cache_manager import KVCacheManager
@@ -24,17 +26,21 @@ from kvflow.request import AddRequest, Request
 
 log = logging.getLogger("kvflow")
 
+# what a sleeping engine has let go of, by vLLM's tag names (`wake_up(tags)` brings back those named)
+SLEEP_TAGS = ("weights", "kv_cache")
+
 
 class EngineCore:
     # what the frontend may call in the engine process between steps (`EngineProcess.call`): checks and numbers
     UTILITY_METHODS = frozenset({"check", "has_unfinished_requests", "worker_pids", "counters", "kv_block_map",
-                                 "lora_state"})
+                                 "lora_state", "sleep_state"})
 
     def __init__(self, config: EngineConfig, eos_token_ids: Iterable[int] | None = None,
                  files: ModelFiles | None = None):
         """`files`: the model resolved once by the caller (its tokenizer came from the same parse)."""
         self.config = config
         files = files or resolve_model_files(config.model, config.tokenizer, config.hf_overrides)
+        self.files = files
         self.model_path = files.path
         self.model_config = files.config
         model_len = self.model_config.max_position_embeddings
@@ -64,6 +70,12 @@ class EngineCore:
         self._counters = (0,) * (6 + self.scheduler.spec_k)
         self.num_prompt_tokens_computed = 0    # since start: prompt tokens not served by the prefix cache
         self.last_stats = StepStats()
+        # sleep mode: the level slept at (0: awake) and the tags still asleep; the config that loads the weights
+        # again with the KV budget they had (the same blocks and state slots: the books above keep those numbers)
+        self.sleep_level = 0
+        self.sleeping: set[str] = set()
+        self._reload_config = (config if self.runner.encoder
+                               else dataclasses.replace(config, kv_cache_memory=self.runner.kv_budget))
         self._log_boot()
 
     def _log_boot(self) -> None:
@@ -109,6 +121,8 @@ class EngineCore:
         `RequestValidator.admit` checked it (the frontends do: it is not checked twice); without it the core checks
         the request itself and raises InvalidRequestError before anything is queued. A LoRA adapter it names is read
         from its path when it first needs a slot (enable_lora)."""
+        if self.sleeping:
+            raise RuntimeError("the engine is sleeping: wake_up() first")
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.params.n != 1:
@@ -130,7 +144,8 @@ class EngineCore:
 
     def check_health(self) -> None:
         """Raise if the engine cannot step any more (a tensor-parallel worker died). Cheap; for idle loops."""
-        self.executor.check_health()
+        if self.executor is not None:
+            self.executor.check_health()
 
     def check(self) -> None:
         """Raise AssertionError if the KV cache manager's books do not balance (for tests, between steps)."""
@@ -167,7 +182,67 @@ class EngineCore:
     def load_compiled_steps(self) -> bool:
         """While idle: load the decode graphs compiled in the background since the last step; True when one
         was (a step loads them too)."""
-        return self.runner.load_compiled_steps()
+        return self.runner.load_compiled_steps() if self.runner is not None else False
+
+    # ---- sleep mode ----------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep, on this machine's memory: level 1 drops the KV cache (and a hybrid's recurrent state) and
+        keeps the weights; level 2 drops the weights too (they load again from the model's files). Prefix-cache
+        entries are forgotten. Only with no request unfinished (the engine loop drains them first)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("requests are unfinished: the engine sleeps once they are done")
+        self.kv_cache_manager.reset_prefix_cache()
+        if self.runner is not None:
+            self.runner.release_kv_cache()
+        if level == 2 and self.executor is not None:
+            self.executor.shutdown()
+            self.executor = self.runner = None
+            gc.collect()                  # the model's modules refer to one another
+            platform.release_freed_memory()
+        self.sleeping = set(SLEEP_TAGS)
+        self.sleep_level = max(self.sleep_level, level)
+        log.info("sleeping (level %d): %s released", level, "KV cache and weights" if level == 2 else "KV cache")
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> bool:
+        """Bring back what `tags` name (vLLM's: "weights", "kv_cache"; None: everything asleep): the weights from
+        the model's files, the KV cache (and state slots) as planned at load. True when nothing sleeps any more."""
+        tags = set(SLEEP_TAGS if tags is None else tags)
+        unknown = tags - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"unknown wake_up tag(s) {', '.join(sorted(unknown))}: the tags are "
+                             f"{', '.join(SLEEP_TAGS)}")
+        if not self.sleeping & tags:
+            return not self.sleeping
+        t0 = time.perf_counter()
+        if "weights" in tags and self.executor is None:
+            self._load_weights()
+        self.sleeping -= tags
+        if self.runner is not None:
+            if "kv_cache" in self.sleeping:
+                self.runner.release_kv_cache()      # a reload allocates it: not wanted yet
+            else:
+                self.runner.restore_kv_cache()
+        if not self.sleeping:
+            self.sleep_level = 0
+        log.info("woke %s in %.2f s%s", " and ".join(sorted(tags)), time.perf_counter() - t0,
+                 f" ({', '.join(sorted(self.sleeping))} still asleep)" if self.sleeping else "")
+        return not self.sleeping
+
+    def _load_weights(self) -> None:
+        """A new executor over the model's files, with the KV budget of the first load."""
+        self.executor = create_executor(self._reload_config, self.model_config, self.files, self.max_model_len)
+        self.runner = self.executor.runner
+        if self.runner.num_blocks != self.kv_cache_manager.num_blocks:
+            raise RuntimeError(f"the reloaded model plans {self.runner.num_blocks} KV blocks, not "
+                               f"{self.kv_cache_manager.num_blocks}")
+        if self.lora_slots is not None:     # the new model's slots are empty
+            self.lora_slots.forget_slots()
+
+    def sleep_state(self) -> dict:
+        """The level slept at (0: awake) and the tags still asleep."""
+        return {"level": self.sleep_level, "sleeping": sorted(self.sleeping)}
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any. Call once no step is running."""
@@ -227,7 +302,7 @@ class EngineCore:
                     sched.spec_num_draft_tokens, sched.spec_num_accepted_tokens, *sched.spec_accepted_per_pos)
         deltas = [now - before for now, before in zip(counters, self._counters)]
         self._counters = counters
-        compiled = self.runner.compiled_decode
+        compiled = self.runner.compiled_decode if self.runner is not None else None
         lora = {}
         if self.lora_slots is not None:
             running, waiting = sched.lora_adapters()

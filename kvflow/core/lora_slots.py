@@ -82,6 +82,13 @@ class LoRASlots:
         self.recency.move_to_end(s)
         return s
 
+    def forget_slots(self) -> None:
+        """The model's slots are empty again (its weights were reloaded after a sleep): every adapter is swapped in
+        when a request next needs it; the adapters read stay in the CPU cache."""
+        self.slots = [None] * self.max_loras
+        self.slot_of = {}
+        self.pending = {}
+
     def take_swaps(self) -> list[tuple[int, object]]:
         """(slot, weights) to write before this step's forward; cleared."""
         swaps = list(self.pending.items())

@@ -1,9 +1,10 @@
 """The typed messages between the frontend (the server process: HTTP, text, the output processor) and the engine
 process (EngineCore's step loop, `core/engine_process.py`). Plain picklable dataclasses; nothing else crosses.
 
-    frontend -> engine:  AddRequest, AbortRequests, UtilityCall, Shutdown
+    frontend -> engine:  AddRequest, AbortRequests, UtilityCall, Sleep, WakeUp, Shutdown
     engine -> frontend:  EngineReady (once, after the model is loaded), StepResult (one per turn of the loop),
-                         UtilityResult (one per UtilityCall), EngineDead (the last message of a dying engine)
+                         UtilityResult (one per UtilityCall, Sleep and WakeUp), EngineDead (the last message of a
+                         dying engine)
 
 `AddRequest` is the one record of a request from the frontend to the core, defined beside the core's `Request`
 (kvflow/request.py), which is built from it.
@@ -16,8 +17,8 @@ from typing import Any
 from kvflow.core.outputs import EngineOutput, StepStats
 from kvflow.request import AddRequest
 
-__all__ = ["AddRequest", "AbortRequests", "UtilityCall", "Shutdown", "EngineReady", "StepResult", "UtilityResult",
-           "EngineDead"]
+__all__ = ["AddRequest", "AbortRequests", "UtilityCall", "Sleep", "WakeUp", "Shutdown", "EngineReady", "StepResult",
+           "UtilityResult", "EngineDead"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,21 @@ class UtilityCall:
     call_id: int
     method: str
     args: tuple = ()
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """`EngineCore.sleep(level)` once every unfinished request is done (a drain: none is cut); the messages sent
+    after it wait behind it, aborts and utility calls apart. Answered by a UtilityResult with this call id."""
+    call_id: int
+    level: int
+
+
+@dataclass(frozen=True)
+class WakeUp:
+    """`EngineCore.wake_up(tags)` (None: everything asleep); its UtilityResult's value: whether all is awake."""
+    call_id: int
+    tags: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,8 @@ class ModelRunner:
                                  [*model.named_parameters(), *model.named_buffers()] if not name.startswith("rotary"))
         self.load_seconds = time.perf_counter() - t0
 
+        self.kv_released = False        # release_kv_cache (sleep) dropped the KV tensors
+        self.kv_budget = 0
         self.num_blocks = self._allocate_kv_cache()
         platform.release_freed_memory()
         sliding = ""
@@ -122,9 +124,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed) if tp.is_first else None
         # the whole decoder in one native call where it computes this model (runner/native_step.py); then there is
         # nothing to compile
-        self.native_step, why_not = NativeDecoderStep.build(
-            self.model, kv_dtype=self.kv_dtype, block_size=self.block_size, dtype=self.dtype,
-            kernel_pool=plan.kernel_pool, tp_size=tp.size, lora=bool(self.lora))
+        self.native_step, why_not = self._build_native_step(plan.kernel_pool)
         decode_step = ("native" if self.native_step is not None
                        else "compiled" if self._compiles_decode_steps() else "layers")
         self.plan = plan.completed(matmuls, decode_step, why_not, sliding)
@@ -140,6 +140,12 @@ class ModelRunner:
         if mtp:
             log.info("speculative decoding: up to %d draft(s) per step from the model's multi-token-prediction head",
                      spec.num_speculative_tokens)
+
+    def _build_native_step(self, kernel_pool: bool) -> tuple[NativeDecoderStep | None, str]:
+        """The native step over the model's weights and KV tensors as they are now (it points at both)."""
+        return NativeDecoderStep.build(self.model, kv_dtype=self.kv_dtype, block_size=self.block_size,
+                                       dtype=self.dtype, kernel_pool=kernel_pool, tp_size=self.tp.size,
+                                       lora=bool(self.lora))
 
     def _enable_mtp(self, model) -> None:
         """speculative_config.method "mtp": the model builds its multi-token-prediction block (a model without one
@@ -267,8 +273,9 @@ class ModelRunner:
         budget = platform.kv_cache_budget(self.device, self.config.kv_cache_memory,
                                           self.config.gpu_memory_utilization, self.weights_bytes,
                                           self.tp.size * self.config.data_parallel_size, self.processes_here)
+        self.kv_budget = budget      # a reload after a sleep asks for the same bytes: the same blocks and slots
         # a hybrid's recurrent layers keep state slots from the same budget (runner/state_memory.py)
-        self.state_slots = self._allocate_states(budget, per_block) if self.state_layers else None
+        self.state_slots = self._plan_states(budget, per_block) if self.state_layers else None
         if self.state_slots is not None:
             budget -= self.state_slots.total * self.state_slots.slot_bytes
         # every rank indexes the same block ids: the rank that fits the fewest blocks sets the number
@@ -282,29 +289,63 @@ class ModelRunner:
         # one block more than the manager hands out: the scratch block, where padding rows (compiled decode
         # buckets, padded prefill keys) write and read, so they never touch a request's K/V
         self.scratch_block = num_blocks
-        shape = (num_blocks + 1, self.block_size, num_kv_heads, row)
-        # zeroed, not empty: batched decode reads padded slots under a mask, and a NaN bit pattern
-        # there would still poison the output (0 * NaN); on CPU resident only once written (platform.py)
-        storage = torch.uint8 if elem == 1 else self.kv_dtype     # CPU torch cannot fill float8 tensors
-        for attn in attention_layers:
-            attn.k_cache = platform.zeros_resident_when_written(shape, storage, self.device).view(self.kv_dtype)
-            attn.v_cache = platform.zeros_resident_when_written(shape, storage, self.device).view(self.kv_dtype)
+        self.kv_shape = (num_blocks + 1, self.block_size, num_kv_heads, row)
         self.kv_cache_bytes = num_blocks * per_block
+        self._allocate_kv_tensors()
         return num_blocks
 
+    def _allocate_kv_tensors(self) -> None:
+        """Every attention layer's K and V tensors (`kv_shape`) and every recurrent layer's state tensors."""
+        # zeroed, not empty: batched decode reads padded slots under a mask, and a NaN bit pattern
+        # there would still poison the output (0 * NaN); on CPU resident only once written (platform.py)
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        storage = torch.uint8 if elem == 1 else self.kv_dtype     # CPU torch cannot fill float8 tensors
+        for attn in self.model.attention_layers:
+            attn.k_cache = platform.zeros_resident_when_written(self.kv_shape, storage, self.device).view(self.kv_dtype)
+            attn.v_cache = platform.zeros_resident_when_written(self.kv_shape, storage, self.device).view(self.kv_dtype)
+        if self.state_slots is not None:
+            self._bind_states(self.state_slots.total)
+
+    # ---- sleep (--enable-sleep-mode) ----------------------------------------------------------------
+    def release_kv_cache(self) -> None:
+        """Drop the KV tensors and the recurrent layers' state tensors, giving their memory back to the OS (on CPU
+        each is an anonymous mmap of its own); the native step, which points at them, goes with them. Between
+        steps, with no request running: their contents are forgotten."""
+        if self.encoder or self.kv_released:
+            return
+        for attn in self.model.attention_layers:
+            attn.k_cache = attn.v_cache = None
+        for layer in self.state_layers:
+            layer.bind_state({})
+        self.native_step = None
+        self.kv_released = True
+        platform.release_freed_memory()
+
+    def restore_kv_cache(self) -> None:
+        """The KV and state tensors again, zeroed, with the plan they had at load (the same blocks and slots: the
+        core's books hold those numbers), and the native step over them."""
+        if self.encoder or not self.kv_released:
+            return
+        self._allocate_kv_tensors()
+        self.native_step, _ = self._build_native_step(self.plan.kernel_pool)
+        self.kv_released = False
+
     # ---- recurrent state (hybrids) ------------------------------------------------------------------
-    def _allocate_states(self, budget: int, block_bytes: int) -> StateSlotCounts:
-        """Every recurrent layer's state tensors, [slots, *shape] each, zeroed; the slots' kinds by plan_state_slots."""
+    def _plan_states(self, budget: int, block_bytes: int) -> StateSlotCounts:
+        """The slots' kinds by plan_state_slots (their tensors are bound with the KV tensors)."""
         layers = self.state_layers
         spec = self.config.speculative_config
         counts = plan_state_slots(budget, sum(layer.state_bytes_per_slot(self.dtype) for layer in layers), block_bytes,
                                   -(-self.max_model_len // self.block_size), self.config.max_num_seqs,
                                   spec.num_speculative_tokens if spec is not None else 0,
                                   self.config.enable_prefix_caching)
-        for layer in layers:
-            layer.bind_state({name: platform.zeros_resident_when_written((counts.total, *shape), dtype, self.device)
-                              for name, (shape, dtype) in layer.state_shapes(self.dtype).items()})
         return counts
+
+    def _bind_states(self, total: int) -> None:
+        """Every recurrent layer's state tensors, [total slots, *shape] each, zeroed (resident once written)."""
+        for layer in self.state_layers:
+            layer.bind_state({name: platform.zeros_resident_when_written((total, *shape), dtype, self.device)
+                              for name, (shape, dtype) in layer.state_shapes(self.dtype).items()})
 
     def _copy_states(self, copies: tuple[tuple[int, int], ...]) -> None:
         """Before a step: each (source, slot) copies one slot of every recurrent layer's state into another; source -1

@@ -40,6 +40,7 @@ from kvflow.server.observe.dashboard import DashboardHub, dashboard_router
 from kvflow.server.observe.health import health_router
 from kvflow.server.openai.routes import openai_router
 from kvflow.server.responses.routes import responses_router
+from kvflow.server.observe.sleep import sleep_router
 from kvflow.server.serving.protocol import ChatCompletionRequest, CompletionRequest
 from kvflow.server.serving.serving import OpenAIServing
 
@@ -49,6 +50,7 @@ logger = logging.getLogger("kvflow.server")
 def build_engine(config, server: ServerConfig) -> AsyncEngine:
     return AsyncEngine.from_config(config, max_queue_len=server.max_queue_len, request_log=server.request_log,
                                    log_stats_interval=server.log_stats_interval,
+                                   sleep_idle_seconds=server.sleep_idle_seconds,
                                    request_log_options=dict(max_bytes=server.request_log_max_bytes,
                                                             backup_count=server.request_log_backup_count,
                                                             model_version=server.model_version))
@@ -145,6 +147,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.include_router(health_router(engine, app.state.server_load))   # /health, /ping, /load, /version, /metrics
     if dashboard is not None:
         app.include_router(dashboard_router(dashboard))    # the live view of the batch: /dashboard
+    if getattr(engine.config, "enable_sleep_mode", False):
+        app.include_router(sleep_router(engine))           # vLLM's /sleep, /wake_up, /is_sleeping
 
     app.openapi = lambda: openapi_document(app, config.max_n)
     error_shapes = {MESSAGES_PATH: messages.error_body}     # the edge's 401 and 413 in each surface's shape

@@ -267,9 +267,11 @@ class BatchWorker:
             record, _ = await self.runner.run_line(parse_line(row["lineno"], row["text"]))
             status = record["response"]["status_code"]
             if status in (429, 503):       # not the line's answer: the engine could not take it now
-                if status == 503:
+                error = (record["response"].get("body") or {}).get("error") or {}
+                if status == 503 and error.get("code") != "engine_sleeping":
                     self._paused = True    # shutting down (or dead): the next start runs it
                     return
+                # queue full, or the engine put to sleep (POST /sleep): again later
                 await asyncio.sleep(RETRY_429_S)
                 r.buffer.insert(0, row)
                 return

@@ -110,6 +110,10 @@ class ServerConfig:
                                                       "include_usage)")
     enable_server_load_tracking: bool = _option(False, "count the requests in flight on the routes that run the "
                                                        "model, for GET /load (vLLM's; off: it says 0)")
+    sleep_idle_seconds: float | None = _option(None, "sleep after this many seconds with no request (llama-server's "
+                                                     "flag): the KV cache and the weights are released; the next "
+                                                     "request wakes the engine and is answered (default: never)",
+                                               metavar="SECONDS")
     enable_tokenizer_info_endpoint: bool = _option(False, "serve GET /tokenizer_info: the tokenizer's configuration "
                                                           "(its tokenizer_config.json and chat template)")
     lora_modules: tuple[str, ...] | None = _option(None, "LoRA adapters to serve from the start (needs --enable-lora): "
@@ -204,6 +208,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < lo:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {value}")
+        if self.sleep_idle_seconds is not None and not self.sleep_idle_seconds > 0:
+            raise ValueError(f"--sleep-idle-seconds must be > 0, got {self.sleep_idle_seconds}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME "
                              f"({', '.join(TOOL_PARSERS)})")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from kvflow.async_engine import (AddRequest, EngineDeadError, EngineOverloadedError, EngineShutdownError,
-                                 RequestStream)
+                                 EngineSleepingError, RequestStream)
 from kvflow.beam_search import BeamSearchParams
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
@@ -33,6 +33,9 @@ from kvflow.server.serving.reasoning import ReasoningRequest, reasoning_request,
 from kvflow.server.serving.tool_calls import ToolRequest, needs_special_tokens, parse_tool_request
 from kvflow.server.serving.tool_prompt import chat_messages
 from kvflow.structured_output import GrammarCompiler, spec_from_request
+
+# a request to a sleeping engine (POST /sleep) is a 503 with this Retry-After: waking is the operator's (POST /wake_up)
+SLEEPING_RETRY_AFTER_S = 5
 
 
 @dataclass
@@ -317,6 +320,9 @@ class RequestPreparer:
             if isinstance(e, EngineOverloadedError):
                 raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
                                headers={"Retry-After": "1"}) from None
+            if isinstance(e, EngineSleepingError):
+                raise APIError(503, str(e), type="service_unavailable", code="engine_sleeping",
+                               headers={"Retry-After": str(SLEEPING_RETRY_AFTER_S)}) from None
             if isinstance(e, (EngineShutdownError, EngineDeadError)):
                 raise APIError(503, str(e), type="service_unavailable", code="service_unavailable") from None
             if isinstance(e, ValueError):       # InvalidRequestError, or a plain ValueError of an older engine
