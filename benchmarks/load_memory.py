@@ -7,11 +7,11 @@ Without `--serve` a child process builds `LLM(FILE)` (the engine in that process
 PSS (from /proc/PID/smaps_rollup) charges each process its share of pages it shares with others (the file's page
 cache mapped by several, the frontend and the engine's common libraries), so a tree's PSS sums to what it costs.
 
-`--make qwen2.5-0.5b` (or `small`) first writes FILE: random weights with Qwen2.5-0.5B-Instruct's shapes (vocabulary 151,936,
-hidden 896, 24 layers, 14 heads / 2 KV heads, MLP 4864, untied head) and the type mix of its Q4_K_M download as
-llama-quantize writes it: Q4_K / Q6_K where the rows are a multiple of 256 wide (ffn_down), else llama.cpp's
-fallbacks, Q5_0 (133 tensors: the embedding, q/k/o/gate/up and most attn_v) and Q8_0 (the head, the more-bits
-attn_v). The tokenizer is SmolLM2's (the embedded model's): the weights are random anyway.
+`--make qwen2.5-0.5b` (or `small`) first writes FILE: random weights with Qwen2.5-0.5B-Instruct's shapes
+(vocabulary 151,936, hidden 896, 24 layers, 14 heads / 2 KV heads, MLP 4864, untied head) and the type mix of its
+Q4_K_M download as llama-quantize writes it: Q4_K / Q6_K where the rows are a multiple of 256 wide (ffn_down), else
+llama.cpp's fallbacks, Q5_0 (133 tensors: the embedding, q/k/o/gate/up and most attn_v) and Q8_0 (the head, the
+more-bits attn_v). The tokenizer is SmolLM2's (the embedded model's): the weights are random anyway.
 """
 from __future__ import annotations
 

@@ -21,10 +21,10 @@ Q6_K, Q6_K_BYTES = 14, 210                 # per 256 values: 128 bytes of low ni
                                            # scales, d fp16
 
 
-# rows decoded at a time by `group_quantized_by_rows`: the decode's temporaries (several times the codes' bytes) and
-# the file's bytes are then a slice's, never a whole matrix's (a 151,936-row Q5_0 embedding's were ~0.6 GiB); small
-# slices, as formats.PACK_ROWS's, so that glibc's heap reuses their temporaries
-DECODE_ROWS = 2048
+# values decoded at a time by `group_quantized_by_rows` (whole rows of them): the decode's temporaries (several times
+# the codes' bytes) and the file's bytes are then a slice's, never a whole matrix's (a 151,936-row Q5_0 embedding's
+# were ~0.6 GiB); small slices, as formats.PACK_VALUES's, so that glibc's heap reuses their temporaries
+DECODE_VALUES = 1 << 21
 
 
 def _fp16(b: torch.Tensor) -> torch.Tensor:
@@ -74,21 +74,22 @@ def group_quantized(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> Grou
 
 
 def group_quantized_by_rows(read, qtype: int, shape: tuple[int, ...]) -> GroupQuantized | None:
-    """`group_quantized` of a matrix whose bytes `read((start, stop))` gives a slice of rows at a time: DECODE_ROWS rows
-    are read and decoded at once, into the result's tensors allocated once (rows are decoded independently: the
-    same codes and scales, bit for bit). What is held besides the result is one slice's bytes and temporaries."""
+    """`group_quantized` of a matrix whose bytes `read((start, stop))` gives a slice of rows at a time: the rows of
+    DECODE_VALUES values are read and decoded at once, into the result's tensors allocated once (rows decode on their
+    own: the same codes and scales, bit for bit). Held besides the result: one slice's bytes and temporaries."""
     if not keeps_codes(qtype, shape):
         return None
     n, k = shape
-    first = group_quantized(read((0, min(n, DECODE_ROWS))), qtype, (min(n, DECODE_ROWS), k))
-    if n <= DECODE_ROWS:
+    step = max(1, DECODE_VALUES // k)
+    first = group_quantized(read((0, min(n, step))), qtype, (min(n, step), k))
+    if n <= step:
         return first
 
     def whole(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
         out = torch.empty((n, *t.shape[1:]), dtype=t.dtype)
-        out[:DECODE_ROWS] = t
+        out[:step] = t
         return out
 
     pairs = lambda p: None if p is None else tuple(whole(t) for t in p)     # noqa: E731
@@ -96,8 +97,8 @@ def group_quantized_by_rows(read, qtype: int, shape: tuple[int, ...]) -> GroupQu
                     scale_parts=pairs(first.scale_parts), zero_parts=pairs(first.zero_parts))
     held = _tensors(codes)
     del first
-    for start in range(DECODE_ROWS, n, DECODE_ROWS):
-        stop = min(n, start + DECODE_ROWS)
+    for start in range(step, n, step):
+        stop = min(n, start + step)
         part = group_quantized(read((start, stop)), qtype, (stop - start, k))
         for out, t in zip(held, _tensors(part)):
             out[start:stop] = t
