@@ -106,7 +106,7 @@ def test_other_k_quants_are_rerounded_to_8_bits_in_slices(qtype, writer, monkeyp
     monkeypatch.setattr(loader, "dequantize", lambda r, t, shape: (seen.append(shape), real(r, t, shape))[1])
     monkeypatch.setattr(loader, "REROUND_VALUES", 64 * 512)
     info = GGUFTensorInfo("w", x.shape, T[qtype], 0, raw.nbytes)
-    gq = loader._rerounded(raw, info, bits=8)
+    gq = loader._rerounded(lambda rows: raw[rows[0]:rows[1]], info, bits=8)
     assert seen == [(64, 512)] * 4 + [(44, 512)]                      # never the whole tensor as floats
     assert not gq.exact and gq.bits == 8 and gq.zero is None
     assert torch.equal(gq.codes, whole.codes) and torch.equal(gq.scale, whole.scale)
@@ -345,7 +345,7 @@ def test_q5_0_matrix_held_in_5_bits_same_bits_eager_and_compiled():
 
 
 def test_packing_a_large_matrix_by_row_chunks_gives_the_whole_matrix_bytes(monkeypatch):
-    """Formats whose packing builds int32 temporaries pack PACK_ROWS rows at a time (a 248,320-row Q6_K vocabulary
+    """Formats whose packing builds int32 temporaries pack PACK_VALUES values at a time (a 248,320-row Q6_K vocabulary
     peaked at ~4 GiB otherwise): the bytes are those of packing the whole matrix at once, padding rows included."""
     from kvflow.kernels import formats
 
@@ -354,8 +354,8 @@ def test_packing_a_large_matrix_by_row_chunks_gives_the_whole_matrix_bytes(monke
     six = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
     multipliers = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
     five = torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)
-    monkeypatch.setattr(formats, "PACK_ROWS", 64)
+    monkeypatch.setattr(formats, "PACK_VALUES", 64 * 256)
     chunked = formats.FORMATS[6].pack_codes(six, multipliers), formats.FORMATS[5].pack_codes(five)
-    monkeypatch.setattr(formats, "PACK_ROWS", 1 << 30)
+    monkeypatch.setattr(formats, "PACK_VALUES", 1 << 40)
     whole = formats.FORMATS[6].pack_codes(six, multipliers), formats.FORMATS[5].pack_codes(five)
     assert all(torch.equal(a, b) for a, b in zip(chunked, whole))

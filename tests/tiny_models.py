@@ -380,13 +380,16 @@ def _stacked_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors=None) -> Path:
+def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors=None,
+                       types: dict[str, str] | None = None) -> Path:
     """Write the HF folder's model as GGUF like llama.cpp's converter. ftype: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1,
     the K-quants q4_k q5_k q6_k (for matrices whose rows are a multiple of 256 wide; q4_k writes the others Q8_0,
     q5_k and q6_k take llama.cpp's fallbacks Q5_1 and Q8_0), or q4_k_m (llama-quantize's mix, `_q4_k_m_type`,
     with its fallbacks: Q4_K -> Q5_0, Q6_K -> Q8_0). `tensors`: (HF name, float32 array) pairs to write instead of
     the folder's safetensors (experts already stacked as `_stacked_experts` gives them), read one at a time: how
-    benchmarks/make_moe_gguf.py writes a model too big to hold in float32."""
+    benchmarks/make_moe_gguf.py writes a model too big to hold in float32. `types`: with a K-quant ftype, GGUF tensor
+    name -> the K-quant to write it in instead of the ftype's choice (fallbacks as above): e.g. {"token_embd.weight":
+    "Q4_K"}, what llama-quantize's Q4_K_M gives an untied model's embedding."""
     import gguf
     from gguf import GGMLQuantizationType as T
     from safetensors.numpy import load_file
@@ -488,7 +491,7 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
         w.add_chat_template(tok["template"])
 
     if tensors is not None:
-        _write_tensors(w, tensors, arch, cfg, ftype, qtype, heads, kv_heads)
+        _write_tensors(w, tensors, arch, cfg, ftype, qtype, heads, kv_heads, types)
         return _finish(w, out_path, None)
     tensors: dict[str, np.ndarray] = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
@@ -501,7 +504,7 @@ def write_gguf_from_hf(hf_dir: Path, out_path: Path, ftype: str = "f32", tensors
         tensors = _qwen35_tensors(tensors, cfg)
     if arch == "granitehybrid":
         tensors = _granite_hybrid_tensors(tensors, cfg)
-    _write_tensors(w, tensors.items(), arch, cfg, ftype, qtype, heads, kv_heads)
+    _write_tensors(w, tensors.items(), arch, cfg, ftype, qtype, heads, kv_heads, types)
     return _finish(w, out_path, longrope)
 
 
@@ -548,7 +551,8 @@ def _granite_hybrid_tensors(tensors: dict[str, np.ndarray], cfg: dict) -> dict[s
     return out
 
 
-def _write_tensors(w, tensors, arch: str, cfg: dict, ftype: str, qtype, heads: int, kv_heads: int) -> None:
+def _write_tensors(w, tensors, arch: str, cfg: dict, ftype: str, qtype, heads: int, kv_heads: int,
+                   types: dict[str, str] | None = None) -> None:
     import gguf
     from gguf import GGMLQuantizationType as T
 
@@ -570,6 +574,7 @@ def _write_tensors(w, tensors, arch: str, cfg: dict, ftype: str, qtype, heads: i
             w.add_tensor(gname, data.astype(np.float16))
         elif qtype.name in _K_QUANTIZERS:
             kind = _q4_k_m_type(gname, cfg["num_hidden_layers"]) if ftype == "q4_k_m" else qtype.name
+            kind = (types or {}).get(gname, kind)
             if data.shape[-1] % 256 == 0:
                 rows = _K_QUANTIZERS[kind](data.reshape(-1, data.shape[-1]))
                 w.add_tensor(gname, rows.reshape(*data.shape[:-1], -1), raw_dtype=T[kind])

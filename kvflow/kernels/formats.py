@@ -75,18 +75,29 @@ class WeightFormat:
         return f"<weight format {self.name}: {self.bits}-bit codes>"
 
 
-# rows packed at a time (a multiple of X16): packing builds int32 temporaries several times the codes' size, which for a
-# whole 248,320-row vocabulary (Qwen3.5's tied Q6_K table) peaked at ~4 GiB while loading
-PACK_ROWS = 8192
+# values packed at a time (a multiple of X16 rows of them): packing builds temporaries several times the codes' size
+# (int32 ones for Q5 / Q6), which for a whole 248,320-row vocabulary (Qwen3.5's tied Q6_K table) peaked at ~4 GiB
+# while loading; a slice's stay a few MiB, which glibc's heap reuses (8192 rows of 896 left ~0.1 GiB more of it
+# behind; 2048 rows of LFM2's 8192-wide ffn_down, ~0.1 GiB of temporaries each)
+PACK_VALUES = 1 << 21
 
 
 def _by_row_chunks(pack_rows, *rows: torch.Tensor) -> torch.Tensor:
-    """`pack_rows(*rows)` (codes in the layout x16, row blocks first) computed PACK_ROWS rows at a time: each chunk's
-    row blocks are the whole matrix's, so the result is the same bytes."""
-    n = rows[0].shape[0]
-    if n <= PACK_ROWS:
+    """`pack_rows(*rows)` (codes in the layout x16, row blocks first) computed PACK_VALUES values at a time into the
+    result, allocated once: each chunk's row blocks are the whole matrix's, so the result is the same bytes, and
+    only one chunk's temporaries are held besides it."""
+    n, k = rows[0].shape
+    step = max(X16, PACK_VALUES // k // X16 * X16)
+    if n <= step:
         return pack_rows(*rows)
-    return torch.cat([pack_rows(*(t[a:a + PACK_ROWS] for t in rows)) for a in range(0, n, PACK_ROWS)])
+    out, at = None, 0
+    for a in range(0, n, step):
+        part = pack_rows(*(t[a:a + step] for t in rows))
+        if out is None:
+            out = torch.empty((layout.padded_rows(n) // X16, *part.shape[1:]), dtype=part.dtype)
+        out[at:at + part.shape[0]] = part
+        at += part.shape[0]
+    return out
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -113,6 +124,10 @@ class Q4(WeightFormat):
 
     @staticmethod
     def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+        return _by_row_chunks(Q4._pack_rows, codes)
+
+    @staticmethod
+    def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
         k = codes.shape[1]
         quads = layout.interleave(codes.to(torch.uint8), k).reshape(-1, k // GROUP, 2, 4, 64)
         return (quads[:, :, 0] | (quads[:, :, 1] << 4)).contiguous()
@@ -155,6 +170,10 @@ class Q8(WeightFormat):
                 torch.empty(0))
 
     def pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        return _by_row_chunks(self._pack_rows, codes)
+
+    @staticmethod
+    def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
         k = codes.shape[1]
         return (layout.interleave(codes.view(torch.uint8), k) ^ 0x80).reshape(-1, k // GROUP, 8, 64).contiguous()
 

@@ -3,6 +3,8 @@ gguf_reader.py so that reading a GGUF's header (the server's frontend does, for 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -17,6 +19,12 @@ _GROUP_BLOCKS = {2: (18, 2, False, 4),      # Q4_0: d fp16, 16 bytes of nibbles;
 Q4_K, Q4_K_BYTES = 12, 144                 # per 256 values: d, dmin fp16, 12 bytes of 6-bit sc/m, 128 of nibbles
 Q6_K, Q6_K_BYTES = 14, 210                 # per 256 values: 128 bytes of low nibbles, 64 of top bit pairs, 16 int8
                                            # scales, d fp16
+
+
+# values decoded at a time by `group_quantized_by_rows` (whole rows of them): the decode's temporaries (several times
+# the codes' bytes) and the file's bytes are then a slice's, never a whole matrix's (a 151,936-row Q5_0 embedding's
+# were ~0.6 GiB); small slices, as formats.PACK_VALUES's, so that glibc's heap reuses their temporaries
+DECODE_VALUES = 1 << 21
 
 
 def _fp16(b: torch.Tensor) -> torch.Tensor:
@@ -63,6 +71,44 @@ def group_quantized(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> Grou
     if has_min:
         return GroupQuantized(codes.reshape(n, k), d, _fp16(blocks[..., 2:4]), 32, 4, offset=0)
     return GroupQuantized(codes.reshape(n, k), d, None, 32, 4)
+
+
+def group_quantized_by_rows(read, qtype: int, shape: tuple[int, ...]) -> GroupQuantized | None:
+    """`group_quantized` of a matrix whose bytes `read((start, stop))` gives a slice of rows at a time: the rows of
+    DECODE_VALUES values are read and decoded at once, into the result's tensors allocated once (rows decode on their
+    own: the same codes and scales, bit for bit). Held besides the result: one slice's bytes and temporaries."""
+    if not keeps_codes(qtype, shape):
+        return None
+    n, k = shape
+    step = max(1, DECODE_VALUES // k)
+    first = group_quantized(read((0, min(n, step))), qtype, (min(n, step), k))
+    if n <= step:
+        return first
+
+    def whole(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        out = torch.empty((n, *t.shape[1:]), dtype=t.dtype)
+        out[:step] = t
+        return out
+
+    pairs = lambda p: None if p is None else tuple(whole(t) for t in p)     # noqa: E731
+    codes = replace(first, codes=whole(first.codes), scale=whole(first.scale), zero=whole(first.zero),
+                    scale_parts=pairs(first.scale_parts), zero_parts=pairs(first.zero_parts))
+    held = _tensors(codes)
+    del first
+    for start in range(step, n, step):
+        stop = min(n, start + step)
+        part = group_quantized(read((start, stop)), qtype, (stop - start, k))
+        for out, t in zip(held, _tensors(part)):
+            out[start:stop] = t
+    return codes
+
+
+def _tensors(codes: GroupQuantized) -> list[torch.Tensor]:
+    """Every per-row tensor of `codes`, in one order."""
+    parts = [*(codes.scale_parts or ()), *(codes.zero_parts or ())]
+    return [t for t in (codes.codes, codes.scale, codes.zero, *parts) if t is not None]
 
 
 def _q4_k(blocks: torch.Tensor, n: int, k: int) -> GroupQuantized:

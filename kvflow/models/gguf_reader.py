@@ -39,17 +39,21 @@ class GGUFFile:
 
     def raw(self, info: GGUFTensorInfo, row_range: tuple[int, int] | None = None) -> np.ndarray:
         """The tensor's bytes as a fresh uint8 array, [rows, bytes per row]; `row_range`: rows [start, stop) of it
-        only (rows over every dimension but the last: an expert's slice of a stacked tensor)."""
+        only (rows over every dimension but the last: an expert's slice of a stacked tensor, or a slice of a matrix
+        decoded a slice at a time). Read straight into the array: one copy of the bytes, never two."""
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         start, stop = row_range or (0, rows)
         row_bytes = info.nbytes // rows
-        nbytes = (stop - start) * row_bytes
-        with open(self.path, "rb") as f:
+        out = np.empty((stop - start, row_bytes), dtype=np.uint8)
+        view, got = memoryview(out).cast("B"), 0
+        with open(self.path, "rb", buffering=0) as f:
             f.seek(info.offset + start * row_bytes)
-            buf = f.read(nbytes)
-        if len(buf) != nbytes:
-            raise ValueError(f"{self.path}: tensor {info.name} runs past the end of the file (truncated?)")
-        return np.frombuffer(buf, dtype=np.uint8).reshape(stop - start, -1).copy()
+            while got < len(view):          # a single read returns at most ~2 GiB on Linux
+                n = f.readinto(view[got:])
+                if not n:
+                    raise ValueError(f"{self.path}: tensor {info.name} runs past the end of the file (truncated?)")
+                got += n
+        return out
 
 
 def read_gguf(path: Path) -> GGUFFile:

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 
 from kvflow.kernels.group_quant import CODES, DeferredCodes, GroupQuantized
-from kvflow.models.gguf_codes import group_quantized, keeps_codes
+from kvflow.models.gguf_codes import group_quantized_by_rows, keeps_codes
 from kvflow.models.gguf_reader import GGUFFile, GGUFTensorInfo, dequantize
 from kvflow.models.model_config import ModelConfig, qwen3_5_zero_centred
 from kvflow.models.model_files import ModelFiles, default_model_path, resolve_model_files  # noqa: F401
@@ -236,31 +236,37 @@ def _gguf_experts(g: GGUFFile, info: GGUFTensorInfo, keep_quantized: bool
     experts, rows, cols = info.shape
     piece = replace(info, shape=(rows, cols), nbytes=info.nbytes // experts)
     for e in range(experts):
-        yield _matrix(lambda e=e: g.raw(info, (e * rows, (e + 1) * rows)), piece, keep_quantized)
+        def read(row_range=None, e=e):
+            start, stop = row_range or (0, rows)
+            return g.raw(info, (e * rows + start, e * rows + stop))
+        yield _matrix(read, piece, keep_quantized)
 
 
 def _gguf_tensor(g: GGUFFile, info: GGUFTensorInfo, keep_quantized: bool) -> torch.Tensor | DeferredCodes:
-    return _matrix(lambda: g.raw(info), info, keep_quantized)
+    return _matrix(lambda row_range=None: g.raw(info, row_range), info, keep_quantized)
 
 
 def _matrix(read, info: GGUFTensorInfo, keep_quantized: bool) -> torch.Tensor | DeferredCodes:
-    """`read()`: the matrix's bytes. A matrix kept as codes is read and decoded only when its module is built
-    (`DeferredCodes`: so no more than one matrix's decoded codes is resident at a time)."""
+    """`read()`: the matrix's bytes; `read((start, stop))`: those rows' only. A matrix kept as codes is read and
+    decoded only when its module is built (`DeferredCodes`: so no more than one matrix's decoded codes is resident
+    at a time), a slice of rows at a time (`group_quantized_by_rows`, `_rerounded`): neither its whole bytes nor a
+    whole-matrix temporary of the decode is ever held."""
     from gguf import GGMLQuantizationType
 
     kind = GGMLQuantizationType(info.qtype).name
     quantized = keep_quantized and len(info.shape) == 2 and kind not in _FLOAT_TYPES
     if quantized and keeps_codes(info.qtype, info.shape):
-        return DeferredCodes(lambda: group_quantized(read(), info.qtype, info.shape), info.shape)
+        return DeferredCodes(lambda: group_quantized_by_rows(read, info.qtype, info.shape), info.shape)
     if quantized and info.shape[1] % 32 == 0:
         bits = 4 if kind in _FOUR_BITS_OR_FEWER else 8
-        return DeferredCodes(lambda: _rerounded(read(), info, bits), info.shape)
+        return DeferredCodes(lambda: _rerounded(read, info, bits), info.shape)
     return torch.from_numpy(dequantize(read(), info.qtype, info.shape))
 
 
-def _rerounded(raw, info: GGUFTensorInfo, bits: int) -> GroupQuantized:
-    """Group-32 codes rounded to nearest from the tensor's float values, a slice of rows at a time: the float32
-    copy of the whole tensor (4-8x its bytes in the file) is never held."""
+def _rerounded(read, info: GGUFTensorInfo, bits: int) -> GroupQuantized:
+    """Group-32 codes rounded to nearest from the tensor's float values, a slice of rows at a time (`read((start,
+    stop))`: those rows' bytes): neither the float32 copy of the whole tensor (4-8x its bytes in the file) nor its
+    whole bytes are ever held."""
     n, k = info.shape
     step = max(1, REROUND_VALUES // k)
     codes = torch.empty(n, k, dtype=torch.uint8 if bits == 4 else torch.int8)
@@ -269,7 +275,7 @@ def _rerounded(raw, info: GGUFTensorInfo, bits: int) -> GroupQuantized:
     for r in range(0, n, step):
         rows = min(step, n - r)
         part = GroupQuantized.round_to_nearest(
-            torch.from_numpy(dequantize(raw[r:r + rows], info.qtype, (rows, k))), bits=bits)
+            torch.from_numpy(dequantize(read((r, r + rows)), info.qtype, (rows, k))), bits=bits)
         codes[r:r + rows], scale[r:r + rows] = part.codes, part.scale
         if zero is not None:
             zero[r:r + rows] = part.zero
