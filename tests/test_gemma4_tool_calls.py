@@ -1,5 +1,5 @@
 """Gemma 4's tool calls (--tool-call-parser gemma4): the parser on crafted text, whole and cut into chunks anywhere;
-then the real server with Gemma 4's chat template, the output forced under "auto"."""
+then the real server with a template in Gemma 4's documented format, the output forced under "auto"."""
 from __future__ import annotations
 
 import pytest
@@ -69,14 +69,15 @@ def test_written_calls_read_back():
 # ---------------------------------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with tool_server(tmp_path_factory.mktemp("tiny-gemma4"), "gemma4", "gemma4.jinja") as s:
+    with tool_server(tmp_path_factory.mktemp("tiny-gemma4"), "gemma4", "gemma4_format.jinja") as s:
         yield s
 
 
 @pytest.mark.slow
 def test_the_server_reads_gemma4_calls_and_the_template_writes_them_back(server):
-    """Gemma 4's template renders the tools, the server's calls (as the model wrote them) and their results; the
-    parser reads the calls the template wrote back as the same calls."""
+    """The template in Gemma 4's format renders the tools, the server's calls (as the model wrote them) and their
+    results (inside the model's turn, left open for the model to go on); the parser reads the calls the template
+    wrote back as the same calls."""
     client = client_of(server)
     output = (f"Checking.<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>"
               "<|tool_call>call:add{a:2,b:3.5}<tool_call|>")
@@ -85,9 +86,10 @@ def test_the_server_reads_gemma4_calls_and_the_template_writes_them_back(server)
     check_server_reads(client, "It is sunny.", "It is sunny.", [])
     prompt = rendered(server, history(calls))
     assert f"<|tool>declaration:get_weather{{description:{Q}The weather in a city{Q}" in prompt     # the tools
-    turn = prompt.split("<|turn>model\n")[1].split("<turn|>")[0]
-    assert turn == output.removeprefix("Checking.")                                                # the calls
-    assert prompt.count("<|turn>tool\nsunny, 21 C<turn|>") == 2                                    # the results
+    assert prompt.endswith("<|turn>model\n" + output.removeprefix("Checking.") +                      # the calls
+                           f"<|tool_response>response:get_weather{{value:{Q}sunny, 21 C{Q}}}<tool_response|>"
+                           f"<|tool_response>response:add{{value:{Q}sunny, 21 C{Q}}}<tool_response|>")   # the results
+    turn = prompt.split("<|turn>model\n")[1].split("<|tool_response>")[0]
     assert calls_of(extract_tool_calls(auto("gemma4"), turn)) == [
         ("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3.5})]
     check_forced_tool_choice(client)

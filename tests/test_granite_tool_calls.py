@@ -1,6 +1,6 @@
 """Granite 3.x's tool calls (--tool-call-parser granite): the parser on crafted text, whole and cut into chunks
-anywhere; then the real server with Granite 3.0's chat template (OpenAI's history shapes added), the output forced
-under "auto"."""
+anywhere; then the real server with a template in Granite 3.0's documented format, the output forced under
+"auto"."""
 from __future__ import annotations
 
 import pytest
@@ -59,14 +59,14 @@ def test_written_calls_read_back():
 # ---------------------------------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with tool_server(tmp_path_factory.mktemp("tiny-granite"), "granite", "granite3.jinja") as s:
+    with tool_server(tmp_path_factory.mktemp("tiny-granite"), "granite", "granite_format.jinja") as s:
         yield s
 
 
 @pytest.mark.slow
 def test_the_server_reads_granite_calls_and_the_template_writes_them_back(server):
-    """Granite's template renders the tools, the server's calls (as the model wrote them) and their results; the
-    parser reads the calls the template wrote back as the same calls."""
+    """The template in Granite's format renders the tools, the server's calls (as the model wrote them) and their
+    results; the parser reads the calls the template wrote back as the same calls."""
     client = client_of(server)
     output = ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
               '{"name": "add", "arguments": {"a": 2, "b": 3}}]')

@@ -1,5 +1,6 @@
 """Llama 3.x's JSON tool calls (--tool-call-parser llama3_json, llama4_json): the parser on crafted text, whole and
-cut into chunks anywhere; then the real server with Llama 3.1's chat template, the output forced under "auto"."""
+cut into chunks anywhere; then the real server with a template in Llama 3.1's documented JSON tool-calling format,
+the output forced under "auto"."""
 from __future__ import annotations
 
 import json
@@ -81,14 +82,14 @@ def test_written_calls_read_back():
 # ---------------------------------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with tool_server(tmp_path_factory.mktemp("tiny-llama3-json"), "llama3_json", "llama3.1_json.jinja") as s:
+    with tool_server(tmp_path_factory.mktemp("tiny-llama3-json"), "llama3_json", "llama3_json_format.jinja") as s:
         yield s
 
 
 @pytest.mark.slow
 def test_the_server_reads_llama3_calls_and_the_template_writes_them_back(server):
-    """Llama 3.1's template renders the tools, the server's call (as the model wrote it) and its result; the parser
-    reads the call the template wrote back as the same call."""
+    """The template in Llama 3.1's format renders the tools, the server's call (as the model wrote it) and its
+    result; the parser reads the call the template wrote back as the same call."""
     client = client_of(server)
     output = "<|python_tag|>" + PARIS
     calls = check_server_reads(client, output, None, [("get_weather", {"city": "Paris"})])
@@ -96,7 +97,7 @@ def test_the_server_reads_llama3_calls_and_the_template_writes_them_back(server)
     prompt = rendered(server, history(calls))
     assert '"name": "get_weather"' in prompt and "Environment: ipython" in prompt        # the tools
     assert '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>' in prompt   # the call, as the model
-    assert '<|start_header_id|>ipython<|end_header_id|>\n\n{"output": "sunny, 21 C"}' in prompt   # the result
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\nsunny, 21 C<|eot_id|>" in prompt   # the result
     turn = prompt.split("<|start_header_id|>assistant<|end_header_id|>\n\n")[1].split("<|eot_id|>")[0]
     assert calls_of(extract_tool_calls(auto("llama3_json"), turn)) == [("get_weather", {"city": "Paris"})]
     check_forced_tool_choice(client)

@@ -1,11 +1,12 @@
 """Mistral's tool calls (--tool-call-parser mistral): both forms on crafted text, whole and cut into chunks anywhere,
-and the 9-character call ids; then the real server with Mistral Small 3.1's chat template, the output forced under
-"auto", and tool_choice "required" / a named function with Mistral's ids."""
+and the 9-character call ids; then the real server with a template in Mistral Small 3.1's documented format, the
+output forced under "auto", and tool_choice "required" / a named function with Mistral's ids."""
 from __future__ import annotations
 
 import json
 import re
 
+import httpx
 import pytest
 
 from kvflow.server.serving.mistral_tool_calls import MistralToolParser, written
@@ -103,14 +104,15 @@ def test_written_calls_read_back():
 # ---------------------------------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with tool_server(tmp_path_factory.mktemp("tiny-mistral"), "mistral", "mistral_small_3.1.jinja") as s:
+    with tool_server(tmp_path_factory.mktemp("tiny-mistral"), "mistral", "mistral_format.jinja") as s:
         yield s
 
 
 @pytest.mark.slow
 def test_the_server_reads_mistral_calls_and_the_template_takes_their_ids(server):
-    """Mistral Small 3.1's template renders the tools, the server's calls (with their 9-character ids, which it checks)
-    and their results; the parser reads the calls the template wrote back as the same calls."""
+    """The template in Mistral Small 3.1's format renders the tools, the server's calls (with their 9-character ids,
+    which it checks, as Mistral's templates do) and their results; the parser reads the calls the template wrote back
+    as the same calls."""
     client = client_of(server)
     output = ('Checking both.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
               '{"name": "add", "arguments": {"a": 2, "b": 3}}]')
@@ -119,13 +121,18 @@ def test_the_server_reads_mistral_calls_and_the_template_takes_their_ids(server)
     assert all(MISTRAL_ID.match(c.id) for c in calls)
     check_server_reads(client, '[TOOL_CALLS]add[ARGS]{"a": 2, "b": 3}', None, [("add", {"a": 2, "b": 3})])
     prompt = rendered(server, history(calls))
-    assert '[AVAILABLE_TOOLS] [{"type": "function", "function": {"name": "get_weather"' in prompt   # the tools
-    assert (f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {{"city": "Paris"}}, "id": "{calls[0].id}"}}, '
+    assert '[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "get_weather"' in prompt   # the tools
+    assert (f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {{"city": "Paris"}}, "id": "{calls[0].id}"}}, '
             f'{{"name": "add", "arguments": {{"a": 2, "b": 3}}, "id": "{calls[1].id}"}}]') in prompt   # the calls
-    assert f'[TOOL_RESULTS] {{"content": sunny, 21 C, "call_id": "{calls[1].id}"}}[/TOOL_RESULTS]' in prompt
+    assert f'[TOOL_RESULTS]{{"content": "sunny, 21 C", "call_id": "{calls[1].id}"}}[/TOOL_RESULTS]' in prompt
     turn = prompt[prompt.index("[TOOL_CALLS]"):prompt.index("[TOOL_RESULTS]")]
     assert calls_of(extract_tool_calls(auto("mistral"), turn)) == [
         ("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3})]
+    # an id that is not Mistral's: the template refuses the history, a 400
+    turns = history(calls)
+    turns[1]["tool_calls"][0]["id"] = "call_1"
+    r = httpx.post(server.url + "/tokenize", json={"model": "tiny", "messages": turns, "tools": TOOLS}, timeout=60)
+    assert r.status_code == 400 and "9 letters or digits" in r.text, r.text
     # "required" and a named function: the grammar's calls, with Mistral's ids
     tools = [{"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},

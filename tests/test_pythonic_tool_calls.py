@@ -1,5 +1,6 @@
 """Pythonic tool calls (--tool-call-parser pythonic): the parser on crafted text, whole and cut into chunks anywhere;
-then the real server with Llama 3.2's pythonic chat template, the output forced under "auto"."""
+then the real server with a template in Llama 3.2's documented pythonic tool-calling format, the output forced under
+"auto"."""
 from __future__ import annotations
 
 import json
@@ -86,25 +87,24 @@ def test_a_template_without_tools_is_taught_the_format():
 # ---------------------------------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with tool_server(tmp_path_factory.mktemp("tiny-pythonic"), "pythonic", "llama3.2_pythonic.jinja") as s:
+    with tool_server(tmp_path_factory.mktemp("tiny-pythonic"), "pythonic", "llama3_pythonic_format.jinja") as s:
         yield s
 
 
 @pytest.mark.slow
 def test_the_server_reads_pythonic_calls_and_the_template_writes_them_back(server):
-    """Llama 3.2's pythonic template renders the tools, the server's calls (as the model wrote them) and their
-    results; the parser reads a call the template wrote back as the same call (the template writes strings without
-    quotes, so the numbers' call)."""
+    """The template in Llama 3.2's pythonic format renders the tools, the server's calls (as the model wrote them)
+    and their results; the parser reads the calls the template wrote back as the same calls."""
     client = client_of(server)
     output = '[get_weather(city="Paris"), add(a=2, b=3.5)]'
     calls = check_server_reads(client, output, None, [("get_weather", {"city": "Paris"}), ("add", {"a": 2, "b": 3.5})])
     check_server_reads(client, "[1] Sunny.", "[1] Sunny.", [])
     prompt = rendered(server, history(calls))
-    assert "python list of the calls" in prompt and '"name": "add"' in prompt                 # the tools
-    assert "<|start_header_id|>assistant<|end_header_id|>\n\n[get_weather(city=Paris), add(a=2, b=3.5)]<|eot_id|>" \
+    assert "You can call these functions (given as JSON)" in prompt and '"name": "add"' in prompt   # the tools
+    assert '<|start_header_id|>assistant<|end_header_id|>\n\n[get_weather(city="Paris"), add(a=2, b=3.5)]<|eot_id|>' \
         in prompt                                                                               # the calls
-    assert prompt.count('<|start_header_id|>ipython<|end_header_id|>\n\n{"output": "sunny, 21 C"}') == 2
-    prompt = rendered(server, history(calls[1:]))
+    assert prompt.count("<|start_header_id|>ipython<|end_header_id|>\n\nsunny, 21 C<|eot_id|>") == 2   # the results
     turn = prompt.split("<|start_header_id|>assistant<|end_header_id|>\n\n")[1].split("<|eot_id|>")[0]
-    assert calls_of(extract_tool_calls(auto("pythonic"), turn)) == [("add", {"a": 2, "b": 3.5})]
+    assert calls_of(extract_tool_calls(auto("pythonic"), turn)) == [("get_weather", {"city": "Paris"}),
+                                                                    ("add", {"a": 2, "b": 3.5})]
     check_forced_tool_choice(client)

@@ -63,14 +63,15 @@ def check_reads_calls(client, output: str, markers, content: str | None, calls: 
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
-    with tool_server(tmp_path_factory.mktemp("tiny-mistral-special"), "mistral", "mistral_small_3.1.jinja",
+    with tool_server(tmp_path_factory.mktemp("tiny-mistral-special"), "mistral", "mistral_format.jinja",
                      MISTRAL_MARKERS) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory):
-    with tool_server(tmp_path_factory.mktemp("tiny-gemma4-special"), "gemma4", "gemma4.jinja", GEMMA4_MARKERS) as s:
+    with tool_server(tmp_path_factory.mktemp("tiny-gemma4-special"), "gemma4", "gemma4_format.jinja",
+                     GEMMA4_MARKERS) as s:
         yield s
 
 

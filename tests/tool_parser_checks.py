@@ -1,7 +1,8 @@
 """What the tool-call parser tests share: a parser's whole reading against its stream cut anywhere, and a real server
-on a tiny model whose template is a model's real chat template, where the model's output is forced with a
-structured-output `choice` (so a random-weight model writes exactly the text a real model would) under tool_choice
-"auto", for the parser to read."""
+on a tiny model whose template renders a model's documented prompt format (tests/chat_templates/*_format.jinja,
+written for these tests, not the models' own files), where the model's output is forced with a structured-output
+`choice` (so a random-weight model writes exactly the text a real model would) under tool_choice "auto", for the
+parser to read."""
 from __future__ import annotations
 
 import json
