@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import json
 
-from kvflow.server.serving.tool_call_text import (ExtractedToolCalls, PartialCall, dumps, scan_call_list,
-                                                  skip_space, tool_call)
+from kvflow.server.serving.tool_call_text import (PartialCall, ScannedToolParser, dumps, scan_call_list, skip_space)
 
 NAMES = ("granite",)
 TOOL_CALL_TOKEN, TOOL_CALL_TAG = "<|tool_call|>", "<tool_call>"
@@ -42,18 +41,10 @@ def scan(text: str, final: bool = False) -> tuple[str, list[PartialCall], bool]:
     return "", scan_call_list(rest[:end]), True
 
 
-class GraniteToolParser:
+class GraniteToolParser(ScannedToolParser):
     """<|tool_call|> (or <tool_call>) and a JSON list of {"name", "arguments"} calls."""
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        content, calls, whole = scan(text, final=True)
-        if not calls or not whole:
-            return ExtractedToolCalls(text or None)
-        return ExtractedToolCalls(None, [tool_call(c.name, json.loads(c.arguments)) for c in calls])
-
-    def partial(self, text: str, final: bool = False) -> tuple[str, list[PartialCall]]:
-        content, calls, _ = scan(text, final)
-        return content, calls
+    scan = staticmethod(scan)
 
 
 def written(calls: list[dict]) -> str:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvflow.server.serving.tool_call_text import (ExtractedToolCalls, PartialCall, dumps, held_back, scan_call,
-                                                  skip_space, tool_call)
+from kvflow.server.serving.tool_call_text import (PartialCall, ScannedToolParser, dumps, held_back, scan_call,
+                                                  skip_space)
 
 NAMES = ("llama3_json", "llama4_json")
 PYTHON_TAG = "<|python_tag|>"
@@ -61,18 +61,10 @@ def scan(text: str, final: bool = False) -> tuple[str, list[PartialCall], bool]:
         pos = nxt
 
 
-class Llama3JsonToolParser:
+class Llama3JsonToolParser(ScannedToolParser):
     """Llama 3's `{"name": ..., "parameters": {...}}` calls, `;`-separated, optionally after <|python_tag|>."""
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        content, calls, whole = scan(text, final=True)
-        if not calls or not whole:
-            return ExtractedToolCalls(text or None)
-        return ExtractedToolCalls(None, [tool_call(c.name, json.loads(c.arguments)) for c in calls])
-
-    def partial(self, text: str, final: bool = False) -> tuple[str, list[PartialCall]]:
-        content, calls, _ = scan(text, final)
-        return content, calls
+    scan = staticmethod(scan)
 
 
 def written(calls: list[dict]) -> str:

@@ -42,6 +42,26 @@ class ExtractedToolCalls:
     tool_calls: list[dict] = field(default_factory=list)
 
 
+class ScannedToolParser:
+    """A format read by its `scan(text, final) -> (content, calls, whole)` whose calls' arguments are JSON text: read
+    whole, the calls when the text ends in a whole run of them (otherwise all of it is content, as vLLM answers
+    output it cannot read); streamed, what the scan has so far. A subclass sets `scan`."""
+
+    @staticmethod
+    def scan(text: str, final: bool) -> tuple[str, list[PartialCall], bool]:
+        raise NotImplementedError
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        content, calls, whole = self.scan(text, True)
+        if not calls or not whole:
+            return ExtractedToolCalls(text or None)
+        return ExtractedToolCalls(None, [tool_call(c.name, json.loads(c.arguments)) for c in calls])
+
+    def partial(self, text: str, final: bool = False) -> tuple[str, list[PartialCall]]:
+        content, calls, _ = self.scan(text, final)
+        return content, calls
+
+
 def scan_call(body: str) -> PartialCall:
     """Name and raw arguments of a (possibly unfinished) {"name": ..., "arguments": ...} object.
 
