@@ -1,8 +1,9 @@
 """A step's whole decoder in one native call (kernels/csrc/decoder_step.c), for the models whose family describes
-its layers for it (`native_decoder()`: layers/native_layers.py; the Llama family, Gemma 3 and the mixtures of
-experts) and whose every matmul, norm and attention already runs on kvflow's kernels (the experts stacked for one
-call per layer: layers/moe.py): Python embeds the tokens (scaled, on Gemma 3 and Granite), hands the step's tensors
-over once, and gets the final hidden states back; the LM head and sampling stay as they are.
+its layers for it (`native_decoder()`: layers/native_layers.py; the Llama family, Gemma 3, the mixtures of experts
+and the hybrids, whose recurrent layers read and update their state slots through the step's runs) and whose every
+matmul, norm and attention already runs on kvflow's kernels (the experts stacked for one call per layer:
+layers/moe.py): Python embeds the tokens (scaled, on Gemma 3 and Granite), hands the step's tensors over once, and
+gets the final hidden states back; the LM head and sampling stay as they are.
 
 Why: driven layer by layer from Python, a batch-1 step of the embedded model spent about as long around its ~210
 operator calls as in them (docs/performance.md, "Where a decode step's time goes"). With this step there is also
