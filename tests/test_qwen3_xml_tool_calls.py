@@ -21,6 +21,7 @@ from kvflow.server.serving.tool_calls import (Qwen3XmlToolParser, ToolCallStream
                                               get_tool_parser, parse_tool_request)
 from kvflow.server.testing import ServerThread
 from test_tool_calls import stream_all
+from tool_parser_checks import calls_of, chunked
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
@@ -41,15 +42,6 @@ def call(name: str, *params: tuple[str, str], close: bool = True) -> str:
 
 def auto(parser: str = "qwen3_xml", tools=TOOLS):
     return parse_tool_request(tools, "auto", tool_parser=parser)
-
-
-def calls_of(extracted) -> list[tuple[str, dict]]:
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in extracted.tool_calls]
-
-
-def chunked(text: str, rng: random.Random, most: int = 14) -> list[str]:
-    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, most)))) if len(text) > 1 else []
-    return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
 
 
 def assert_streams_as_whole(request, text: str, seeds=range(4)) -> None:
